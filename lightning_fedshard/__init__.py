@@ -1,0 +1,17 @@
+"""lightning_fedshard: federated sharded data parallelism (FL+FSDP, FL+HSDP) for PyTorch Lightning.
+
+Importing the package registers the ``"fl_fsdp"`` and ``"fl_hsdp"`` strategies with Lightning, so
+``Trainer(strategy="fl_hsdp")`` works on any LightningModule.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_fedshard.core import FederationTopology, OuterStep, SyncStats
+from lightning_fedshard.trainer import FLFSDPStrategy, FLHSDPStrategy, OuterSync
+
+FLFSDPStrategy.register_strategies(StrategyRegistry)
+FLHSDPStrategy.register_strategies(StrategyRegistry)
+
+__version__ = "0.1.0"
+
+__all__ = ["FLFSDPStrategy", "FLHSDPStrategy", "FederationTopology", "OuterStep", "OuterSync", "SyncStats"]

@@ -1,0 +1,31 @@
+"""Helpers that find the local shards of a model wrapped by FSDP (torch's ``FullyShardedDataParallel``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.nn import Module
+
+
+def local_shards(module: Module) -> list[Tensor]:
+    """This rank's flat parameter shards of every FSDP unit in ``module``, in a fixed order.
+
+    Each FSDP unit keeps its parameters in one flat tensor; outside forward and backward it holds only this rank's
+    (padded) slice, and ``use_orig_params`` parameters are views into it. Writing to these tensors in place
+    therefore updates the parameters the optimizer sees. Every rank at the same in-group position gets tensors
+    of the same sizes, in the same order, in every federation group.
+
+    Raises:
+        ValueError: If ``module`` holds no FSDP unit.
+    """
+    handles = [unit._handle for unit in FullyShardedDataParallel.fsdp_modules(module)]
+    shards = [handle.flat_param for handle in handles if handle is not None]
+    if not shards:
+        raise ValueError(f"{type(module).__name__} contains no FSDP-wrapped parameters.")
+    return shards
+
+
+def fsdp_device_id(device: torch.device) -> int | torch.device | None:
+    """The ``device_id`` argument FSDP needs: torch refuses CPU modules unless given the CPU device itself."""
+    return device if device.type == "cpu" else device.index

@@ -1,0 +1,126 @@
+"""The federation device mesh and its process groups (needs an initialized default process group)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_fedshard.core.topology import AXES, Axis, FederationTopology
+
+
+@dataclass
+class FederationMesh:
+    """A ``(G, R, S)`` device mesh with axes ``("fed", "replicate", "shard")`` and this rank's place in it.
+
+    Build it with :func:`build_federation_mesh`. In-group FSDP uses :attr:`fsdp_process_group`; the outer
+    all-reduce runs over the ``"fed"`` axis only (see :class:`ProcessGroupCommunicator`).
+
+    Attributes:
+        topology: The job's shape.
+        device_mesh: The torch ``DeviceMesh`` over all ranks.
+        rank: This process' global rank.
+    """
+
+    topology: FederationTopology
+    device_mesh: DeviceMesh
+    rank: int
+
+    @property
+    def coords(self) -> tuple[int, int, int]:
+        """This rank's ``(group, replica, shard)``."""
+        return self.topology.coords(self.rank)
+
+    @property
+    def group_index(self) -> int:
+        """Index of this rank's federation group."""
+        return self.coords[0]
+
+    def group(self, axis: Axis | str) -> ProcessGroup:
+        """The process group of this rank along one mesh axis."""
+        return self.device_mesh.get_group(Axis(axis).value)
+
+    def fsdp_process_group(self, hybrid: bool) -> ProcessGroup | tuple[ProcessGroup, ProcessGroup]:
+        """What to pass as FSDP's ``process_group``: the group's shard group, or ``(shard, replicate)`` for HSDP."""
+        if hybrid:
+            return self.group(Axis.SHARD), self.group(Axis.REPLICATE)
+        if self.topology.num_replicas != 1:
+            raise ValueError(f"FL+FSDP needs one replica per group, got topology {self.topology}.")
+        return self.group(Axis.SHARD)
+
+    def communicator(self) -> ProcessGroupCommunicator:
+        """Collectives for :class:`~lightning_fedshard.core.outer.OuterStep` on this mesh."""
+        return ProcessGroupCommunicator(self.topology, self.group(Axis.FED))
+
+    @torch.no_grad()
+    def broadcast_shards(self, shards: Iterable[Tensor]) -> None:
+        """Make every group and replica hold replica 0 of group 0's shards (called once, after wrapping).
+
+        After FSDP wrapping each rank keeps its own slice of its own copy of the model; broadcasting along the
+        ``"replicate"`` then the ``"fed"`` axis makes all copies equal to the one model that group 0's first
+        replica assembles, whatever each process initialized. It moves ``P / S`` values per rank.
+        """
+        shards = list(shards)
+        for axis in (Axis.REPLICATE, Axis.FED):
+            if self.device_mesh.size(AXES.index(axis.value)) == 1:
+                continue
+            group = self.group(axis)
+            for shard in shards:
+                dist.broadcast(shard.data, group=group, group_src=0)
+
+
+@dataclass
+class ProcessGroupCommunicator:
+    """:class:`~lightning_fedshard.core.outer.Communicator` over real process groups.
+
+    Args:
+        topology: The job's shape.
+        fed_group: This rank's group along the ``"fed"`` axis.
+    """
+
+    topology: FederationTopology
+    fed_group: ProcessGroup
+
+    @property
+    def num_groups(self) -> int:
+        """Number of federation groups."""
+        return self.topology.num_groups
+
+    def average_across_groups(self, tensor: Tensor) -> None:
+        """Mean over the ``"fed"`` axis (SUM then divide: gloo has no AVG)."""
+        if self.num_groups == 1:
+            return
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.fed_group)
+        tensor.div_(self.num_groups)
+
+    def sum_across_model(self, tensor: Tensor) -> None:
+        """Sum over all ranks, then divide by the number of replicas, which hold identical data."""
+        if self.topology.world_size == 1:
+            return
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        tensor.div_(self.topology.num_replicas)
+
+
+def build_federation_mesh(topology: FederationTopology, device_type: str) -> FederationMesh:
+    """Create the federation device mesh (collective: every rank must call it).
+
+    Args:
+        topology: The job's shape; its world size must match the default process group.
+        device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL), etc.
+
+    Raises:
+        RuntimeError: If the default process group is not initialized.
+        ValueError: If the topology's world size differs from the process group's.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("The federation mesh needs an initialized default process group.")
+    world = dist.get_world_size()
+    if world != topology.world_size:
+        raise ValueError(f"The topology {topology} does not match the process group's world size {world}.")
+    mesh = init_device_mesh(device_type, topology.mesh_shape, mesh_dim_names=AXES)
+    return FederationMesh(topology=topology, device_mesh=mesh, rank=dist.get_rank())

@@ -1,0 +1,76 @@
+"""The Trainer callback that runs the outer step of FL+FSDP / FL+HSDP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_fedshard.core.outer import SyncStats
+
+
+class OuterSync(Callback):
+    """Runs the federation's outer step every ``sync_every`` optimizer steps, and once more when ``fit`` ends.
+
+    The ``fl_fsdp`` and ``fl_hsdp`` strategies attach this callback by themselves; pass one explicitly only to
+    change how it logs. Validation during ``fit`` runs on the consensus weights of the last sync (groups keep
+    their own weights in between and get them back afterwards).
+
+    Every sync logs ``fedshard/outer_grad_norm``, ``fedshard/drift`` (RMS distance of the groups from their
+    mean), ``fedshard/sync_bytes`` (bytes this rank sent in the outer all-reduce), ``fedshard/sync_seconds`` and
+    ``fedshard/num_syncs`` through Lightning, so they reach the progress bar and every logger.
+
+    Args:
+        log_stats: Log the statistics of each sync.
+        prog_bar: Also show them in the progress bar.
+    """
+
+    def __init__(self, log_stats: bool = True, prog_bar: bool = False) -> None:
+        self.log_stats = log_stats
+        self.prog_bar = prog_bar
+        self._validating_consensus: Any = None
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        strategy = _strategy(trainer)
+        strategy.federation.start(strategy.local_shards(), trainer.global_step)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        stats = _strategy(trainer).federation.maybe_sync(trainer.global_step)
+        if stats is not None and self.log_stats:
+            pl_module.log_dict(stats.as_dict(), on_step=True, on_epoch=False, prog_bar=self.prog_bar)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        stats = _strategy(trainer).federation.finish(trainer.global_step)
+        if stats is not None and self.log_stats:
+            # `self.log` is not allowed in `on_train_end`; write to the loggers directly.
+            _log_to_loggers(trainer, stats)
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and _strategy(trainer).federation.started:
+            self._validating_consensus = _strategy(trainer).federation.consensus_weights()
+            self._validating_consensus.__enter__()
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._validating_consensus is not None:
+            self._validating_consensus.__exit__(None, None, None)
+            self._validating_consensus = None
+
+
+def _strategy(trainer: Trainer) -> Any:
+    from lightning_fedshard.trainer.strategy import federated_strategy
+
+    return federated_strategy(trainer)
+
+
+def _log_to_loggers(trainer: Trainer, stats: SyncStats) -> None:
+    for logger in trainer.loggers:
+        logger.log_metrics(stats.as_dict(), step=trainer.global_step)
