@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.optim import SGD, Optimizer
 
-from lightning_fedshard.core.outer import OuterOptimizerFactory
+from lightning_fedshard.core.outer import OuterOptimizerFactory, build_outer_optimizer
 
 #: Named outer optimizers. "nesterov" is DiLoCo's outer step (also torchft's and OpenDiLoCo's default);
 #: "fedavg" replaces every group by the groups' mean, which is what the paper's published runs do.
@@ -48,7 +48,8 @@ class FederationConfig:
 
     Raises:
         ValueError: For a non-positive ``num_groups``, ``shard_size`` or ``sync_every``, an unknown outer
-            optimizer name, reduce dtype or anchor device.
+            optimizer name, an outer optimizer factory that does not return an optimizer, an unknown reduce dtype
+            or anchor device.
     """
 
     num_groups: int | None = None
@@ -62,7 +63,8 @@ class FederationConfig:
         for name in ("num_groups", "shard_size"):
             _check_positive_int(name, getattr(self, name), allow_none=True)
         _check_positive_int("sync_every", self.sync_every, allow_none=False)
-        resolve_outer_optimizer(self.outer_optimizer)
+        # Build the outer optimizer once on a probe tensor, so a broken factory fails before any rank starts.
+        build_outer_optimizer(self.outer_optimizer_factory, [torch.zeros(1, requires_grad=True)])
         resolve_reduce_dtype(self.reduce_dtype)
         if self.anchor_device not in ("cpu", "device"):
             raise ValueError(f"`anchor_device` must be 'cpu' or 'device', got {self.anchor_device!r}.")

@@ -6,7 +6,7 @@ optimizer steps, once more at the end) lives in one place.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,6 +29,7 @@ class Federation:
         self.config = config
         self.communicator = communicator
         self._outer: OuterStep | None = None
+        self._on_write: Callable[[], None] = _nothing
         self.last_synced_step = 0
 
     @property
@@ -43,11 +44,17 @@ class Federation:
             raise RuntimeError("The federation has not started: call `start(shards, step)` first.")
         return self._outer
 
-    def start(self, shards: Sequence[Tensor], step: int) -> None:
+    def start(self, shards: Sequence[Tensor], step: int, on_write: Callable[[], None] | None = None) -> None:
         """Take the current shards as the anchor (all groups must hold the same weights) at optimizer step ``step``.
 
         Calling it again with the same shards only re-anchors the schedule; the outer optimizer state is kept.
+
+        Args:
+            shards: This rank's local shards, updated in place by training.
+            step: The optimizer step training starts from.
+            on_write: Called after the shards were overwritten in place, e.g. to drop caches of gathered weights.
         """
+        self._on_write = on_write or _nothing
         if self._outer is not None and _same_tensors(self._outer.shards, shards):
             self.last_synced_step = step
             return
@@ -80,6 +87,7 @@ class Federation:
     def sync(self, step: int) -> SyncStats:
         """Run the outer step now; collective."""
         stats = self.outer.step()
+        self._on_write()
         self.last_synced_step = step
         return stats
 
@@ -91,12 +99,14 @@ class Federation:
             return
         saved = [s.detach().clone() for s in self._outer.shards]
         self._outer.copy_anchor_to_shards()
+        self._on_write()
         try:
             yield
         finally:
             with torch.no_grad():
                 for shard, local in zip(self._outer.shards, saved):
                     shard.copy_(local)
+            self._on_write()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's federation state (outer step and schedule)."""
@@ -107,6 +117,10 @@ class Federation:
         if state.get("outer") is not None:
             self.outer.load_state_dict(state["outer"])
         self.last_synced_step = int(state["last_synced_step"])
+
+
+def _nothing() -> None:
+    pass
 
 
 def _same_tensors(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:

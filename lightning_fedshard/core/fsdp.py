@@ -29,3 +29,18 @@ def local_shards(module: Module) -> list[Tensor]:
 def fsdp_device_id(device: torch.device) -> int | torch.device | None:
     """The ``device_id`` argument FSDP needs: torch refuses CPU modules unless given the CPU device itself."""
     return device if device.type == "cpu" else device.index
+
+
+@torch.no_grad()
+def free_unsharded_params(module: Module) -> None:
+    """Drop the gathered (unsharded) parameters FSDP may still hold, so the next forward gathers the shards anew.
+
+    FSDP does not free the root unit's gathered parameters after a forward pass (it expects a backward to follow),
+    and skips the all-gather on the next forward if they are still allocated. After validation (forward only)
+    those stale copies would shadow shards that were written in place, e.g. by the outer step.
+    """
+    for unit in FullyShardedDataParallel.fsdp_modules(module):
+        handle = unit._handle
+        if handle is not None and handle.uses_sharded_strategy and not handle.needs_unshard():
+            handle.reshard(free_unsharded_flat_param=True)
+            handle.post_reshard()

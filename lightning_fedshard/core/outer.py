@@ -96,7 +96,7 @@ class OuterStep:
             accelerator no memory; ``None`` keeps them next to the shards.
 
     Raises:
-        TypeError: If ``outer_optimizer`` does not return a ``torch.optim.Optimizer``.
+        ValueError: If ``outer_optimizer`` does not return a ``torch.optim.Optimizer``.
     """
 
     def __init__(
@@ -210,7 +210,7 @@ def build_outer_optimizer(factory: OuterOptimizerFactory, params: list[Tensor]) 
     """Call an outer optimizer factory and check that it returned an optimizer."""
     optimizer = factory(params)
     if not isinstance(optimizer, Optimizer):
-        raise TypeError(
+        raise ValueError(
             f"The outer optimizer factory {factory!r} returned {type(optimizer).__name__}, expected a"
             " `torch.optim.Optimizer`."
         )

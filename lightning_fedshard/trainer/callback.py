@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -30,12 +31,12 @@ class OuterSync(Callback):
     def __init__(self, log_stats: bool = True, prog_bar: bool = False) -> None:
         self.log_stats = log_stats
         self.prog_bar = prog_bar
-        self._validating_consensus: Any = None
+        self._consensus = ExitStack()
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = _strategy(trainer)
-        strategy.federation.start(strategy.local_shards(), trainer.global_step)
+        strategy.federation.start(strategy.local_shards(), trainer.global_step, on_write=strategy.free_unsharded_params)
 
     @override
     def on_train_batch_end(
@@ -55,14 +56,11 @@ class OuterSync(Callback):
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.state.fn == TrainerFn.FITTING and _strategy(trainer).federation.started:
-            self._validating_consensus = _strategy(trainer).federation.consensus_weights()
-            self._validating_consensus.__enter__()
+            self._consensus.enter_context(_strategy(trainer).federation.consensus_weights())
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._validating_consensus is not None:
-            self._validating_consensus.__exit__(None, None, None)
-            self._validating_consensus = None
+        self._consensus.close()
 
 
 def _strategy(trainer: Trainer) -> Any:

@@ -28,7 +28,7 @@ from typing_extensions import override
 from lightning_fedshard._compat import cpu_safe_full_state_dict
 from lightning_fedshard.core.config import FederationConfig, OuterOptimizerSpec
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.fsdp import fsdp_device_id, local_shards
+from lightning_fedshard.core.fsdp import free_unsharded_params, fsdp_device_id, local_shards
 from lightning_fedshard.core.mesh import FederationMesh, build_federation_mesh
 from lightning_fedshard.core.topology import FederationTopology
 
@@ -220,6 +220,11 @@ class _FederatedFSDPStrategy(FSDPStrategy):
         """This rank's flat parameter shards of the wrapped model."""
         assert self.model is not None
         return local_shards(self.model)
+
+    def free_unsharded_params(self) -> None:
+        """Make the next forward gather the (just rewritten) shards instead of reusing gathered weights."""
+        assert self.model is not None
+        free_unsharded_params(self.model)
 
     # -- state dicts: the consensus, gathered without the CPU offload that crashes torch on CPU ---------------
 

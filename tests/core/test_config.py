@@ -1,0 +1,43 @@
+import functools
+
+import pytest
+import torch
+
+from lightning_fedshard.core.config import FederationConfig, resolve_outer_optimizer
+
+
+def test_named_outer_optimizers():
+    params = [torch.zeros(2, requires_grad=True)]
+    nesterov = resolve_outer_optimizer("nesterov")(params)
+    assert isinstance(nesterov, torch.optim.SGD)
+    assert nesterov.defaults["lr"] == 0.7 and nesterov.defaults["momentum"] == 0.9 and nesterov.defaults["nesterov"]
+    fedavg = resolve_outer_optimizer("fedavg")(params)
+    assert fedavg.defaults["lr"] == 1.0 and fedavg.defaults["momentum"] == 0
+
+
+def test_callable_outer_optimizer_is_kept():
+    factory = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.8, nesterov=True)
+    assert FederationConfig(outer_optimizer=factory).outer_optimizer_factory is factory
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"sync_every": 0}, r"`sync_every` must be a positive integer, got 0"),
+        ({"sync_every": 2.5}, r"`sync_every` must be a positive integer, got 2.5"),
+        ({"num_groups": -1}, r"`num_groups` must be a positive integer, got -1"),
+        ({"outer_optimizer": "adamw"}, r"Unknown `outer_optimizer='adamw'`"),
+        ({"outer_optimizer": 3}, r"`outer_optimizer` must be a name or a callable.*got 3"),
+        ({"reduce_dtype": "int8"}, r"Unsupported `reduce_dtype='int8'`"),
+        ({"reduce_dtype": torch.float64}, r"Unsupported `reduce_dtype=torch.float64`"),
+        ({"anchor_device": "gpu"}, r"`anchor_device` must be 'cpu' or 'device', got 'gpu'"),
+    ],
+)
+def test_bad_options_name_the_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FederationConfig(**kwargs)
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("bfloat16", torch.bfloat16), ("torch.float16", torch.float16)])
+def test_reduce_dtype_names(name, dtype):
+    assert FederationConfig(reduce_dtype=name).reduce_torch_dtype is dtype

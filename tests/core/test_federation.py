@@ -1,0 +1,44 @@
+import torch
+from torch.testing import assert_close
+
+from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.core.federation import Federation
+from tests.core.fake_comm import ThreadGroups
+
+
+def test_schedule_counts_real_optimizer_steps():
+    fed = Federation(FederationConfig(sync_every=3), ThreadGroups(1).run(lambda g, c: c)[0])
+    fed.start([torch.zeros(2)], step=0)
+    due = []
+    for step in [1, 1, 2, 2, 3, 3, 4, 5, 6, 6, 7]:  # repeated steps: gradient accumulation
+        if fed.maybe_sync(step) is not None:
+            due.append(step)
+    assert due == [3, 6]
+    assert fed.finish(7) is not None  # stopped mid-round: one more sync
+    assert fed.finish(7) is None
+
+
+def test_finish_at_a_sync_boundary_does_nothing():
+    fed = Federation(FederationConfig(sync_every=2), ThreadGroups(1).run(lambda g, c: c)[0])
+    fed.start([torch.zeros(1)], step=0)
+    assert fed.maybe_sync(2) is not None
+    assert fed.finish(2) is None
+
+
+def test_consensus_weights_swap_in_the_anchor_and_back():
+    groups = ThreadGroups(2)
+
+    def work(g, comm):
+        shard = torch.zeros(2)
+        fed = Federation(FederationConfig(sync_every=1, outer_optimizer="fedavg"), comm)
+        fed.start([shard], step=0)
+        shard.fill_(g + 1.0)
+        fed.maybe_sync(1)  # consensus 1.5
+        shard.fill_(10.0 * (g + 1))
+        with fed.consensus_weights():
+            inside = shard.clone()
+        return inside, shard.clone()
+
+    for g, (inside, after) in enumerate(groups.run(work)):
+        assert_close(inside, torch.full((2,), 1.5))
+        assert_close(after, torch.full((2,), 10.0 * (g + 1)))

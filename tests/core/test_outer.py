@@ -1,0 +1,112 @@
+import functools
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from lightning_fedshard.core.config import OUTER_OPTIMIZERS
+from lightning_fedshard.core.outer import OuterStep
+from tests.core.fake_comm import ThreadGroups
+
+
+def _run_syncs(local_updates: list[list[list[float]]], outer: str, anchor: list[float], **kwargs) -> list:
+    """Each group starts at ``anchor``; before sync k group g sets its shard to ``local_updates[k][g]``."""
+    groups = ThreadGroups(len(local_updates[0]))
+
+    def work(g, comm):
+        shard = torch.tensor(anchor)
+        step = OuterStep([shard], OUTER_OPTIMIZERS[outer], comm, **kwargs)
+        out = []
+        for round_values in local_updates:
+            shard.copy_(torch.tensor(round_values[g]))
+            stats = step.step()
+            out.append((shard.clone(), stats))
+        return out
+
+    return groups.run(work)
+
+
+def test_fedavg_replaces_every_group_by_the_mean():
+    results = _run_syncs([[[1.0, 2.0], [3.0, 6.0]]], "fedavg", anchor=[0.0, 0.0])
+    for g in range(2):
+        assert_close(results[g][0][0], torch.tensor([2.0, 4.0]))
+
+
+def test_nesterov_matches_hand_computed_steps():
+    # anchor a0 = [1, 1]; lr 0.7, momentum 0.9, nesterov.
+    # sync 1: groups at [0, 1] and [1, 3] -> deltas [1, 0], [0, -2] -> mean d1 = [0.5, -1]
+    #         buf = d1; update = d1 + 0.9 * buf = [0.95, -1.9]; a1 = a0 - 0.7 * update = [0.335, 2.33]
+    # sync 2: groups at [0.335, 2.0] and [0.135, 2.33] -> deltas [0, 0.33], [0.2, 0] -> d2 = [0.1, 0.165]
+    #         buf = 0.9 * [0.5, -1] + d2 = [0.55, -0.735]; update = d2 + 0.9 * buf = [0.595, -0.4965]
+    #         a2 = a1 - 0.7 * update = [-0.0815, 2.67755]
+    rounds = [[[0.0, 1.0], [1.0, 3.0]], [[0.335, 2.0], [0.135, 2.33]]]
+    results = _run_syncs(rounds, "nesterov", anchor=[1.0, 1.0])
+    for g in range(2):
+        assert_close(results[g][0][0], torch.tensor([0.335, 2.33]))
+        assert_close(results[g][1][0], torch.tensor([-0.0815, 2.67755]))
+    stats = results[0][0][1]
+    assert stats.outer_grad_norm == pytest.approx((0.5**2 + 1.0) ** 0.5)
+    # drift: RMS over groups of |d_g - d|; both groups are [0.5, 1] away from the mean.
+    assert stats.drift == pytest.approx((0.5**2 + 1.0) ** 0.5)
+    # ring all-reduce over 2 groups of 2 float32 values: 2 * (1/2) * 8 bytes
+    assert stats.bytes_sent == 8
+    assert stats.num_syncs == 1 and results[0][1][1].num_syncs == 2
+
+
+def test_custom_optimizer_factory_and_bfloat16_wire():
+    factory = functools.partial(torch.optim.SGD, lr=0.5)
+    groups = ThreadGroups(2)
+
+    def work(g, comm):
+        shard = torch.zeros(3)
+        step = OuterStep([shard], factory, comm, reduce_dtype=torch.bfloat16)
+        shard.copy_(torch.tensor([1.0, 2.0, 3.0]) * (g + 1))
+        stats = step.step()
+        return shard, stats
+
+    (s0, st0), (s1, _) = groups.run(work)
+    # mean local = [1.5, 3, 4.5]; delta = -mean; anchor = 0 - 0.5 * delta = 0.5 * mean
+    assert_close(s0, torch.tensor([0.75, 1.5, 2.25]))
+    assert_close(s0, s1)
+    assert st0.bytes_sent == 3 * 2  # bfloat16 on the wire
+
+
+def test_inner_shards_with_padding_and_several_tensors_stay_independent():
+    groups = ThreadGroups(3)
+
+    def work(g, comm):
+        a, b = torch.zeros(4), torch.zeros(2, 3)
+        step = OuterStep([a, b], OUTER_OPTIMIZERS["fedavg"], comm)
+        a.fill_(g)
+        b.fill_(10 * g)
+        step.step()
+        return a, b
+
+    for a, b in groups.run(work):
+        assert_close(a, torch.full((4,), 1.0))
+        assert_close(b, torch.full((2, 3), 10.0))
+
+
+def test_factory_that_returns_no_optimizer_is_rejected():
+    with pytest.raises(ValueError, match="returned list"):
+        OuterStep([torch.zeros(2)], lambda params: list(params), ThreadGroups(1).run(lambda g, c: c)[0])
+
+
+def test_state_dict_round_trip_restores_momentum():
+    groups = ThreadGroups(2)
+
+    def work(g, comm):
+        shard = torch.zeros(2)
+        step = OuterStep([shard], OUTER_OPTIMIZERS["nesterov"], comm)
+        shard.fill_(g + 1.0)
+        step.step()
+        state = step.state_dict()
+        other = OuterStep([shard.clone()], OUTER_OPTIMIZERS["nesterov"], comm)
+        other.load_state_dict(state)
+        return step, other
+
+    for step, other in groups.run(work):
+        assert_close(other.anchor[0], step.anchor[0])
+        buf = step.optimizer.state[step.anchor[0]]["momentum_buffer"]
+        assert_close(other.optimizer.state[other.anchor[0]]["momentum_buffer"], buf)
+        assert other.num_syncs == 1

@@ -1,0 +1,60 @@
+"""Start several ranks of a script the way a cluster launcher would (one process per rank, env vars set).
+
+Lightning's own launcher re-executes ``sys.argv``, which inside pytest would re-run pytest; with LOCAL_RANK and
+friends set, Lightning treats the processes as externally launched instead.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: Path, args: list[str], num_nodes: int, devices: int, log_dir: Path, timeout: float = 300.0) -> None:
+    """Run ``num_nodes * devices`` ranks of ``script``; raise with the logs of failed ranks."""
+    port = free_port()
+    world = num_nodes * devices
+    procs = []
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(world),
+            "NODE_RANK": str(rank // devices),
+            "LOCAL_RANK": str(rank % devices),
+            "RANK": str(rank),
+            "OMP_NUM_THREADS": "1",
+            "NUM_NODES": str(num_nodes),
+            "DEVICES": str(devices),
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+        }
+        log = open(log_dir / f"rank{rank}.log", "w")
+        procs.append((subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=log, stderr=log), log))
+    deadline = time.monotonic() + timeout
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    failed = [r for r, (p, _) in enumerate(procs) if p.returncode != 0]
+    if failed:
+        tail = (log_dir / f"rank{failed[0]}.log").read_text()[-4000:]
+        raise RuntimeError(f"ranks {failed} failed (exit codes {[procs[r][0].returncode for r in failed]}):\n{tail}")

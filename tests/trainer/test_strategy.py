@@ -1,0 +1,89 @@
+"""Single-process tests of the Trainer strategies: registration, defaults and early errors."""
+
+from __future__ import annotations
+
+import functools
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_fedshard
+from lightning_fedshard import FLFSDPStrategy, FLHSDPStrategy, OuterSync
+
+
+def _trainer(strategy, devices: int = 4, num_nodes: int = 1) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, logger=False)
+
+
+@pytest.mark.parametrize(("name", "cls"), [("fl_fsdp", FLFSDPStrategy), ("fl_hsdp", FLHSDPStrategy)])
+def test_registered_names_resolve_on_cpu(name, cls):
+    assert name in StrategyRegistry
+    trainer = _trainer(name, devices=2, num_nodes=2)
+    assert type(trainer.strategy) is cls
+    assert trainer.strategy.topology.num_groups == 2  # default: one group per node
+
+
+def test_defaults_one_group_per_node_and_shard_per_node():
+    trainer = _trainer(FLHSDPStrategy(), devices=2, num_nodes=4)
+    assert trainer.strategy.topology.mesh_shape == (4, 1, 2)
+    trainer = _trainer(FLHSDPStrategy(num_groups=2), devices=2, num_nodes=4)
+    assert trainer.strategy.topology.mesh_shape == (2, 2, 2)
+    trainer = _trainer(FLFSDPStrategy(num_groups=2), devices=2, num_nodes=4)
+    assert trainer.strategy.topology.mesh_shape == (2, 1, 4)
+    config = trainer.strategy.federation_config
+    assert config.sync_every == 8 and config.outer_optimizer == "nesterov" and config.anchor_device == "cpu"
+
+
+def test_one_group_warns_that_it_is_plain_fsdp():
+    with pytest.warns(UserWarning, match="single federation group.*plain FSDP"):
+        _trainer("fl_fsdp", devices=2)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (
+            lambda: _trainer(FLFSDPStrategy(num_groups=3), devices=4),
+            r"world size \(4 = 1 node\(s\) x 4.*`num_groups=3`",
+        ),
+        (
+            lambda: _trainer(FLHSDPStrategy(num_groups=2, shard_size=3), devices=4, num_nodes=2),
+            r"group size \(4 .*\) must be divisible by `shard_size=3`",
+        ),
+        (lambda: FLFSDPStrategy(sync_every=0), r"`sync_every` must be a positive integer, got 0"),
+        (lambda: FLFSDPStrategy(outer_optimizer="adam"), r"Unknown `outer_optimizer='adam'`"),
+        (lambda: FLHSDPStrategy(reduce_dtype="fp8"), r"Unsupported `reduce_dtype='fp8'`"),
+        (lambda: FLFSDPStrategy(shard_size=2), r"`shard_size=2` is only for FL\+HSDP"),
+        (lambda: FLHSDPStrategy(sharding_strategy="FULL_SHARD"), r"`sharding_strategy='FULL_SHARD'` is not supported"),
+        (lambda: FLFSDPStrategy(device_mesh=(2, 2)), r"`device_mesh=\(2, 2\)` cannot be combined"),
+    ],
+)
+def test_bad_configuration_fails_before_any_process_starts(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_outer_optimizer_factory_must_return_an_optimizer():
+    with pytest.raises(ValueError, match="returned str, expected a `torch.optim.Optimizer`"):
+        FLFSDPStrategy(outer_optimizer=lambda params: "not an optimizer")
+
+
+def test_callable_outer_optimizer_is_accepted():
+    factory = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.8, nesterov=True)
+    strategy = FLHSDPStrategy(outer_optimizer=factory)
+    assert strategy.federation_config.outer_optimizer_factory is factory
+
+
+def test_mesh_and_federation_fail_loudly_before_processes_start():
+    strategy = FLFSDPStrategy()
+    with pytest.raises(RuntimeError, match="before processes have initialized"):
+        strategy.mesh
+    with pytest.raises(RuntimeError, match="before processes have initialized"):
+        strategy.federation
+
+
+def test_public_api():
+    assert set(lightning_fedshard.__all__) >= {"FLFSDPStrategy", "FLHSDPStrategy", "OuterSync"}
+    assert OuterSync().log_stats

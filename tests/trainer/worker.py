@@ -1,0 +1,170 @@
+"""One rank of a multi-process test: runs the scenarios given as JSON and saves what each rank saw."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import FSDPStrategy
+from torch.utils.data import DataLoader
+
+import lightning_fedshard
+from lightning_fedshard._compat import cpu_safe_full_state_dict
+from lightning_fedshard.core.fsdp import local_shards
+from tests.trainer.model import IndexedRegression, loss_fn, make_net
+
+
+class PlainCPUFSDP(FSDPStrategy):
+    """Lightning's stock FSDPStrategy over all ranks, with the one change FSDP needs to run on the CPU."""
+
+    def _setup_model(self, model):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+
+
+class Module(L.LightningModule):
+    def __init__(self, spec: dict[str, Any]) -> None:
+        super().__init__()
+        self.spec = spec
+        self.net = make_net()
+        self.micro_batches: list[list[int]] = []
+        self.val_shards: list[tuple[int, torch.Tensor]] = []
+
+    def training_step(self, batch, batch_idx):
+        idx, x, y = batch
+        self.micro_batches.append(idx.tolist())
+        loss = loss_fn(self.net, x, y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        idx, x, y = batch
+        self.log("val_loss", loss_fn(self.net, x, y), sync_dist=True)
+
+    def configure_optimizers(self):
+        if self.spec["inner"] == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.spec["lr"])
+        return torch.optim.AdamW(self.parameters(), lr=self.spec["lr"], betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _flat_shards(trainer: L.Trainer) -> torch.Tensor:
+    return torch.cat([s.detach().reshape(-1).clone() for s in local_shards(trainer.strategy.model)])
+
+
+def _full_state_dict(trainer: L.Trainer) -> dict[str, torch.Tensor]:
+    with cpu_safe_full_state_dict(torch.device("cpu")):
+        return {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+
+
+class Recorder(L.Callback):
+    def __init__(self, spec: dict[str, Any], out: Path) -> None:
+        self.spec, self.out = spec, out
+        self.shards_at: dict[int, torch.Tensor] = {}
+        self.initial: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer, pl_module):
+        self.initial = _full_state_dict(trainer)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if os.environ.get("DEBUG_SHARDS"):
+            sh = local_shards(trainer.strategy.model)
+            print(
+                "TRAIN", trainer.global_step, [(tuple(s.shape), s.data_ptr(), float(s.sum())) for s in sh], flush=True
+            )
+        if batch_idx % self.spec["accumulate"] == 0:  # the weights after the previous step and its sync
+            self.shards_at[trainer.global_step] = _flat_shards(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.spec.get("mid_ckpt_step") == trainer.global_step and (batch_idx + 1) % self.spec["accumulate"] == 0:
+            trainer.save_checkpoint(self.out / "mid.ckpt")
+
+    def on_validation_start(self, trainer, pl_module):
+        if os.environ.get("DEBUG_SHARDS"):
+            sh = local_shards(trainer.strategy.model)
+            print(
+                "VAL START",
+                trainer.global_step,
+                [(tuple(s.shape), s.data_ptr(), float(s.sum())) for s in sh],
+                flush=True,
+            )
+
+    def on_validation_end(self, trainer, pl_module):
+        if os.environ.get("DEBUG_SHARDS"):
+            sh = local_shards(trainer.strategy.model)
+            print(
+                "VAL END", trainer.global_step, [(tuple(s.shape), s.data_ptr(), float(s.sum())) for s in sh], flush=True
+            )
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        # outside the forward pass, where FSDP holds only the local shards
+        if batch_idx == 0:
+            pl_module.val_shards.append((trainer.global_step, _flat_shards(trainer)))
+
+    def on_fit_end(self, trainer, pl_module):
+        self.shards_at[-1] = _flat_shards(trainer)
+
+
+def run(spec: dict[str, Any], root: Path) -> None:
+    out = root / spec["name"]
+    out.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0 if spec.get("same_init") else 1000 + rank)
+    module = Module(spec)
+    if spec["strategy"] == "plain_fsdp":
+        strategy: Any = PlainCPUFSDP()
+    else:
+        cls = lightning_fedshard.FLHSDPStrategy if spec["strategy"] == "fl_hsdp" else lightning_fedshard.FLFSDPStrategy
+        kwargs = {k: spec[k] for k in ("num_groups", "shard_size", "sync_every", "outer_optimizer") if k in spec}
+        strategy = spec["strategy"] if spec.get("by_name") else cls(**kwargs)
+    recorder = Recorder(spec, out)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["DEVICES"]),
+        num_nodes=int(os.environ["NUM_NODES"]),
+        strategy=strategy,
+        max_steps=spec["max_steps"],
+        accumulate_grad_batches=spec["accumulate"],
+        callbacks=[recorder],
+        logger=CSVLogger(out, name="csv") if spec.get("csv") else False,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        val_check_interval=spec.get("val_check_interval"),
+        limit_val_batches=2,
+    )
+    if isinstance(strategy, str):  # the registered name must resolve to our class
+        assert type(trainer.strategy).__name__ == ("FLHSDPStrategy" if strategy == "fl_hsdp" else "FLFSDPStrategy")
+    data = DataLoader(IndexedRegression(), batch_size=spec["batch_size"])
+    val = DataLoader(IndexedRegression(64, seed=7), batch_size=8) if spec.get("val_check_interval") else None
+    trainer.fit(module, data, val)
+    final = _full_state_dict(trainer)
+    with cpu_safe_full_state_dict(torch.device("cpu")):  # the stock strategy needs it too
+        trainer.save_checkpoint(out / "final.ckpt")
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    torch.save(
+        {
+            "micro_batches": module.micro_batches,
+            "shards_at": recorder.shards_at,
+            "val_shards": module.val_shards,
+            "initial": recorder.initial,
+            "final": final,
+            "metrics": metrics,
+            "global_step": trainer.global_step,
+        },
+        out / f"rank{rank}.pt",
+    )
+
+
+if __name__ == "__main__":
+    specs = json.loads(sys.argv[1])
+    for spec in specs:
+        run(spec, Path(sys.argv[2]))
