@@ -18,7 +18,7 @@ from torch.testing import assert_close
 
 from lightning_fedshard.core.topology import FederationTopology
 from tests.launch import launch
-from tests.trainer.reference import reference_run
+from tests.reference import reference_run
 
 WORKER = Path(__file__).with_name("worker.py")
 BASE = dict(inner="adamw", lr=0.01, batch_size=4, accumulate=1)

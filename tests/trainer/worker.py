@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 import lightning_fedshard
 from lightning_fedshard._compat import cpu_safe_full_state_dict
 from lightning_fedshard.core.fsdp import local_shards
-from tests.trainer.model import IndexedRegression, loss_fn, make_net
+from tests.toy import IndexedRegression, loss_fn, make_net
 
 
 class PlainCPUFSDP(FSDPStrategy):

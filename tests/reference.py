@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from tests.trainer.model import IndexedRegression, loss_fn, make_net
+from tests.toy import IndexedRegression, loss_fn, make_net
 
 
 @dataclass
