@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.optim import SGD, Optimizer
 
 from lightning_fedshard.core.outer import OuterOptimizerFactory, build_outer_optimizer
+from lightning_fedshard.core.topology import FederationTopology
 
 #: Named outer optimizers. "nesterov" is DiLoCo's outer step (also torchft's and OpenDiLoCo's default);
 #: "fedavg" replaces every group by the groups' mean, which is what the paper's published runs do.
@@ -68,6 +69,28 @@ class FederationConfig:
         resolve_reduce_dtype(self.reduce_dtype)
         if self.anchor_device not in ("cpu", "device"):
             raise ValueError(f"`anchor_device` must be 'cpu' or 'device', got {self.anchor_device!r}.")
+
+    def topology(self, num_nodes: int, devices_per_node: int, hybrid: bool) -> FederationTopology:
+        """The job's topology once the number of nodes and devices per node are known.
+
+        Args:
+            num_nodes: Nodes in the job.
+            devices_per_node: Ranks per node.
+            hybrid: FL+HSDP (shard over ``shard_size``, default a node) instead of FL+FSDP (shard over the group).
+
+        Raises:
+            ValueError: If the world size is not divisible by the number of groups, or a group by the shard size.
+        """
+        world_size = num_nodes * devices_per_node
+        num_groups = self.num_groups or num_nodes
+        if world_size % num_groups:
+            raise ValueError(
+                f"The world size ({world_size} = {num_nodes} node(s) x {devices_per_node} device(s)) must be"
+                f" divisible by `num_groups={num_groups}`."
+            )
+        group_size = world_size // num_groups
+        shard_size = (self.shard_size or devices_per_node) if hybrid else group_size
+        return FederationTopology(world_size=world_size, num_groups=num_groups, shard_size=shard_size)
 
     @property
     def outer_optimizer_factory(self) -> OuterOptimizerFactory:

@@ -46,12 +46,25 @@ class FederationMesh:
         return self.device_mesh.get_group(Axis(axis).value)
 
     def fsdp_process_group(self, hybrid: bool) -> ProcessGroup | tuple[ProcessGroup, ProcessGroup]:
-        """What to pass as FSDP's ``process_group``: the group's shard group, or ``(shard, replicate)`` for HSDP."""
+        """What to pass as FSDP's ``process_group``: the group's shard group, or ``(shard, replicate)`` for HSDP.
+
+        With ``shard_size == 1`` HSDP is plain data parallelism inside the group: FSDP would silently turn
+        HYBRID_SHARD over a one-rank shard group into NO_SHARD over that one rank and never reduce gradients
+        across the replicas, so the replicate group is returned instead (use it with :meth:`fsdp_sharding`).
+        """
+        if hybrid and self.topology.shard_size == 1:
+            return self.group(Axis.REPLICATE)
         if hybrid:
             return self.group(Axis.SHARD), self.group(Axis.REPLICATE)
         if self.topology.num_replicas != 1:
             raise ValueError(f"FL+FSDP needs one replica per group, got topology {self.topology}.")
         return self.group(Axis.SHARD)
+
+    def fsdp_sharding(self, hybrid: bool) -> str:
+        """The FSDP sharding strategy name that goes with :meth:`fsdp_process_group`."""
+        if hybrid and self.topology.shard_size == 1:
+            return "NO_SHARD"
+        return "HYBRID_SHARD" if hybrid else "FULL_SHARD"
 
     def communicator(self) -> ProcessGroupCommunicator:
         """Collectives for :class:`~lightning_fedshard.core.outer.OuterStep` on this mesh."""

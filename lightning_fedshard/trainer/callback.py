@@ -35,8 +35,7 @@ class OuterSync(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        strategy = _strategy(trainer)
-        strategy.federation.start(strategy.local_shards(), trainer.global_step, on_write=strategy.free_unsharded_params)
+        _strategy(trainer).start_federation(trainer.global_step)
 
     @override
     def on_train_batch_end(

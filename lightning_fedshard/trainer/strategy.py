@@ -13,24 +13,19 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import FSDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fedshard._compat import cpu_safe_full_state_dict
-from lightning_fedshard.core.config import FederationConfig, OuterOptimizerSpec
-from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.fsdp import free_unsharded_params, fsdp_device_id, local_shards
-from lightning_fedshard.core.mesh import FederationMesh, build_federation_mesh
-from lightning_fedshard.core.topology import FederationTopology
+from lightning_fedshard._federated import FederatedStrategyMixin
+from lightning_fedshard.core.config import OuterOptimizerSpec
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies.fsdp import _POLICY
@@ -39,11 +34,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class _FederatedFSDPStrategy(FSDPStrategy):
+class _FederatedFSDPStrategy(FederatedStrategyMixin, FSDPStrategy):
     """Shared machinery of :class:`FLFSDPStrategy` and :class:`FLHSDPStrategy`; see their docstrings."""
 
-    #: HYBRID_SHARD inside a group (FL+HSDP) or FULL_SHARD (FL+FSDP).
-    hybrid: ClassVar[bool] = False
     # Lightning refuses FSDP on CPU for names in FSDPStrategy's own list; each subclass keeps its own.
     _registered_strategies: ClassVar[list[str]] = []
 
@@ -70,22 +63,9 @@ class _FederatedFSDPStrategy(FSDPStrategy):
         state_dict_type: Literal["full", "sharded"] = "full",
         **kwargs: Any,
     ) -> None:
-        _reject_own_mesh(kwargs)
-        self.federation_config = FederationConfig(
-            num_groups=num_groups,
-            shard_size=shard_size,
-            sync_every=sync_every,
-            outer_optimizer=outer_optimizer,
-            reduce_dtype=reduce_dtype,
-            anchor_device=anchor_device,
+        self._init_federation(
+            num_groups, shard_size, sync_every, outer_optimizer, reduce_dtype, anchor_device, sharding_strategy, kwargs
         )
-        if not self.hybrid and shard_size is not None:
-            raise ValueError(
-                f"`shard_size={shard_size}` is only for FL+HSDP; FL+FSDP shards over the whole group."
-                " Use `strategy='fl_hsdp'` to replicate inside a group."
-            )
-        expected = "HYBRID_SHARD" if self.hybrid else "FULL_SHARD"
-        _check_sharding_strategy(sharding_strategy, expected)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -98,98 +78,26 @@ class _FederatedFSDPStrategy(FSDPStrategy):
             mixed_precision=mixed_precision,
             auto_wrap_policy=auto_wrap_policy,
             activation_checkpointing_policy=activation_checkpointing_policy,
-            # HYBRID_SHARD is refused here until a process group exists; it is set after the super call.
             sharding_strategy="FULL_SHARD",
             state_dict_type=state_dict_type,
             **kwargs,
         )
-        from torch.distributed.fsdp import ShardingStrategy
-
-        self.sharding_strategy = ShardingStrategy[expected]
-        self._topology: FederationTopology | None = None
-        self._mesh: FederationMesh | None = None
-        self._federation: Federation | None = None
-
-    # -- topology ---------------------------------------------------------------------------------------------
-
-    @property
-    def topology(self) -> FederationTopology:
-        """Groups, replicas and shards of this job (known once the Trainer has set devices and nodes)."""
-        if self._topology is None:
-            self._topology = self._resolve_topology()
-        return self._topology
-
-    @property
-    def mesh(self) -> FederationMesh:
-        """The federation device mesh; exists after the processes have initialized."""
-        if self._mesh is None:
-            raise RuntimeError("Accessing the federation mesh before processes have initialized is not allowed.")
-        return self._mesh
-
-    @property
-    def federation(self) -> Federation:
-        """This rank's federation runtime (outer step and schedule)."""
-        if self._federation is None:
-            raise RuntimeError("Accessing the federation before processes have initialized is not allowed.")
-        return self._federation
-
-    def _resolve_topology(self) -> FederationTopology:
-        config = self.federation_config
-        world_size = self.num_nodes * self.num_processes
-        num_groups = config.num_groups or self.num_nodes
-        if world_size % num_groups:
-            raise ValueError(
-                f"The world size ({world_size} = {self.num_nodes} node(s) x {self.num_processes} device(s)) must be"
-                f" divisible by `num_groups={num_groups}`."
-            )
-        group_size = world_size // num_groups
-        shard_size = (config.shard_size or self.num_processes) if self.hybrid else group_size
-        return FederationTopology(world_size=world_size, num_groups=num_groups, shard_size=shard_size)
+        self._use_federated_sharding()
 
     @override
     def _configure_launcher(self) -> None:
         # Runs in the launching process once devices and nodes are known: validate before any rank starts.
         super()._configure_launcher()
-        self._topology = self._resolve_topology()
-        if self._topology.num_groups == 1:
-            kind = "HSDP" if self.hybrid else "FSDP"
-            rank_zero_warn(
-                f"`{self.strategy_name}` with a single federation group ({self._topology}) is plain {kind}:"
-                " there is nothing to federate. Set `num_groups` > 1 to get federated training."
-            )
+        self._validate_topology()
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._topology = self._resolve_topology()
-        self._mesh = build_federation_mesh(self._topology, self.root_device.type)
-        self._federation = Federation(self.federation_config, self._mesh.communicator())
-        self.kwargs["process_group"] = self._mesh.fsdp_process_group(self.hybrid)
-        log.info(f"{type(self).__name__}: rank {self.global_rank} at {self._mesh.coords} of {self._topology}")
-
-    # -- wrapping ---------------------------------------------------------------------------------------------
+        self._setup_federation(self.kwargs)
 
     @override
     def _setup_model(self, model: Module) -> Module:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        already_wrapped = any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
-        if self.root_device.type == "cpu" and not already_wrapped:
-            # Lightning passes `device_id=None` on CPU, which FSDP refuses; wrap here with the CPU device.
-            model = FullyShardedDataParallel(
-                module=model,
-                cpu_offload=self.cpu_offload,
-                mixed_precision=self.mixed_precision_config,
-                sharding_strategy=self.sharding_strategy,
-                device_id=fsdp_device_id(self.root_device),
-                **self.kwargs,
-            )
-            _move_torchmetrics_to_device(model, self.root_device)
-            _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
-        else:
-            model = super()._setup_model(model)
-        self._synchronize_initial_weights(model)
-        return model
+        return self._wrap(model, self.kwargs, super()._setup_model)
 
     @contextmanager
     @override
@@ -197,34 +105,13 @@ class _FederatedFSDPStrategy(FSDPStrategy):
         from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import enable_wrap
 
-        with enable_wrap(
-            wrapper_cls=FullyShardedDataParallel,
-            cpu_offload=self.cpu_offload,
-            mixed_precision=self.mixed_precision_config,
-            sharding_strategy=self.sharding_strategy,
-            device_id=fsdp_device_id(self.root_device),
-            **self.kwargs,
-        ):
+        with enable_wrap(wrapper_cls=FullyShardedDataParallel, **self._wrap_context_kwargs(self.kwargs)):
             yield
 
-    @torch.no_grad()
-    def _synchronize_initial_weights(self, model: Module) -> None:
-        """All groups and replicas start from the same weights, whatever each process initialized."""
-        self.mesh.broadcast_shards(local_shards(model))
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
-
-    # -- the outer step, driven by the OuterSync callback -----------------------------------------------------
-
-    def local_shards(self) -> list[torch.Tensor]:
-        """This rank's flat parameter shards of the wrapped model."""
-        assert self.model is not None
-        return local_shards(self.model)
-
-    def free_unsharded_params(self) -> None:
-        """Make the next forward gather the (just rewritten) shards instead of reusing gathered weights."""
-        assert self.model is not None
-        free_unsharded_params(self.model)
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        _attach_outer_sync(trainer)
+        super().setup(trainer)
 
     # -- state dicts: the consensus, gathered without the CPU offload that crashes torch on CPU ---------------
 
@@ -246,11 +133,6 @@ class _FederatedFSDPStrategy(FSDPStrategy):
 
     def _consensus(self) -> AbstractContextManager[None]:
         return self._federation.consensus_weights() if self._federation is not None else nullcontext()
-
-    @override
-    def setup(self, trainer: Trainer) -> None:
-        _attach_outer_sync(trainer)
-        super().setup(trainer)
 
     @classmethod
     def _register(cls, strategy_registry: _StrategyRegistry, name: str, description: str) -> None:
@@ -349,23 +231,6 @@ class FLHSDPStrategy(_FederatedFSDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         cls._register(strategy_registry, "fl_hsdp", "FL+HSDP: HSDP inside federation groups, outer steps between")
-
-
-def _reject_own_mesh(kwargs: dict[str, Any]) -> None:
-    for key in ("device_mesh", "process_group"):
-        if kwargs.get(key) is not None:
-            raise ValueError(
-                f"`{key}={kwargs[key]!r}` cannot be combined with a federated strategy: it builds its own mesh"
-                " from `num_groups` and `shard_size`."
-            )
-
-
-def _check_sharding_strategy(value: object, expected: str) -> None:
-    if value is None:
-        return
-    name = getattr(value, "name", value)
-    if name != expected:
-        raise ValueError(f"`sharding_strategy={value!r}` is not supported here; this strategy uses {expected!r}.")
 
 
 def _attach_outer_sync(trainer: Trainer) -> None:

@@ -54,6 +54,8 @@ SCENARIOS_4 = [
     dict(BASE, name="by_name", strategy="fl_fsdp", by_name=True, max_steps=9),
     # four one-rank groups (FSDP over one rank keeps whole parameters)
     dict(BASE, name="four_groups", strategy="fl_fsdp", num_groups=4, sync_every=3, max_steps=6),
+    # HSDP with one-rank shards: data parallel inside each group (FSDP alone would not reduce across replicas)
+    dict(BASE, name="hsdp_shard1", strategy="fl_hsdp", num_groups=2, shard_size=1, sync_every=3, max_steps=6),
 ]
 SCENARIOS_8 = [
     dict(
@@ -143,6 +145,7 @@ def test_fedavg_every_step_with_sgd_equals_plain_fsdp(four):
         ("fsdp_nesterov", 4, 2, 2),
         ("by_name", 4, 2, 2),
         ("four_groups", 4, 4, 1),
+        ("hsdp_shard1", 4, 2, 1),
         ("hsdp_nesterov", 8, 2, 2),
     ],
 )
@@ -168,7 +171,7 @@ def test_every_rank_gets_its_own_data(four, eight):
 
 @pytest.mark.parametrize(
     ("name", "world", "groups", "shard"),
-    [("fsdp_nesterov", 4, 2, 2), ("four_groups", 4, 4, 1), ("hsdp_nesterov", 8, 2, 2)],
+    [("fsdp_nesterov", 4, 2, 2), ("four_groups", 4, 4, 1), ("hsdp_shard1", 4, 2, 1), ("hsdp_nesterov", 8, 2, 2)],
 )
 def test_groups_identical_after_every_sync_and_replicas_at_every_step(four, eight, name, world, groups, shard):
     ranks = (four if world == 4 else eight)[name]

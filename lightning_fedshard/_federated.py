@@ -1,0 +1,200 @@
+"""What the Trainer and Fabric strategies share: options, topology, mesh, FSDP wrapping on CPU, shards.
+
+Lightning keeps two FSDP strategy hierarchies (``lightning.pytorch`` and ``lightning.fabric``); this mixin sits in
+front of either and holds everything federated, so the adapters only route Lightning's hooks to it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.nn import Module
+
+from lightning_fedshard.core.config import FederationConfig, OuterOptimizerSpec
+from lightning_fedshard.core.federation import Federation
+from lightning_fedshard.core.fsdp import free_unsharded_params, fsdp_device_id, local_shards
+from lightning_fedshard.core.mesh import FederationMesh, build_federation_mesh
+from lightning_fedshard.core.topology import FederationTopology
+
+log = logging.getLogger(__name__)
+
+
+class FederatedStrategyMixin:
+    """Federation state and helpers for a subclass of one of Lightning's ``FSDPStrategy`` classes."""
+
+    #: HYBRID_SHARD inside a group (FL+HSDP) instead of FULL_SHARD (FL+FSDP).
+    hybrid: ClassVar[bool] = False
+    strategy_name: ClassVar[str]
+
+    # Provided by Lightning's FSDPStrategy classes.
+    num_nodes: int
+    num_processes: int
+    root_device: torch.device
+    global_rank: int
+    sharding_strategy: Any
+    cpu_offload: Any
+    mixed_precision_config: Any
+    _activation_checkpointing_kwargs: dict[str, Any]
+
+    def _init_federation(
+        self,
+        num_groups: int | None,
+        shard_size: int | None,
+        sync_every: int,
+        outer_optimizer: OuterOptimizerSpec,
+        reduce_dtype: str,
+        anchor_device: str,
+        sharding_strategy: object,
+        fsdp_kwargs: dict[str, Any],
+    ) -> None:
+        """Validate the federation options (call first in ``__init__``, before any heavy work)."""
+        for key in ("device_mesh", "process_group"):
+            if fsdp_kwargs.get(key) is not None:
+                raise ValueError(
+                    f"`{key}={fsdp_kwargs[key]!r}` cannot be combined with a federated strategy: it builds its own"
+                    " mesh from `num_groups` and `shard_size`."
+                )
+        if not self.hybrid and shard_size is not None:
+            raise ValueError(
+                f"`shard_size={shard_size}` is only for FL+HSDP; FL+FSDP shards over the whole group."
+                " Use `strategy='fl_hsdp'` to replicate inside a group."
+            )
+        name = getattr(sharding_strategy, "name", sharding_strategy)
+        if sharding_strategy is not None and name != self._sharding_name:
+            raise ValueError(
+                f"`sharding_strategy={sharding_strategy!r}` is not supported here; this strategy uses"
+                f" {self._sharding_name!r}."
+            )
+        self.federation_config = FederationConfig(
+            num_groups=num_groups,
+            shard_size=shard_size,
+            sync_every=sync_every,
+            outer_optimizer=outer_optimizer,
+            reduce_dtype=reduce_dtype,
+            anchor_device=anchor_device,
+        )
+        self._topology: FederationTopology | None = None
+        self._mesh: FederationMesh | None = None
+        self._federation: Federation | None = None
+        self._wrapped: Module | None = None
+
+    @property
+    def _sharding_name(self) -> str:
+        return "HYBRID_SHARD" if self.hybrid else "FULL_SHARD"
+
+    def _use_federated_sharding(self) -> None:
+        """Set the in-group sharding strategy (after the base ``__init__``, which refuses HYBRID_SHARD so early)."""
+        from torch.distributed.fsdp import ShardingStrategy
+
+        self.sharding_strategy = ShardingStrategy[self._sharding_name]
+
+    # -- topology and mesh ------------------------------------------------------------------------------------
+
+    @property
+    def topology(self) -> FederationTopology:
+        """Groups, replicas and shards of this job (known once devices and nodes are set)."""
+        if self._topology is None:
+            self._topology = self.federation_config.topology(self.num_nodes, self.num_processes, self.hybrid)
+        return self._topology
+
+    @property
+    def mesh(self) -> FederationMesh:
+        """The federation device mesh; exists after the processes have initialized."""
+        if self._mesh is None:
+            raise RuntimeError("Accessing the federation mesh before processes have initialized is not allowed.")
+        return self._mesh
+
+    @property
+    def federation(self) -> Federation:
+        """This rank's federation runtime (outer step and schedule)."""
+        if self._federation is None:
+            raise RuntimeError("Accessing the federation before processes have initialized is not allowed.")
+        return self._federation
+
+    def _validate_topology(self) -> None:
+        """Check the topology in the launching process, and warn if there is nothing to federate."""
+        self._topology = None
+        topology = self.topology
+        if topology.num_groups == 1:
+            kind = "HSDP" if self.hybrid else "FSDP"
+            rank_zero_warn(
+                f"`{self.strategy_name}` with a single federation group ({topology}) is plain {kind}:"
+                " there is nothing to federate. Set `num_groups` > 1 to get federated training."
+            )
+
+    def _setup_federation(self, fsdp_kwargs: dict[str, Any]) -> None:
+        """Build the mesh and the federation after the default process group exists (collective)."""
+        self._topology = None
+        self._mesh = build_federation_mesh(self.topology, self.root_device.type)
+        self._federation = Federation(self.federation_config, self._mesh.communicator())
+        fsdp_kwargs["process_group"] = self._mesh.fsdp_process_group(self.hybrid)
+        from torch.distributed.fsdp import ShardingStrategy
+
+        self.sharding_strategy = ShardingStrategy[self._mesh.fsdp_sharding(self.hybrid)]
+        log.info(f"{type(self).__name__}: rank {self.global_rank} at {self._mesh.coords} of {self.topology}")
+
+    # -- wrapping ---------------------------------------------------------------------------------------------
+
+    def _wrap(self, module: Module, fsdp_kwargs: dict[str, Any], lightning_wrap: Callable[[Module], Module]) -> Module:
+        """Wrap with FSDP (on CPU with the device FSDP needs) and make all groups and replicas start equal."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        already_wrapped = any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
+        if self.root_device.type == "cpu" and not already_wrapped:
+            # Lightning passes `device_id=None` on CPU, which FSDP refuses.
+            module = FullyShardedDataParallel(
+                module=module,
+                cpu_offload=self.cpu_offload,
+                mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy,
+                device_id=fsdp_device_id(self.root_device),
+                **fsdp_kwargs,
+            )
+            _move_torchmetrics_to_device(module, self.root_device)
+            _setup_activation_checkpointing(module, self._activation_checkpointing_kwargs)
+        else:
+            module = lightning_wrap(module)
+        self._synchronize_initial_weights(module)
+        self._wrapped = module
+        return module
+
+    def _wrap_context_kwargs(self, fsdp_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Arguments for FSDP's ``enable_wrap`` (manual wrapping inside ``configure_model``)."""
+        return {
+            "cpu_offload": self.cpu_offload,
+            "mixed_precision": self.mixed_precision_config,
+            "sharding_strategy": self.sharding_strategy,
+            "device_id": fsdp_device_id(self.root_device),
+            **fsdp_kwargs,
+        }
+
+    @torch.no_grad()
+    def _synchronize_initial_weights(self, module: Module) -> None:
+        """All groups and replicas start from the same weights, whatever each process initialized."""
+        self.mesh.broadcast_shards(local_shards(module))
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src=0)
+
+    # -- shards -----------------------------------------------------------------------------------------------
+
+    def local_shards(self) -> list[Tensor]:
+        """This rank's flat parameter shards of the wrapped model."""
+        if self._wrapped is None:
+            raise RuntimeError("The model has not been wrapped by the federated strategy yet.")
+        return local_shards(self._wrapped)
+
+    def free_unsharded_params(self) -> None:
+        """Make the next forward gather the (just rewritten) shards instead of reusing gathered weights."""
+        if self._wrapped is not None:
+            free_unsharded_params(self._wrapped)
+
+    def start_federation(self, step: int) -> None:
+        """Anchor the federation on the current weights at optimizer step ``step``."""
+        self.federation.start(self.local_shards(), step, on_write=self.free_unsharded_params)
