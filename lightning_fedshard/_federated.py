@@ -85,6 +85,29 @@ class FederatedStrategyMixin:
         self._federation: Federation | None = None
         self._wrapped: Module | None = None
 
+    @staticmethod
+    def _resolve_wrap_policy(policy: Any) -> Any:
+        """Accept layer classes by import path (``["transformers....LlamaDecoderLayer"]``), as YAML configs give them.
+
+        Raises:
+            ValueError: If a path does not name a ``torch.nn.Module`` subclass.
+        """
+        if not isinstance(policy, (list, tuple, set)) or not all(isinstance(p, str) for p in policy):
+            return policy
+        import importlib
+
+        classes = set()
+        for path in policy:
+            module_name, _, name = path.rpartition(".")
+            try:
+                cls = getattr(importlib.import_module(module_name), name)
+            except (ImportError, AttributeError, ValueError) as err:
+                raise ValueError(f"`auto_wrap_policy` entry {path!r} cannot be imported: {err}") from err
+            if not (isinstance(cls, type) and issubclass(cls, Module)):
+                raise ValueError(f"`auto_wrap_policy` entry {path!r} is not a torch.nn.Module subclass.")
+            classes.add(cls)
+        return classes
+
     @property
     def _sharding_name(self) -> str:
         return "HYBRID_SHARD" if self.hybrid else "FULL_SHARD"

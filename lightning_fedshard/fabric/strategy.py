@@ -51,7 +51,7 @@ class _FederatedFabricStrategy(FederatedStrategyMixin, FSDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         cpu_offload: bool | CPUOffload | None = None,
         mixed_precision: MixedPrecision | None = None,
-        auto_wrap_policy: _POLICY | None = None,
+        auto_wrap_policy: _POLICY | list[str] | None = None,
         activation_checkpointing_policy: _POLICY | None = None,
         sharding_strategy: str | None = None,
         state_dict_type: Literal["full", "sharded"] = "sharded",
@@ -69,7 +69,7 @@ class _FederatedFabricStrategy(FederatedStrategyMixin, FSDPStrategy):
             timeout=timeout,
             cpu_offload=cpu_offload,
             mixed_precision=mixed_precision,
-            auto_wrap_policy=auto_wrap_policy,
+            auto_wrap_policy=self._resolve_wrap_policy(auto_wrap_policy),
             activation_checkpointing_policy=activation_checkpointing_policy,
             sharding_strategy="FULL_SHARD",
             state_dict_type=state_dict_type,
@@ -156,7 +156,8 @@ class FLFSDPStrategy(_FederatedFabricStrategy):
         timeout: Timeout of collective operations.
         cpu_offload: See :class:`lightning.fabric.strategies.FSDPStrategy`.
         mixed_precision: See :class:`lightning.fabric.strategies.FSDPStrategy`.
-        auto_wrap_policy: See :class:`lightning.fabric.strategies.FSDPStrategy`.
+        auto_wrap_policy: See :class:`lightning.fabric.strategies.FSDPStrategy`; layer classes may also be given
+            by import path.
         activation_checkpointing_policy: See :class:`lightning.fabric.strategies.FSDPStrategy`.
         sharding_strategy: Must be ``"FULL_SHARD"`` (the default).
         state_dict_type: ``"sharded"`` (default) or ``"full"`` checkpoints.
@@ -194,7 +195,8 @@ class FLHSDPStrategy(_FederatedFabricStrategy):
         timeout: Timeout of collective operations.
         cpu_offload: See :class:`lightning.fabric.strategies.FSDPStrategy`.
         mixed_precision: See :class:`lightning.fabric.strategies.FSDPStrategy`.
-        auto_wrap_policy: See :class:`lightning.fabric.strategies.FSDPStrategy`.
+        auto_wrap_policy: See :class:`lightning.fabric.strategies.FSDPStrategy`; layer classes may also be given
+            by import path.
         activation_checkpointing_policy: See :class:`lightning.fabric.strategies.FSDPStrategy`.
         sharding_strategy: Must be ``"HYBRID_SHARD"`` (the default).
         state_dict_type: ``"sharded"`` (default) or ``"full"`` checkpoints.

@@ -57,7 +57,7 @@ class _FederatedFSDPStrategy(FederatedStrategyMixin, FSDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         cpu_offload: bool | CPUOffload | None = None,
         mixed_precision: MixedPrecision | None = None,
-        auto_wrap_policy: _POLICY | None = None,
+        auto_wrap_policy: _POLICY | list[str] | None = None,
         activation_checkpointing_policy: _POLICY | None = None,
         sharding_strategy: str | None = None,
         state_dict_type: Literal["full", "sharded"] = "full",
@@ -76,7 +76,7 @@ class _FederatedFSDPStrategy(FederatedStrategyMixin, FSDPStrategy):
             timeout=timeout,
             cpu_offload=cpu_offload,
             mixed_precision=mixed_precision,
-            auto_wrap_policy=auto_wrap_policy,
+            auto_wrap_policy=self._resolve_wrap_policy(auto_wrap_policy),
             activation_checkpointing_policy=activation_checkpointing_policy,
             sharding_strategy="FULL_SHARD",
             state_dict_type=state_dict_type,
@@ -171,7 +171,8 @@ class FLFSDPStrategy(_FederatedFSDPStrategy):
         timeout: Timeout of collective operations.
         cpu_offload: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
         mixed_precision: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
-        auto_wrap_policy: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
+        auto_wrap_policy: See :class:`~lightning.pytorch.strategies.FSDPStrategy`; layer classes may also be given
+            by import path, e.g. ``["transformers.models.llama.modeling_llama.LlamaDecoderLayer"]``.
         activation_checkpointing_policy: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
         sharding_strategy: Must be ``"FULL_SHARD"`` (the default) for FL+FSDP.
         state_dict_type: ``"full"`` (default) or ``"sharded"`` checkpoints.
@@ -215,7 +216,8 @@ class FLHSDPStrategy(_FederatedFSDPStrategy):
         timeout: Timeout of collective operations.
         cpu_offload: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
         mixed_precision: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
-        auto_wrap_policy: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
+        auto_wrap_policy: See :class:`~lightning.pytorch.strategies.FSDPStrategy`; layer classes may also be given
+            by import path, e.g. ``["transformers.models.llama.modeling_llama.LlamaDecoderLayer"]``.
         activation_checkpointing_policy: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
         sharding_strategy: Must be ``"HYBRID_SHARD"`` (the default) for FL+HSDP.
         state_dict_type: ``"full"`` (default) or ``"sharded"`` checkpoints.
