@@ -30,14 +30,15 @@ def cpu_safe_full_state_dict(device: torch.device) -> Iterator[None]:
     import importlib
 
     modules = [importlib.import_module(name) for name in _MODULES_WITH_FULL_STATE_DICT_CONTEXT]
-    originals = [m._get_full_state_dict_context for m in modules]
+    name = "_get_full_state_dict_context"
+    originals = [getattr(m, name) for m in modules]
     for m in modules:
-        m._get_full_state_dict_context = _full_state_dict_context_without_offload
+        setattr(m, name, _full_state_dict_context_without_offload)
     try:
         yield
     finally:
         for m, original in zip(modules, originals):
-            m._get_full_state_dict_context = original
+            setattr(m, name, original)
 
 
 def _full_state_dict_context_without_offload(

@@ -31,7 +31,7 @@ class FederatedStrategyMixin:
 
     #: HYBRID_SHARD inside a group (FL+HSDP) instead of FULL_SHARD (FL+FSDP).
     hybrid: ClassVar[bool] = False
-    strategy_name: ClassVar[str]
+    strategy_name: str
 
     # Provided by Lightning's FSDPStrategy classes.
     num_nodes: int

@@ -20,7 +20,7 @@ def local_shards(module: Module) -> list[Tensor]:
         ValueError: If ``module`` holds no FSDP unit.
     """
     handles = [unit._handle for unit in FullyShardedDataParallel.fsdp_modules(module)]
-    shards = [handle.flat_param for handle in handles if handle is not None]
+    shards: list[Tensor] = [handle.flat_param for handle in handles if handle is not None]
     if not shards:
         raise ValueError(f"{type(module).__name__} contains no FSDP-wrapped parameters.")
     return shards

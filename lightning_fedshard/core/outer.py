@@ -33,13 +33,11 @@ OuterOptimizerFactory = Callable[[Iterable[Tensor]], Optimizer]
 
 
 class Communicator(Protocol):
-    """Collectives the outer step needs; the real one wraps process groups, tests may pass a fake.
+    """Collectives the outer step needs; the real one wraps process groups, tests may pass a fake."""
 
-    Attributes:
-        num_groups: Number of federation groups ``G`` taking part in the mean.
-    """
-
-    num_groups: int
+    @property
+    def num_groups(self) -> int:
+        """Number of federation groups ``G`` taking part in the mean."""
 
     def average_across_groups(self, tensor: Tensor) -> None:
         """Replace ``tensor`` in place by its mean over the ranks at the same in-group position of every group."""

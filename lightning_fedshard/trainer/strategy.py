@@ -6,7 +6,7 @@ import logging
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ class _FederatedFSDPStrategy(FederatedStrategyMixin, FSDPStrategy):
     """Shared machinery of :class:`FLFSDPStrategy` and :class:`FLHSDPStrategy`; see their docstrings."""
 
     # Lightning refuses FSDP on CPU for names in FSDPStrategy's own list; each subclass keeps its own.
-    _registered_strategies: ClassVar[list[str]] = []
+    _registered_strategies: list[str] = []
 
     def __init__(
         self,
@@ -182,7 +182,7 @@ class FLFSDPStrategy(_FederatedFSDPStrategy):
 
     strategy_name = "fl_fsdp"
     hybrid = False
-    _registered_strategies: ClassVar[list[str]] = []
+    _registered_strategies: list[str] = []
 
     @classmethod
     @override
@@ -227,7 +227,7 @@ class FLHSDPStrategy(_FederatedFSDPStrategy):
 
     strategy_name = "fl_hsdp"
     hybrid = True
-    _registered_strategies: ClassVar[list[str]] = []
+    _registered_strategies: list[str] = []
 
     @classmethod
     @override
@@ -238,8 +238,9 @@ class FLHSDPStrategy(_FederatedFSDPStrategy):
 def _attach_outer_sync(trainer: Trainer) -> None:
     from lightning_fedshard.trainer.callback import OuterSync
 
-    if not any(isinstance(cb, OuterSync) for cb in trainer.callbacks):
-        trainer.callbacks.append(OuterSync())
+    callbacks: list = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+    if not any(isinstance(cb, OuterSync) for cb in callbacks):
+        callbacks.append(OuterSync())
 
 
 def federated_strategy(trainer: Trainer) -> _FederatedFSDPStrategy:
