@@ -25,10 +25,12 @@ class OuterSync(Callback):
 
     Args:
         log_stats: Log the statistics of each sync.
-        prog_bar: Also show them in the progress bar.
+        prog_bar: Show ``fedshard/num_syncs`` and ``fedshard/drift`` in the progress bar too.
     """
 
-    def __init__(self, log_stats: bool = True, prog_bar: bool = False) -> None:
+    _PROG_BAR_KEYS = ("fedshard/num_syncs", "fedshard/drift")
+
+    def __init__(self, log_stats: bool = True, prog_bar: bool = True) -> None:
         self.log_stats = log_stats
         self.prog_bar = prog_bar
         self._consensus = ExitStack()
@@ -43,7 +45,9 @@ class OuterSync(Callback):
     ) -> None:
         stats = _strategy(trainer).federation.maybe_sync(trainer.global_step)
         if stats is not None and self.log_stats:
-            pl_module.log_dict(stats.as_dict(), on_step=True, on_epoch=False, prog_bar=self.prog_bar)
+            for name, value in stats.as_dict().items():
+                prog_bar = self.prog_bar and name in self._PROG_BAR_KEYS
+                pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=prog_bar)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -54,6 +54,8 @@ SCENARIOS_4 = [
     dict(BASE, name="by_name", strategy="fl_fsdp", by_name=True, max_steps=9),
     # four one-rank groups (FSDP over one rank keeps whole parameters)
     dict(BASE, name="four_groups", strategy="fl_fsdp", num_groups=4, sync_every=3, max_steps=6),
+    # a single group: plain FSDP over all ranks plus a one-worker outer step (the strategy warns)
+    dict(BASE, name="one_group", strategy="fl_fsdp", num_groups=1, sync_every=3, max_steps=4),
     # HSDP with one-rank shards: data parallel inside each group (FSDP alone would not reduce across replicas)
     dict(BASE, name="hsdp_shard1", strategy="fl_hsdp", num_groups=2, shard_size=1, sync_every=3, max_steps=6),
 ]
@@ -146,6 +148,7 @@ def test_fedavg_every_step_with_sgd_equals_plain_fsdp(four):
         ("by_name", 4, 2, 2),
         ("four_groups", 4, 4, 1),
         ("hsdp_shard1", 4, 2, 1),
+        ("one_group", 4, 1, 4),
         ("hsdp_nesterov", 8, 2, 2),
     ],
 )
