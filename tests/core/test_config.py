@@ -41,3 +41,13 @@ def test_bad_options_name_the_values(kwargs, match):
 @pytest.mark.parametrize(("name", "dtype"), [("bfloat16", torch.bfloat16), ("torch.float16", torch.float16)])
 def test_reduce_dtype_names(name, dtype):
     assert FederationConfig(reduce_dtype=name).reduce_torch_dtype is dtype
+
+
+def test_topology_defaults():
+    # FL+HSDP: one group per node, shard over a node's devices
+    assert FederationConfig().topology(num_nodes=4, devices_per_node=2, hybrid=True).mesh_shape == (4, 1, 2)
+    assert FederationConfig(num_groups=2).topology(4, 2, hybrid=True).mesh_shape == (2, 2, 2)
+    # FL+FSDP: shard over the whole group
+    assert FederationConfig(num_groups=2).topology(4, 2, hybrid=False).mesh_shape == (2, 1, 4)
+    with pytest.raises(ValueError, match=r"world size \(6 = 3 node\(s\) x 2 device\(s\)\).*`num_groups=4`"):
+        FederationConfig(num_groups=4).topology(3, 2, hybrid=False)

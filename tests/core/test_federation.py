@@ -42,3 +42,23 @@ def test_consensus_weights_swap_in_the_anchor_and_back():
     for g, (inside, after) in enumerate(groups.run(work)):
         assert_close(inside, torch.full((2,), 1.5))
         assert_close(after, torch.full((2,), 10.0 * (g + 1)))
+
+
+def test_anchor_can_live_next_to_the_shards():
+    comm = ThreadGroups(1).run(lambda g, c: c)[0]
+    fed = Federation(FederationConfig(anchor_device="device"), comm)
+    shard = torch.zeros(3, dtype=torch.bfloat16)
+    fed.start([shard], step=0)
+    assert fed.outer.anchor[0].device == shard.device
+    assert fed.outer.anchor[0].dtype == torch.float32  # full-precision anchor even for low-precision shards
+
+
+def test_on_write_runs_after_every_rewrite_of_the_shards():
+    comm = ThreadGroups(1).run(lambda g, c: c)[0]
+    calls = []
+    fed = Federation(FederationConfig(sync_every=1), comm)
+    fed.start([torch.zeros(2)], step=0, on_write=lambda: calls.append(1))
+    fed.maybe_sync(1)
+    with fed.consensus_weights():
+        pass
+    assert len(calls) == 3  # after the sync, after swapping the consensus in, after swapping it out
