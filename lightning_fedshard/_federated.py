@@ -49,7 +49,7 @@ class FederatedStrategyMixin:
         shard_size: int | None,
         sync_every: int,
         outer_optimizer: OuterOptimizerSpec,
-        reduce_dtype: str,
+        reduce_dtype: str | torch.dtype,
         anchor_device: str,
         sharding_strategy: object,
         fsdp_kwargs: dict[str, Any],
@@ -86,25 +86,29 @@ class FederatedStrategyMixin:
         self._wrapped: Module | None = None
 
     @staticmethod
-    def _resolve_wrap_policy(policy: Any) -> Any:
-        """Accept layer classes by import path (``["transformers....LlamaDecoderLayer"]``), as YAML configs give them.
+    def _resolve_module_classes(policy: Any, name: str = "auto_wrap_policy") -> Any:
+        """Accept layer classes by import path (``"transformers....LlamaDecoderLayer"`` or a list), as YAML gives them.
+
+        Anything else (a set of classes, a callable policy, ``None``) is returned unchanged.
 
         Raises:
             ValueError: If a path does not name a ``torch.nn.Module`` subclass.
         """
+        if isinstance(policy, str):
+            policy = [policy]
         if not isinstance(policy, (list, tuple, set)) or not all(isinstance(p, str) for p in policy):
             return policy
         import importlib
 
         classes = set()
         for path in policy:
-            module_name, _, name = path.rpartition(".")
+            module_name, _, attr = path.rpartition(".")
             try:
-                cls = getattr(importlib.import_module(module_name), name)
+                cls = getattr(importlib.import_module(module_name), attr)
             except (ImportError, AttributeError, ValueError) as err:
-                raise ValueError(f"`auto_wrap_policy` entry {path!r} cannot be imported: {err}") from err
+                raise ValueError(f"`{name}` entry {path!r} cannot be imported: {err}") from err
             if not (isinstance(cls, type) and issubclass(cls, Module)):
-                raise ValueError(f"`auto_wrap_policy` entry {path!r} is not a torch.nn.Module subclass.")
+                raise ValueError(f"`{name}` entry {path!r} is not a torch.nn.Module subclass.")
             classes.add(cls)
         return classes
 
@@ -148,8 +152,21 @@ class FederatedStrategyMixin:
         if topology.num_groups == 1:
             kind = "HSDP" if self.hybrid else "FSDP"
             rank_zero_warn(
-                f"`{self.strategy_name}` with a single federation group ({topology}) is plain {kind}:"
-                " there is nothing to federate. Set `num_groups` > 1 to get federated training."
+                f"`{self.strategy_name}` with a single federation group ({topology}) is {kind} over all ranks:"
+                " there is nothing to federate (with `outer_optimizer='fedavg'` it is exactly plain"
+                f" {kind}; other outer optimizers still step the single group's weights every `sync_every` steps)."
+                " Set `num_groups` > 1 to get federated training."
+            )
+        if topology.group_size % self.num_processes and self.num_processes % topology.group_size:
+            rank_zero_warn(
+                f"Federation groups of {topology.group_size} ranks do not line up with nodes of"
+                f" {self.num_processes} devices: some groups span parts of two nodes, so their per-step traffic"
+                " crosses the slow links the federation is meant to avoid."
+            )
+        if self.hybrid and topology.shard_size > self.num_processes:
+            rank_zero_warn(
+                f"`shard_size={topology.shard_size}` is larger than a node ({self.num_processes} devices):"
+                " the per-step FSDP collectives of every replica cross nodes."
             )
 
     def _setup_federation(self, fsdp_kwargs: dict[str, Any]) -> None:

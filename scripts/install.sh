@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv and install the project into it (CPU build of torch first, so no CUDA build is pulled in).
+# Create .venv and install the project into it. torch is installed first and pinned: on this project's machines pip
+# takes torch 2.13.0 from a local CPU wheel, and an open range would pull a multi-GB CUDA build. Elsewhere, install
+# the torch build you want into .venv before running this script (the pin is then already satisfied).
 # Usage: bash scripts/install.sh [extras]   (default extras: dev,examples)
 set -euo pipefail
 cd "$(dirname "$0")/.."

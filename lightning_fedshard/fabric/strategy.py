@@ -15,6 +15,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import FSDPStrategy, _StrategyRegistry
 from lightning.fabric.utilities.types import Optimizable
 from torch.nn import Module
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fedshard._federated import FederatedStrategyMixin
@@ -41,7 +42,7 @@ class _FederatedFabricStrategy(FederatedStrategyMixin, FSDPStrategy):
         shard_size: int | None = None,
         sync_every: int = 8,
         outer_optimizer: OuterOptimizerSpec = "nesterov",
-        reduce_dtype: str = "float32",
+        reduce_dtype: str | torch.dtype = "float32",
         anchor_device: Literal["cpu", "device"] = "cpu",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -51,8 +52,8 @@ class _FederatedFabricStrategy(FederatedStrategyMixin, FSDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         cpu_offload: bool | CPUOffload | None = None,
         mixed_precision: MixedPrecision | None = None,
-        auto_wrap_policy: _POLICY | list[str] | None = None,
-        activation_checkpointing_policy: _POLICY | None = None,
+        auto_wrap_policy: _POLICY | str | list[str] | None = None,
+        activation_checkpointing_policy: _POLICY | str | list[str] | None = None,
         sharding_strategy: str | None = None,
         state_dict_type: Literal["full", "sharded"] = "sharded",
         **kwargs: Any,
@@ -69,8 +70,10 @@ class _FederatedFabricStrategy(FederatedStrategyMixin, FSDPStrategy):
             timeout=timeout,
             cpu_offload=cpu_offload,
             mixed_precision=mixed_precision,
-            auto_wrap_policy=self._resolve_wrap_policy(auto_wrap_policy),
-            activation_checkpointing_policy=activation_checkpointing_policy,
+            auto_wrap_policy=self._resolve_module_classes(auto_wrap_policy),
+            activation_checkpointing_policy=self._resolve_module_classes(
+                activation_checkpointing_policy, "activation_checkpointing_policy"
+            ),
             sharding_strategy="FULL_SHARD",
             state_dict_type=state_dict_type,
             **kwargs,
@@ -78,6 +81,7 @@ class _FederatedFabricStrategy(FederatedStrategyMixin, FSDPStrategy):
         self._use_federated_sharding()
         self.num_steps = 0
         self.last_sync_stats: SyncStats | None = None
+        self._optimizer: Optimizer | None = None
 
     @override
     def _configure_launcher(self) -> None:
@@ -91,9 +95,24 @@ class _FederatedFabricStrategy(FederatedStrategyMixin, FSDPStrategy):
 
     @override
     def setup_module(self, module: Module) -> Module:
+        if self._wrapped is not None:
+            raise RuntimeError(
+                f"`{type(self).__name__}` federates one model: `setup_module` was already called. Put all trainable"
+                " modules into one `nn.Module` before setting it up."
+            )
         module = self._wrap(module, self._fsdp_kwargs, super().setup_module)
         self.start_federation(self.num_steps)
         return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        # Every optimizer.step() counts as one step of the sync schedule, so a second optimizer would double it.
+        if self._optimizer is not None and self._optimizer is not optimizer:
+            raise RuntimeError(
+                f"`{type(self).__name__}` supports one optimizer; use parameter groups instead of a second optimizer."
+            )
+        self._optimizer = optimizer
+        return super().setup_optimizer(optimizer)
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:

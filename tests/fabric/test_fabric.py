@@ -72,3 +72,14 @@ def test_fabric_registry_and_early_errors():
         L.Fabric(accelerator="cpu", devices=4, strategy=lightning_fedshard.fabric.FLFSDPStrategy(num_groups=3))
     with pytest.raises(ValueError, match=r"`sync_every` must be a positive integer, got -2"):
         lightning_fedshard.fabric.FLHSDPStrategy(sync_every=-2)
+
+
+def test_one_model_and_one_optimizer(monkeypatch):
+    strategy = lightning_fedshard.fabric.FLFSDPStrategy()
+    strategy._wrapped = torch.nn.Linear(1, 1)  # as if setup_module had run
+    with pytest.raises(RuntimeError, match="federates one model"):
+        strategy.setup_module(torch.nn.Linear(1, 1))
+    first = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+    strategy._optimizer = first
+    with pytest.raises(RuntimeError, match="supports one optimizer"):
+        strategy.setup_optimizer(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1))

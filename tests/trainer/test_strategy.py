@@ -87,3 +87,21 @@ def test_mesh_and_federation_fail_loudly_before_processes_start():
 def test_public_api():
     assert set(lightning_fedshard.__all__) >= {"FLFSDPStrategy", "FLHSDPStrategy", "OuterSync"}
     assert OuterSync().log_stats
+
+
+def test_layer_classes_by_import_path():
+    from torch import nn
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    strategy = FLFSDPStrategy(auto_wrap_policy="torch.nn.Linear", activation_checkpointing_policy=["torch.nn.ReLU"])
+    assert isinstance(strategy.kwargs["auto_wrap_policy"], ModuleWrapPolicy)
+    assert nn.Linear in strategy.kwargs["auto_wrap_policy"]._module_classes
+    with pytest.raises(ValueError, match=r"`auto_wrap_policy` entry 'torch.nn.Nope' cannot be imported"):
+        FLFSDPStrategy(auto_wrap_policy=["torch.nn.Nope"])
+    with pytest.raises(ValueError, match=r"'torch.optim.SGD' is not a torch.nn.Module subclass"):
+        FLHSDPStrategy(activation_checkpointing_policy=["torch.optim.SGD"])
+
+
+def test_groups_that_split_nodes_are_warned_about():
+    with pytest.warns(UserWarning, match="do not line up with nodes"):
+        _trainer(FLFSDPStrategy(num_groups=2), devices=2, num_nodes=3)  # groups of 3 ranks on nodes of 2
