@@ -102,6 +102,8 @@ class LlamaLM(LightningModule):
         num_layers: Overrides the preset's depth.
         num_heads: Overrides the preset's number of attention heads.
         intermediate_size: Overrides the preset's feed-forward width.
+        num_kv_heads: Key/value heads (grouped-query attention); default: as many as ``num_heads``.
+        rope_theta: Base of the rotary position embeddings (Llama-3 uses 500000).
         lr: Peak learning rate of AdamW.
         betas: AdamW's ``(beta1, beta2)``.
         weight_decay: AdamW's decoupled weight decay, applied to matrices only (not to norms or embeddings).
@@ -122,6 +124,8 @@ class LlamaLM(LightningModule):
         num_layers: int | None = None,
         num_heads: int | None = None,
         intermediate_size: int | None = None,
+        num_kv_heads: int | None = None,
+        rope_theta: float = 10000.0,
         lr: float = 3e-3,
         betas: tuple[float, float] = (0.9, 0.95),
         weight_decay: float = 0.1,
@@ -140,6 +144,11 @@ class LlamaLM(LightningModule):
             intermediate_size=preset.intermediate_size if intermediate_size is None else intermediate_size,
         )
         _validate(shape, vocab_size, max_seq_len, lr, betas, weight_decay, warmup_fraction, min_lr_ratio)
+        kv_heads = shape.num_heads if num_kv_heads is None else num_kv_heads
+        if kv_heads < 1 or shape.num_heads % kv_heads:
+            raise ValueError(f"`num_heads={shape.num_heads}` must be a multiple of `num_kv_heads={num_kv_heads}`.")
+        if rope_theta <= 0:
+            raise ValueError(f"`rope_theta` must be positive, got `rope_theta={rope_theta}`.")
         self.save_hyperparameters()
         self.shape = shape
         self.config = LlamaConfig(
@@ -148,7 +157,8 @@ class LlamaLM(LightningModule):
             intermediate_size=shape.intermediate_size,
             num_hidden_layers=shape.num_layers,
             num_attention_heads=shape.num_heads,
-            num_key_value_heads=shape.num_heads,
+            num_key_value_heads=kv_heads,
+            rope_theta=rope_theta,
             max_position_embeddings=max_seq_len,
             tie_word_embeddings=True,
             # The tokenizer has no special tokens; Llama's defaults (1, 2) would point at ordinary tokens.
