@@ -27,7 +27,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -206,7 +206,12 @@ def main(argv: list[str] | None = None) -> None:
     """Command line entry point."""
     parser = argparse.ArgumentParser(description="Emulated-cluster benchmark of FSDP, HSDP, FL+FSDP and FL+HSDP.")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/fedshard-bench"), help="scratch folder: data cache, per-run logs and CSVs")
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=Path("/tmp/fedshard-bench"),
+        help="scratch folder: data cache, per-run logs and CSVs",
+    )
     parser.add_argument("--results", type=Path, default=None, help="JSON output (default benchmarks/results/)")
     parser.add_argument("--only", nargs="*", help="run only these job names")
     parser.add_argument("--no-plots", action="store_true")
