@@ -45,6 +45,8 @@ class Job:
     name: str
     link_mbit: float | None
     config: RunConfig
+    sweep: str = "bandwidth"
+    """Which comparison the run belongs to: "bandwidth", "sync_every" or "outer_optimizer"."""
 
 
 @dataclass(frozen=True)
@@ -77,21 +79,21 @@ def _full(work: Path, cache: Path) -> Preset:
     )
     jobs = []
 
-    def add(link: float | None, **changes: Any) -> None:
+    def add(sweep: str, link: float | None, **changes: Any) -> None:
         cfg = replace(base, **changes)
         fed = f"-H{cfg.sync_every}-{cfg.outer_optimizer}" if cfg.federated else ""
         name = f"{cfg.strategy}{fed}-{'unthrottled' if link is None else f'{link:g}mbit'}"
-        jobs.append(Job(name, link, replace(cfg, out=str(work / name))))
+        jobs.append(Job(name, link, replace(cfg, out=str(work / name)), sweep))
 
     # Bandwidth sweep, slowest link last; within one bandwidth the four strategies run back to back.
     for link in (None, 200.0, 50.0):
         for strategy in ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp"):
-            add(link, strategy=strategy)
+            add("bandwidth", link, strategy=strategy)
     # sync_every and the outer optimizer, on the slowest link (where syncs cost the most).
     for sync_every in (4, 32):
-        add(50.0, strategy="fl_fsdp", sync_every=sync_every)
+        add("sync_every", 50.0, strategy="fl_fsdp", sync_every=sync_every)
     for strategy in ("fl_fsdp", "fl_hsdp"):
-        add(50.0, strategy=strategy, outer_optimizer="fedavg")
+        add("outer_optimizer", 50.0, strategy=strategy, outer_optimizer="fedavg")
     return Preset(nodes, devices, jobs, timeout=900.0)
 
 
@@ -156,7 +158,9 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def run_preset(name: str, work: Path, results_file: Path, only: list[str] | None = None) -> dict[str, Any]:
+def run_preset(
+    name: str, work: Path, results_file: Path, only: list[str] | None = None, prefix: str | None = None
+) -> dict[str, Any]:
     """Build the cluster, run every job of preset ``name`` and return (and keep writing) the results."""
     if (reason := namespaces_available()) is not None:
         raise SystemExit(f"Cannot emulate a cluster: {reason}.")
@@ -166,7 +170,8 @@ def run_preset(name: str, work: Path, results_file: Path, only: list[str] | None
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HOME": str(work / "hf_home"), "HF_DATASETS_OFFLINE": "1"}
     prepare_data(jobs[0].config, env)
     results: dict[str, Any] = {"preset": name, "machine": machine(), "started": time.time(), "runs": [], "failed": []}
-    with EmulatedCluster(preset.num_nodes) as cluster:
+    cluster = EmulatedCluster(preset.num_nodes) if prefix is None else EmulatedCluster(preset.num_nodes, prefix)
+    with cluster:
         for index, job in enumerate(jobs):
             cluster.set_bandwidth(job.link_mbit)
             print(f"[{index + 1}/{len(jobs)}] {job.name}", flush=True)
@@ -177,7 +182,7 @@ def run_preset(name: str, work: Path, results_file: Path, only: list[str] | None
                 print(f"  FAILED: {error}", flush=True)
                 results["failed"].append({"name": job.name, "error": str(error)[-2000:]})
                 continue
-            run.update(name=job.name, load_before=load, load_after=os.getloadavg()[0])
+            run.update(name=job.name, sweep=job.sweep, load_before=load, load_after=os.getloadavg()[0])
             results["runs"].append(run)
             print(f"  {_summary(run)}", flush=True)
             results["finished"] = time.time()
@@ -215,10 +220,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--results", type=Path, default=None, help="JSON output (default benchmarks/results/)")
     parser.add_argument("--only", nargs="*", help="run only these job names")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--prefix", help="name prefix of the namespaces (default: fsb<pid>)")
     args = parser.parse_args(argv)
     results_file = args.results or RESULTS / f"{args.preset}.json"
     args.work.mkdir(parents=True, exist_ok=True)
-    run_preset(args.preset, args.work, results_file, args.only)
+    run_preset(args.preset, args.work, results_file, args.only, args.prefix)
     if not args.no_plots:
         from benchmarks.plot import plot_all
 

@@ -143,6 +143,9 @@ class _Window:
     def open(self, trainer: L.Trainer) -> None:
         dist.barrier()
         self.tx_start = _link_tx_bytes(trainer)
+        # Without this second barrier, a rank that leaves the first one early could start sending before the
+        # reader of its peer's node has read the counter, and those bytes would be missed.
+        dist.barrier()
 
     def close(self, trainer: L.Trainer) -> int:
         dist.barrier()
@@ -156,8 +159,9 @@ class BenchRecorder(L.Callback):
     """Measures a run: a training clock that stops during validation, link bytes, syncs, validation, memory.
 
     Must come *before* :class:`OuterSync` in the callback list; :class:`AfterSync` comes after it. Link counters
-    are read by local rank 0 of each node between two world barriers (a barrier moves a few hundred bytes), so
-    no rank still has bytes of the measured collective in flight.
+    are read by local rank 0 of each node between world barriers (a barrier moves a few hundred bytes), so no
+    rank has started the measured collective before the first reading or still has bytes of it in flight at the
+    last.
     """
 
     def __init__(self, cfg: RunConfig) -> None:
