@@ -60,11 +60,11 @@ def launch(cluster: EmulatedCluster, cfg: RunConfig, port: int, timeout: float) 
             procs.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log))
         _wait(procs, out, timeout)
     finally:
-        for proc, log in procs:
+        for proc, node_log in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-            log.close()
+            node_log.close()
     wall = time.perf_counter() - start
     result = json.loads((out / "run.json").read_text())
     result["driver"] = {

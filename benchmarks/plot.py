@@ -76,8 +76,14 @@ def ppl_vs_tokens(runs: list[dict[str, Any]], path: Path) -> None:
     _save(fig, path)
 
 
-def throughput_vs_bandwidth(runs: list[dict[str, Any]], path: Path) -> None:
-    """Tokens per second of every strategy at every link rate; the unthrottled run is the compute-only bound."""
+def throughput_vs_bandwidth(
+    runs: list[dict[str, Any]], path: Path, repeats: list[dict[str, Any]] | None = None
+) -> None:
+    """Tokens per second of every strategy at every link rate; the unthrottled run is the compute-only bound.
+
+    ``repeats`` (runs of the same configurations measured again) are drawn as hollow markers: their spread shows
+    how much the machine's load moved single measurements.
+    """
     rates = links(runs)
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     positions = range(len(rates))
@@ -94,6 +100,12 @@ def throughput_vs_bandwidth(runs: list[dict[str, Any]], path: Path) -> None:
             label=label,
             color=COLORS[strategy],
         )
+    for run in main_comparison(repeats or []):
+        strategy = run["config"]["strategy"]
+        x = rates.index(run["driver"]["link_mbit"])
+        ax.plot([x], [summarize(run).tokens_per_s], marker="o", fillstyle="none", color=COLORS[strategy])
+    if repeats:
+        ax.plot([], [], marker="o", fillstyle="none", linestyle="", color="gray", label="repeated run")
     ax.set_xticks(list(positions), [link_label(rate) for rate in rates])
     ax.set_xlabel("inter-node link bandwidth (each direction)")
     ax.set_ylabel("training tokens / s (all ranks)")
@@ -147,28 +159,34 @@ def _save(fig: Any, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_all(results_file: Path, out_dir: Path) -> list[Path]:
-    """Draw every figure of the sweep in ``results_file`` into ``out_dir``; return the files."""
+def plot_all(results_file: Path, out_dir: Path, repeat_file: Path | None = None) -> list[Path]:
+    """Draw every figure of the sweep in ``results_file`` into ``out_dir``; return the files.
+
+    Args:
+        results_file: Results JSON of :mod:`benchmarks.run`.
+        out_dir: Folder for the PNG files.
+        repeat_file: Optional results of some of the same runs measured again (shown in the throughput plot).
+    """
     runs = load(results_file)["runs"]
-    figures = {
-        "ppl_vs_time.png": ppl_vs_time,
-        "ppl_vs_tokens.png": ppl_vs_tokens,
-        "throughput_vs_bandwidth.png": throughput_vs_bandwidth,
-        "bytes_per_step.png": bytes_per_step,
-    }
-    paths = []
-    for name, draw in figures.items():
-        draw(runs, out_dir / name)
-        paths.append(out_dir / name)
+    repeats = load(repeat_file)["runs"] if repeat_file is not None else []
+    paths = [out_dir / name for name in FIGURES]
+    ppl_vs_time(runs, paths[0])
+    ppl_vs_tokens(runs, paths[1])
+    throughput_vs_bandwidth(runs, paths[2], repeats)
+    bytes_per_step(runs, paths[3])
     return paths
+
+
+FIGURES = ("ppl_vs_time.png", "ppl_vs_tokens.png", "throughput_vs_bandwidth.png", "bytes_per_step.png")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Plot a benchmark results JSON.")
     parser.add_argument("results", type=Path)
     parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--repeat", type=Path, help="results of repeated runs, drawn as hollow markers")
     args = parser.parse_args()
-    for path in plot_all(args.results, args.out_dir):
+    for path in plot_all(args.results, args.out_dir, args.repeat):
         print(path)
 
 
