@@ -19,6 +19,7 @@ when the body raises or the process receives SIGTERM.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -45,6 +46,8 @@ def namespaces_available() -> str | None:
     """``None`` if this process can create network namespaces, else the reason why not."""
     if os.geteuid() != 0:
         return "emulating a cluster needs root (ip netns, tc)"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "the `ip` and `tc` commands (iproute2) are not installed"
     probe = f"fsbprobe{os.getpid()}"
     proc = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if proc.returncode != 0:
