@@ -1,0 +1,236 @@
+"""The one benchmark command: build an emulated cluster, run the sweep, write JSON results and plots, tear down.
+
+Run as root from the repository root::
+
+    sudo PYTHONPATH=. python -m benchmarks.run --preset full
+
+Presets:
+
+``full``
+    4 nodes x 2 ranks (8 ranks). FSDP, HSDP, FL+FSDP (group = node, 4 groups) and FL+HSDP (2 groups of 2 nodes,
+    shard inside a node, 2 replicas per group) at every link bandwidth; then ``sync_every`` and the outer
+    optimizer (fedavg vs nesterov) for the federated strategies at the slowest link.
+``smoke``
+    2 nodes x 1 rank, a tiny model, a few FL+FSDP steps on a throttled link: keeps the harness working (tests).
+
+Every run writes ``<work>/<name>/run.json`` and Lightning's CSV metrics; the driver collects them into
+``benchmarks/results/<preset>.json`` (rewritten after every run, so an interrupted sweep keeps what it measured)
+and draws the plots. The cluster is removed at the end, also after a failure or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.cluster import EmulatedCluster, namespaces_available
+from benchmarks.launch import REPO, RunFailed, launch
+from benchmarks.train import RunConfig
+
+RESULTS = REPO / "benchmarks" / "results"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run of the sweep: a training configuration on a link of a given bandwidth (Mbit/s, None = unthrottled)."""
+
+    name: str
+    link_mbit: float | None
+    config: RunConfig
+    sweep: str = "bandwidth"
+    """Which comparison the run belongs to: "bandwidth", "sync_every" or "outer_optimizer"."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A sweep: the cluster shape and the runs."""
+
+    num_nodes: int
+    devices: int
+    jobs: list[Job]
+    timeout: float
+
+
+def _full(work: Path, cache: Path) -> Preset:
+    nodes, devices = 4, 2
+    base = RunConfig(
+        strategy="fsdp",
+        num_nodes=nodes,
+        devices=devices,
+        out="",
+        cache_dir=str(cache),
+        num_groups=2,
+        sync_every=8,
+        outer_optimizer="nesterov",
+        max_steps=64,
+        val_every=8,
+        size="xs",
+        seq_len=128,
+        batch_size=4,
+        max_val_windows=32,
+    )
+    jobs = []
+
+    def add(sweep: str, link: float | None, **changes: Any) -> None:
+        cfg = replace(base, **changes)
+        fed = f"-H{cfg.sync_every}-{cfg.outer_optimizer}" if cfg.federated else ""
+        name = f"{cfg.strategy}{fed}-{'unthrottled' if link is None else f'{link:g}mbit'}"
+        jobs.append(Job(name, link, replace(cfg, out=str(work / name)), sweep))
+
+    # Bandwidth sweep, slowest link last; within one bandwidth the four strategies run back to back.
+    for link in (None, 200.0, 50.0):
+        for strategy in ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp"):
+            add("bandwidth", link, strategy=strategy)
+    # sync_every and the outer optimizer, on the slowest link (where syncs cost the most).
+    for sync_every in (4, 32):
+        add("sync_every", 50.0, strategy="fl_fsdp", sync_every=sync_every)
+    for strategy in ("fl_fsdp", "fl_hsdp"):
+        add("outer_optimizer", 50.0, strategy=strategy, outer_optimizer="fedavg")
+    return Preset(nodes, devices, jobs, timeout=900.0)
+
+
+def _smoke(work: Path, cache: Path) -> Preset:
+    cfg = RunConfig(
+        strategy="fl_fsdp",
+        num_nodes=2,
+        devices=1,
+        out=str(work / "fl_fsdp-smoke"),
+        cache_dir=str(cache),
+        sync_every=2,
+        max_steps=4,
+        val_every=4,
+        seq_len=32,
+        batch_size=2,
+        vocab_size=256,
+        max_train_windows=64,
+        max_val_windows=4,
+        model_overrides={"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64},
+    )
+    return Preset(2, 1, [Job("fl_fsdp-smoke", 20.0, cfg)], timeout=120.0)
+
+
+PRESETS = {"full": _full, "smoke": _smoke}
+
+
+def prepare_data(cfg: RunConfig, env: dict[str, str]) -> None:
+    """Export, tokenize and cache the corpus once, before any node starts (in a child: it imports a lot)."""
+    code = (
+        "import sys, json; from lightning_fedshard.examples import ShakespeareDataModule as D;"
+        "D(cache_dir=sys.argv[1], vocab_size=int(sys.argv[2])).prepare_data()"
+    )
+    subprocess.run([sys.executable, "-c", code, cfg.cache_dir, str(cfg.vocab_size)], env=env, check=True)
+
+
+def machine() -> dict[str, Any]:
+    """What produced the numbers."""
+    import lightning
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "git_commit": subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
+        "command": " ".join(["python -m benchmarks.run", *sys.argv[1:]]),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def run_preset(
+    name: str, work: Path, results_file: Path, only: list[str] | None = None, prefix: str | None = None
+) -> dict[str, Any]:
+    """Build the cluster, run every job of preset ``name`` and return (and keep writing) the results."""
+    if (reason := namespaces_available()) is not None:
+        raise SystemExit(f"Cannot emulate a cluster: {reason}.")
+    cache = work / "data"
+    preset = PRESETS[name](work, cache)
+    jobs = [job for job in preset.jobs if not only or job.name in only]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HOME": str(work / "hf_home"), "HF_DATASETS_OFFLINE": "1"}
+    prepare_data(jobs[0].config, env)
+    results: dict[str, Any] = {"preset": name, "machine": machine(), "started": time.time(), "runs": [], "failed": []}
+    cluster = EmulatedCluster(preset.num_nodes) if prefix is None else EmulatedCluster(preset.num_nodes, prefix)
+    with cluster:
+        for index, job in enumerate(jobs):
+            cluster.set_bandwidth(job.link_mbit)
+            print(f"[{index + 1}/{len(jobs)}] {job.name}", flush=True)
+            load = os.getloadavg()[0]
+            try:
+                run = launch(cluster, job.config, port=29500 + index, timeout=preset.timeout)
+            except RunFailed as error:
+                print(f"  FAILED: {error}", flush=True)
+                results["failed"].append({"name": job.name, "error": str(error)[-2000:]})
+                continue
+            run.update(name=job.name, sweep=job.sweep, load_before=load, load_after=os.getloadavg()[0])
+            results["runs"].append(run)
+            print(f"  {_summary(run)}", flush=True)
+            results["finished"] = time.time()
+            _write(results_file, results)
+    return results
+
+
+def _summary(run: dict[str, Any]) -> str:
+    steps = run["config"]["max_steps"]
+    last = run["vals"][-1] if run["vals"] else {"val_ppl": float("nan")}
+    return (
+        f"{run['tokens_per_step'] * steps / run['train_seconds']:.0f} tok/s, "
+        f"{run['link_tx_train'] - run['link_tx_val']:.3g} link bytes, val_ppl {last['val_ppl']:.1f}, "
+        f"wall {run['driver']['wall_seconds']:.0f} s"
+    )
+
+
+def _write(path: Path, results: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=1))
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line entry point."""
+    parser = argparse.ArgumentParser(description="Emulated-cluster benchmark of FSDP, HSDP, FL+FSDP and FL+HSDP.")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=Path("/tmp/fedshard-bench"),
+        help="scratch folder: data cache, per-run logs and CSVs",
+    )
+    parser.add_argument("--results", type=Path, default=None, help="JSON output (default benchmarks/results/)")
+    parser.add_argument("--only", nargs="*", help="run only these job names")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--prefix", help="name prefix of the namespaces (default: fsb<pid>)")
+    args = parser.parse_args(argv)
+    results_file = args.results or RESULTS / f"{args.preset}.json"
+    args.work.mkdir(parents=True, exist_ok=True)
+    run_preset(args.preset, args.work, results_file, args.only, args.prefix)
+    if not args.no_plots:
+        from benchmarks.plot import plot_all
+
+        plot_all(results_file, results_file.parent / args.preset)
+    print(f"results: {results_file}")
+
+
+if __name__ == "__main__":
+    main()
