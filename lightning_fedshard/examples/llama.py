@@ -158,7 +158,7 @@ class LlamaLM(LightningModule):
             num_hidden_layers=shape.num_layers,
             num_attention_heads=shape.num_heads,
             num_key_value_heads=kv_heads,
-            rope_theta=rope_theta,
+            rope_theta=rope_theta,  # type: ignore[call-arg]  # transformers 5 folds it into rope_parameters
             max_position_embeddings=max_seq_len,
             tie_word_embeddings=True,
             # The tokenizer has no special tokens; Llama's defaults (1, 2) would point at ordinary tokens.
