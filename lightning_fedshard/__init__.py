@@ -6,7 +6,10 @@ Importing the package registers the ``"fl_fsdp"`` and ``"fl_hsdp"`` strategies w
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_fedshard.checkpoint import CheckpointTopologyWarning
 from lightning_fedshard.core import FederationTopology, OuterStep, SyncStats
+from lightning_fedshard.core.outer import NonFiniteOuterGradientError
+from lightning_fedshard.export import export_consensus
 from lightning_fedshard.trainer import FLFSDPStrategy, FLHSDPStrategy, OuterSync
 
 FLFSDPStrategy.register_strategies(StrategyRegistry)
@@ -14,4 +17,14 @@ FLHSDPStrategy.register_strategies(StrategyRegistry)
 
 __version__ = "0.1.0"
 
-__all__ = ["FLFSDPStrategy", "FLHSDPStrategy", "FederationTopology", "OuterStep", "OuterSync", "SyncStats"]
+__all__ = [
+    "CheckpointTopologyWarning",
+    "FLFSDPStrategy",
+    "FLHSDPStrategy",
+    "FederationTopology",
+    "NonFiniteOuterGradientError",
+    "OuterStep",
+    "OuterSync",
+    "SyncStats",
+    "export_consensus",
+]

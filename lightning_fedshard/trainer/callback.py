@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_fedshard.core.outer import SyncStats
@@ -37,21 +38,30 @@ class OuterSync(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = _strategy(trainer)
         strategy.federation.start(strategy.local_shards(), trainer.global_step, on_write=strategy.free_unsharded_params)
+        # A checkpoint written in `on_train_batch_end` before this callback's sync of the same step resumes with that
+        # sync still due: run it now, as the uninterrupted run did.
+        stats = strategy.federation.maybe_sync(trainer.global_step)
+        if stats is not None:
+            _restart_skipped_groups(trainer, stats)
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         stats = _strategy(trainer).federation.maybe_sync(trainer.global_step)
-        if stats is not None and self.log_stats:
-            pl_module.log_dict(stats.as_dict(), on_step=True, on_epoch=False, prog_bar=self.prog_bar)
+        if stats is not None:
+            _restart_skipped_groups(trainer, stats)
+            if self.log_stats:
+                pl_module.log_dict(stats.as_dict(), on_step=True, on_epoch=False, prog_bar=self.prog_bar)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         stats = _strategy(trainer).federation.finish(trainer.global_step)
-        if stats is not None and self.log_stats:
-            # `self.log` is not allowed in `on_train_end`; write to the loggers directly.
-            _log_to_loggers(trainer, stats)
+        if stats is not None:
+            _restart_skipped_groups(trainer, stats)
+            if self.log_stats:
+                # `self.log` is not allowed in `on_train_end`; write to the loggers directly.
+                _log_to_loggers(trainer, stats)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -67,6 +77,24 @@ def _strategy(trainer: Trainer) -> Any:
     from lightning_fedshard.trainer.strategy import federated_strategy
 
     return federated_strategy(trainer)
+
+
+def _restart_skipped_groups(trainer: Trainer, stats: SyncStats) -> None:
+    """After ``on_nonfinite="skip_group"`` left groups out: say so, and clear their inner optimizer state.
+
+    The outer step already reset their weights to the new anchor; their inner optimizer state most likely holds the
+    same NaN/Inf, so every rank of a skipped group starts it afresh (all of them, to keep the group consistent).
+    """
+    if not stats.skipped_groups:
+        return
+    rank_zero_warn(
+        f"Skipped federation group(s) {list(stats.skipped_groups)} with a non-finite outer gradient at optimizer step"
+        f" {trainer.global_step} (sync {stats.num_syncs}): the outer step averaged the healthy groups only, and the"
+        " skipped groups restart from the new anchor with a fresh inner optimizer state."
+    )
+    if _strategy(trainer).federation.communicator.group_index in stats.skipped_groups:
+        for optimizer in trainer.optimizers:
+            optimizer.state.clear()
 
 
 def _log_to_loggers(trainer: Trainer, stats: SyncStats) -> None:
