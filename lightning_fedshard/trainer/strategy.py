@@ -237,6 +237,8 @@ class _FederatedFSDPStrategy(FSDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's state dict holding the consensus (the anchor of the last sync), in Lightning's key layout."""
+        if unsafe_to_save(sys.exc_info()[1]) is not None:
+            return {}  # `save_checkpoint` will skip this save; gathering now could only fail or store broken weights
         with self._consensus(), cpu_safe_full_state_dict(self.root_device):
             return super().lightning_module_state_dict()
 
@@ -269,6 +271,12 @@ class _FederatedFSDPStrategy(FSDPStrategy):
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
         )
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if is_peer_failure(sys.exc_info()[1]):
+            return  # handling a failed collective (e.g. the barrier after `OnExceptionCheckpoint`): it would fail too
+        super().barrier(name)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -422,10 +430,17 @@ def _check_sharding_strategy(value: object, expected: str) -> None:
 
 
 def _attach_outer_sync(trainer: Trainer) -> None:
+    from lightning.pytorch.callbacks import Checkpoint
+
     from lightning_fedshard.trainer.callback import OuterSync
 
     if not any(isinstance(cb, OuterSync) for cb in trainer.callbacks):
-        trainer.callbacks.append(OuterSync())
+        # Before the checkpoint callbacks: a checkpoint of a sync step then holds the synced state, and a failed
+        # (non-finite) sync stops training before a checkpoint of the broken weights is written.
+        first_checkpoint = next(
+            (i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)), len(trainer.callbacks)
+        )
+        trainer.callbacks.insert(first_checkpoint, OuterSync())
 
 
 def federated_strategy(trainer: Trainer) -> _FederatedFSDPStrategy:

@@ -38,7 +38,12 @@ class Module(L.LightningModule):
         self.world, self.rank, self.lr = world, rank, lr
         self.data = IndexedRegression(n=world * BATCH_SIZE)
         self.net = nn.Sequential(
-            nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Dropout(0.2), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT)
+            nn.Linear(IN, HIDDEN),
+            nn.Tanh(),
+            nn.Dropout(0.2),
+            nn.Linear(HIDDEN, HIDDEN),
+            nn.Tanh(),
+            nn.Linear(HIDDEN, OUT),
         )
 
     def training_step(self, batch, batch_idx):
@@ -80,6 +85,8 @@ class Recorder(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.shards_at[trainer.global_step] = _flat(local_shards(trainer.strategy.model))
+        if self.spec.get("boundary_ckpt_step") == trainer.global_step:  # right after the sync of the previous step
+            trainer.save_checkpoint(self.out / f"boundary{trainer.global_step}.ckpt")
         if self.spec.get("raise_at_step") == trainer.global_step:
             raise RuntimeError(f"injected failure at step {trainer.global_step}")
 
@@ -168,7 +175,7 @@ def run(spec: dict[str, Any], root: Path) -> None:
         "num_syncs": strategy.federation.outer.num_syncs if strategy.federation.started else 0,
         "ckpt_sha_after": _sha(out / "ckpts" / "step=2.ckpt"),
     }
-    if error is None:
+    if error is None and spec.get("state_dict_type", "full") == "full":  # a sharded one holds ShardedTensors
         with cpu_safe_full_state_dict(torch.device("cpu")):
             result["consensus"] = {k: v.clone() for k, v in strategy.lightning_module_state_dict().items()}
     torch.save(result, out / f"rank{rank}.pt")
