@@ -108,6 +108,7 @@ class Recorder(L.Callback):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         if self.spec.get("die_at_save_step") == trainer.global_step and self.rank == self.spec["dying_rank"]:
+            (self.out.parent / "died_at").write_text(str(time.time()))
             os._exit(1)  # dies in the middle of a save, while the other ranks are in its collectives
 
 
