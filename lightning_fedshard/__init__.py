@@ -8,7 +8,10 @@ any Fabric script.
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_fedshard import fabric
+from lightning_fedshard.checkpoint import CheckpointTopologyWarning
 from lightning_fedshard.core import FederationTopology, OuterStep, SyncStats
+from lightning_fedshard.core.outer import NonFiniteOuterGradientError
+from lightning_fedshard.export import export_consensus
 from lightning_fedshard.trainer import FLFSDPStrategy, FLHSDPStrategy, OuterSync
 
 FLFSDPStrategy.register_strategies(StrategyRegistry)
@@ -16,4 +19,15 @@ FLHSDPStrategy.register_strategies(StrategyRegistry)
 
 __version__ = "0.1.0"
 
-__all__ = ["fabric", "FLFSDPStrategy", "FLHSDPStrategy", "FederationTopology", "OuterStep", "OuterSync", "SyncStats"]
+__all__ = [
+    "fabric",
+    "CheckpointTopologyWarning",
+    "FLFSDPStrategy",
+    "FLHSDPStrategy",
+    "FederationTopology",
+    "NonFiniteOuterGradientError",
+    "OuterStep",
+    "OuterSync",
+    "SyncStats",
+    "export_consensus",
+]

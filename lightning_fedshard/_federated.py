@@ -51,6 +51,7 @@ class FederatedStrategyMixin:
         outer_optimizer: OuterOptimizerSpec,
         reduce_dtype: str | torch.dtype,
         anchor_device: str,
+        on_nonfinite: str,
         sharding_strategy: object,
         fsdp_kwargs: dict[str, Any],
     ) -> None:
@@ -79,6 +80,7 @@ class FederatedStrategyMixin:
             outer_optimizer=outer_optimizer,
             reduce_dtype=reduce_dtype,
             anchor_device=anchor_device,
+            on_nonfinite=on_nonfinite,
         )
         self._topology: FederationTopology | None = None
         self._mesh: FederationMesh | None = None

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.optim import SGD, Optimizer
 
-from lightning_fedshard.core.outer import OuterOptimizerFactory, build_outer_optimizer
+from lightning_fedshard.core.outer import NONFINITE_POLICIES, OuterOptimizerFactory, build_outer_optimizer
 from lightning_fedshard.core.topology import FederationTopology
 
 #: Named outer optimizers. "nesterov" is DiLoCo's outer step (also torchft's and OpenDiLoCo's default);
@@ -46,11 +46,14 @@ class FederationConfig:
             ``"float16"`` (or the matching ``torch.dtype``).
         anchor_device: ``"cpu"`` keeps the anchor and outer optimizer state in host memory; ``"device"`` keeps
             them next to the model shards.
+        on_nonfinite: What a sync does when a group's pseudo-gradient holds NaN/Inf: ``"raise"`` (default) stops
+            with an error naming the groups, the step and the sync, leaving the anchor untouched; ``"skip_group"``
+            averages over the healthy groups only and restarts the broken ones from the new anchor.
 
     Raises:
         ValueError: For a non-positive ``num_groups``, ``shard_size`` or ``sync_every``, an unknown outer
-            optimizer name, an outer optimizer factory that does not return an optimizer, an unknown reduce dtype
-            or anchor device.
+            optimizer name, an outer optimizer factory that does not return an optimizer, an unknown reduce dtype,
+            anchor device or ``on_nonfinite`` policy.
     """
 
     num_groups: int | None = None
@@ -59,6 +62,7 @@ class FederationConfig:
     outer_optimizer: OuterOptimizerSpec = "nesterov"
     reduce_dtype: str | torch.dtype = "float32"
     anchor_device: str = "cpu"
+    on_nonfinite: str = "raise"
 
     def __post_init__(self) -> None:
         for name in ("num_groups", "shard_size"):
@@ -69,6 +73,8 @@ class FederationConfig:
         resolve_reduce_dtype(self.reduce_dtype)
         if self.anchor_device not in ("cpu", "device"):
             raise ValueError(f"`anchor_device` must be 'cpu' or 'device', got {self.anchor_device!r}.")
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"`on_nonfinite` must be one of {list(NONFINITE_POLICIES)}, got {self.on_nonfinite!r}.")
 
     def topology(self, num_nodes: int, devices_per_node: int, hybrid: bool) -> FederationTopology:
         """The job's topology once the number of nodes and devices per node are known.

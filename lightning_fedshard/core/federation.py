@@ -47,7 +47,8 @@ class Federation:
     def start(self, shards: Sequence[Tensor], step: int, on_write: Callable[[], None] | None = None) -> None:
         """Take the current shards as the anchor (all groups must hold the same weights) at optimizer step ``step``.
 
-        Calling it again with the same shards only re-anchors the schedule; the outer optimizer state is kept.
+        Calling it again with the same shards keeps everything (anchor, outer optimizer state, schedule), e.g. after
+        :meth:`load_state_dict` restored them from a checkpoint; only ``on_write`` is replaced.
 
         Args:
             shards: This rank's local shards, updated in place by training.
@@ -56,7 +57,6 @@ class Federation:
         """
         self._on_write = on_write or _nothing
         if self._outer is not None and _same_tensors(self._outer.shards, shards):
-            self.last_synced_step = step
             return
         anchor_device = "cpu" if self.config.anchor_device == "cpu" else None
         self._outer = OuterStep(
@@ -65,6 +65,7 @@ class Federation:
             self.communicator,
             reduce_dtype=self.config.reduce_torch_dtype,
             anchor_device=anchor_device,
+            on_nonfinite=self.config.on_nonfinite,
         )
         self.last_synced_step = step
 
@@ -85,8 +86,12 @@ class Federation:
         return self.sync(step) if self.started and step > self.last_synced_step else None
 
     def sync(self, step: int) -> SyncStats:
-        """Run the outer step now; collective."""
-        stats = self.outer.step()
+        """Run the outer step now; collective.
+
+        Raises:
+            NonFiniteOuterGradientError: See :class:`~lightning_fedshard.core.outer.OuterStep`.
+        """
+        stats = self.outer.step(step=step)
         self._on_write()
         self.last_synced_step = step
         return stats

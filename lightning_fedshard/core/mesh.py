@@ -104,11 +104,21 @@ class ProcessGroupCommunicator:
         """Number of federation groups."""
         return self.topology.num_groups
 
+    @property
+    def group_index(self) -> int:
+        """This rank's federation group (its rank along the ``"fed"`` axis, where groups are in order)."""
+        return dist.get_rank(self.fed_group) if self.num_groups > 1 else 0
+
+    def sum_across_groups(self, tensor: Tensor) -> None:
+        """Sum over the ``"fed"`` axis."""
+        if self.num_groups > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.fed_group)
+
     def average_across_groups(self, tensor: Tensor) -> None:
         """Mean over the ``"fed"`` axis (SUM then divide: gloo has no AVG)."""
         if self.num_groups == 1:
             return
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.fed_group)
+        self.sum_across_groups(tensor)
         tensor.div_(self.num_groups)
 
     def sum_across_model(self, tensor: Tensor) -> None:

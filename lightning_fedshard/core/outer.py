@@ -14,6 +14,10 @@ parameter in every group: the all-reduce runs on local shards and nothing is eve
 optimizers (SGD, Nesterov, Adam without clipping) are therefore exact on shards. The inner optimizer state is
 never touched.
 
+Before the mean, every group's pseudo-gradient is checked for NaN/Inf: by default a non-finite one raises
+:class:`NonFiniteOuterGradientError` with the anchor untouched; with ``on_nonfinite="skip_group"`` the mean runs over
+the healthy groups only and the broken ones restart from the new anchor like everyone else.
+
 This module knows nothing about Lightning or FSDP: it takes tensors and a :class:`Communicator`.
 """
 
@@ -31,6 +35,34 @@ from torch.optim import Optimizer
 
 OuterOptimizerFactory = Callable[[Iterable[Tensor]], Optimizer]
 
+#: What the outer step does with a group whose pseudo-gradient holds NaN or Inf.
+NONFINITE_POLICIES: tuple[str, ...] = ("raise", "skip_group")
+
+
+class NonFiniteOuterGradientError(FloatingPointError):
+    """A federation group's pseudo-gradient holds NaN or Inf; the anchor and the outer optimizer are untouched.
+
+    Attributes:
+        groups: Indices of the broken groups.
+        num_syncs: Outer steps completed before this one.
+        step: The optimizer step of the failed sync, when known.
+    """
+
+    def __init__(self, groups: Sequence[int], num_syncs: int, step: int | None = None) -> None:
+        self.groups = tuple(groups)
+        self.num_syncs = num_syncs
+        self.step = step
+        where = f" at optimizer step {step}" if step is not None else ""
+        super().__init__(
+            f"Non-finite outer gradient (NaN/Inf pseudo-gradient) in federation group(s) {list(self.groups)}{where},"
+            f" sync {num_syncs + 1} (after {num_syncs} successful sync(s)). The anchor was left untouched and no"
+            " checkpoint is written from this state: resume from the last checkpoint (e.g. with a lower learning"
+            " rate), or pass `on_nonfinite='skip_group'` to average over the healthy groups only."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.groups, self.num_syncs, self.step)
+
 
 class Communicator(Protocol):
     """Collectives the outer step needs; the real one wraps process groups, tests may pass a fake."""
@@ -39,8 +71,12 @@ class Communicator(Protocol):
     def num_groups(self) -> int:
         """Number of federation groups ``G`` taking part in the mean."""
 
-    def average_across_groups(self, tensor: Tensor) -> None:
-        """Replace ``tensor`` in place by its mean over the ranks at the same in-group position of every group."""
+    @property
+    def group_index(self) -> int:
+        """This rank's federation group."""
+
+    def sum_across_groups(self, tensor: Tensor) -> None:
+        """Replace ``tensor`` in place by its sum over the ranks at the same in-group position of every group."""
 
     def sum_across_model(self, tensor: Tensor) -> None:
         """Replace a small statistics vector in place by its sum over all distinct shards of all groups.
@@ -61,6 +97,8 @@ class SyncStats:
             (``2 (G-1)/G`` times the payload).
         seconds: Wall time of the whole outer step on this rank.
         num_syncs: Number of outer steps done so far, including this one.
+        skipped_groups: Groups left out of the mean because their pseudo-gradient was not finite
+            (``on_nonfinite="skip_group"``); they restart from the new anchor.
     """
 
     outer_grad_norm: float
@@ -68,16 +106,20 @@ class SyncStats:
     bytes_sent: int
     seconds: float
     num_syncs: int
+    skipped_groups: tuple[int, ...] = ()
 
     def as_dict(self, prefix: str = "fedshard/") -> dict[str, float]:
         """The statistics as a flat ``{name: value}`` dict for loggers."""
-        return {
+        stats = {
             f"{prefix}outer_grad_norm": self.outer_grad_norm,
             f"{prefix}drift": self.drift,
             f"{prefix}sync_bytes": float(self.bytes_sent),
             f"{prefix}sync_seconds": self.seconds,
             f"{prefix}num_syncs": float(self.num_syncs),
         }
+        if self.skipped_groups:
+            stats[f"{prefix}skipped_groups"] = float(len(self.skipped_groups))
+        return stats
 
 
 class OuterStep:
@@ -92,9 +134,11 @@ class OuterStep:
         reduce_dtype: Data type of the pseudo-gradient on the wire.
         anchor_device: Where the anchor and the outer optimizer state live. ``"cpu"`` (default) costs the
             accelerator no memory; ``None`` keeps them next to the shards.
+        on_nonfinite: ``"raise"`` (default) or ``"skip_group"``; see :meth:`step`.
 
     Raises:
-        ValueError: If ``outer_optimizer`` does not return a ``torch.optim.Optimizer``.
+        ValueError: If ``outer_optimizer`` does not return a ``torch.optim.Optimizer``, or for an unknown
+            ``on_nonfinite``.
     """
 
     def __init__(
@@ -104,7 +148,11 @@ class OuterStep:
         communicator: Communicator,
         reduce_dtype: torch.dtype = torch.float32,
         anchor_device: torch.device | str | None = "cpu",
+        on_nonfinite: str = "raise",
     ) -> None:
+        if on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"`on_nonfinite` must be one of {list(NONFINITE_POLICIES)}, got {on_nonfinite!r}.")
+        self.on_nonfinite = on_nonfinite
         self.shards = list(shards)
         self.communicator = communicator
         self.reduce_dtype = reduce_dtype
@@ -113,33 +161,49 @@ class OuterStep:
         self.optimizer = build_outer_optimizer(outer_optimizer, self.anchor)
 
     @torch.no_grad()
-    def step(self) -> SyncStats:
+    def step(self, step: int | None = None) -> SyncStats:
         """Average the pseudo-gradients over groups, step the outer optimizer and reset every shard to the anchor.
 
         Collective: every rank of the job must call it at the same point.
+
+        Args:
+            step: The optimizer step this sync follows; only used in error messages.
+
+        Raises:
+            NonFiniteOuterGradientError: If a group's pseudo-gradient holds NaN/Inf and ``on_nonfinite="raise"``, or
+                every group's does. Nothing was changed then.
         """
         start = time.perf_counter()
         with torch.profiler.record_function("fedshard::pseudogradient"):
             local = self._pseudogradient()
+        broken = self._nonfinite_groups(local)
+        groups = self.communicator.num_groups
+        if broken and (self.on_nonfinite == "raise" or len(broken) == groups):
+            raise NonFiniteOuterGradientError(broken, self.num_syncs, step)
+        if self.communicator.group_index in broken:
+            local.zero_()  # a broken group adds nothing to the sum; the mean divides by the healthy groups
+        healthy = groups - len(broken)
         own_sq = float(local.double().square().sum()) if local.numel() else 0.0
         payload = local.numel() * local.element_size()
         with torch.profiler.record_function("fedshard::outer_all_reduce"):
-            self.communicator.average_across_groups(local)
+            if groups > 1:
+                self.communicator.sum_across_groups(local)
+            local.div_(healthy)
         mean_sq = float(local.double().square().sum()) if local.numel() else 0.0
-        norm, drift = self._global_norms(own_sq, mean_sq, local.device)
+        norm, drift = self._global_norms(own_sq, mean_sq, local.device, healthy)
         with torch.profiler.record_function("fedshard::outer_optimizer_step"):
             self._set_grads(local)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.copy_anchor_to_shards()
         self.num_syncs += 1
-        groups = self.communicator.num_groups
         return SyncStats(
             outer_grad_norm=norm,
             drift=drift,
             bytes_sent=int(2 * (groups - 1) / groups * payload),
             seconds=time.perf_counter() - start,
             num_syncs=self.num_syncs,
+            skipped_groups=tuple(broken),
         )
 
     @torch.no_grad()
@@ -183,6 +247,14 @@ class OuterStep:
         parts = [(a.to(device, non_blocking=True) - s).reshape(-1) for a, s in zip(self.anchor, self.shards)]
         return torch.cat(parts).to(self.reduce_dtype)
 
+    def _nonfinite_groups(self, local: Tensor) -> list[int]:
+        """Groups whose pseudo-gradient holds NaN/Inf anywhere, known to every rank (one tiny all-reduce)."""
+        flags = torch.zeros(self.communicator.num_groups, dtype=torch.float64, device=local.device)
+        if local.numel() and not bool(torch.isfinite(local).all()):
+            flags[self.communicator.group_index] = 1.0
+        self.communicator.sum_across_model(flags)
+        return [g for g, flag in enumerate(flags.tolist()) if flag > 0]
+
     def _set_grads(self, flat: Tensor) -> None:
         offset = 0
         for anchor in self.anchor:
@@ -191,16 +263,17 @@ class OuterStep:
             anchor.grad = grad.to(anchor.device, anchor.dtype, copy=True)
             offset += n
 
-    def _global_norms(self, own_sq: float, mean_sq: float, device: torch.device) -> tuple[float, float]:
-        """Whole-model norm of the mean pseudo-gradient, and the groups' RMS distance from their mean.
+    def _global_norms(self, own_sq: float, mean_sq: float, device: torch.device, healthy: int) -> tuple[float, float]:
+        """Whole-model norm of the mean pseudo-gradient, and the healthy groups' RMS distance from their mean.
 
         Since the mean pseudo-gradient is the mean of the groups' ones,
-        ``mean_g |d_g - d|^2 = mean_g |d_g|^2 - |d|^2``: one tiny all-reduce gives both.
+        ``mean_g |d_g - d|^2 = mean_g |d_g|^2 - |d|^2``: one tiny all-reduce gives both. Skipped groups contribute
+        ``own_sq = 0`` and are left out of the mean over groups.
         """
         sums = torch.tensor([own_sq, mean_sq], dtype=torch.float64, device=device)
         self.communicator.sum_across_model(sums)
         groups = self.communicator.num_groups
-        mean_own_sq, mean_sq_total = sums[0].item() / groups, sums[1].item() / groups
+        mean_own_sq, mean_sq_total = sums[0].item() / healthy, sums[1].item() / groups
         return math.sqrt(max(mean_sq_total, 0.0)), math.sqrt(max(mean_own_sq - mean_sq_total, 0.0))
 
 

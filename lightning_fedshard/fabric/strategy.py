@@ -44,6 +44,7 @@ class _FederatedFabricStrategy(FederatedStrategyMixin, FSDPStrategy):
         outer_optimizer: OuterOptimizerSpec = "nesterov",
         reduce_dtype: str | torch.dtype = "float32",
         anchor_device: Literal["cpu", "device"] = "cpu",
+        on_nonfinite: Literal["raise", "skip_group"] = "raise",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -59,8 +60,9 @@ class _FederatedFabricStrategy(FederatedStrategyMixin, FSDPStrategy):
         **kwargs: Any,
     ) -> None:
         self._init_federation(
-            num_groups, shard_size, sync_every, outer_optimizer, reduce_dtype, anchor_device, sharding_strategy, kwargs
-        )
+            num_groups, shard_size, sync_every, outer_optimizer, reduce_dtype, anchor_device, on_nonfinite,
+            sharding_strategy, kwargs,
+        )  # fmt: skip
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -167,6 +169,7 @@ class FLFSDPStrategy(_FederatedFabricStrategy):
         outer_optimizer: ``"nesterov"``, ``"fedavg"`` or a callable building an optimizer from tensors.
         reduce_dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"`` for the outer all-reduce.
         anchor_device: ``"cpu"`` (default) or ``"device"``: where the anchor and outer state live.
+        on_nonfinite: ``"raise"`` (default) or ``"skip_group"``: what a NaN/Inf pseudo-gradient does.
         accelerator: See :class:`lightning.fabric.strategies.FSDPStrategy`.
         parallel_devices: See :class:`lightning.fabric.strategies.FSDPStrategy`.
         cluster_environment: See :class:`lightning.fabric.strategies.FSDPStrategy`.
@@ -206,6 +209,7 @@ class FLHSDPStrategy(_FederatedFabricStrategy):
         outer_optimizer: ``"nesterov"``, ``"fedavg"`` or a callable building an optimizer from tensors.
         reduce_dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"`` for the outer all-reduce.
         anchor_device: ``"cpu"`` (default) or ``"device"``: where the anchor and outer state live.
+        on_nonfinite: ``"raise"`` (default) or ``"skip_group"``: what a NaN/Inf pseudo-gradient does.
         accelerator: See :class:`lightning.fabric.strategies.FSDPStrategy`.
         parallel_devices: See :class:`lightning.fabric.strategies.FSDPStrategy`.
         cluster_environment: See :class:`lightning.fabric.strategies.FSDPStrategy`.

@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_fedshard.core.outer import SyncStats
@@ -19,9 +20,10 @@ class OuterSync(Callback):
     change how it logs. Validation during ``fit`` runs on the consensus weights of the last sync (groups keep
     their own weights in between and get them back afterwards).
 
-    Every sync logs ``fedshard/outer_grad_norm``, ``fedshard/drift`` (RMS distance of the groups from their
+    Every sync writes ``fedshard/outer_grad_norm``, ``fedshard/drift`` (RMS distance of the groups from their
     mean), ``fedshard/sync_bytes`` (bytes this rank sent in the outer all-reduce), ``fedshard/sync_seconds`` and
-    ``fedshard/num_syncs`` through Lightning, so they reach the progress bar and every logger.
+    ``fedshard/num_syncs`` to every logger of the Trainer at the optimizer step of the sync, whatever
+    ``log_every_n_steps`` says, and shows the sync count and drift in the progress bar.
 
     Args:
         log_stats: Log the statistics of each sync.
@@ -37,24 +39,41 @@ class OuterSync(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        _strategy(trainer).start_federation(trainer.global_step)
+        strategy = _strategy(trainer)
+        strategy.start_federation(trainer.global_step)
+        # A checkpoint written in `on_train_batch_end` before this callback's sync of the same step resumes with that
+        # sync still due: run it now, as the uninterrupted run did.
+        stats = strategy.federation.maybe_sync(trainer.global_step)
+        if stats is not None:
+            _restart_skipped_groups(trainer, stats)
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         stats = _strategy(trainer).federation.maybe_sync(trainer.global_step)
-        if stats is not None and self.log_stats:
+        if stats is not None:
+            _restart_skipped_groups(trainer, stats)
+            if self.log_stats:
+                self._log(trainer, pl_module, stats)
+
+    def _log(self, trainer: Trainer, pl_module: LightningModule, stats: SyncStats) -> None:
+        # Straight to the loggers: `self.log` only reaches them every `log_every_n_steps`, and a sync between two
+        # logging steps would be lost. The progress bar gets a short summary through Lightning.
+        _log_to_loggers(trainer, stats)
+        if self.prog_bar:
             for name, value in stats.as_dict().items():
-                prog_bar = self.prog_bar and name in self._PROG_BAR_KEYS
-                pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=prog_bar)
+                if name in self._PROG_BAR_KEYS:
+                    pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=True, logger=False)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         stats = _strategy(trainer).federation.finish(trainer.global_step)
-        if stats is not None and self.log_stats:
-            # `self.log` is not allowed in `on_train_end`; write to the loggers directly.
-            _log_to_loggers(trainer, stats)
+        if stats is not None:
+            _restart_skipped_groups(trainer, stats)
+            if self.log_stats:
+                # `self.log` is not allowed in `on_train_end`; write to the loggers directly.
+                _log_to_loggers(trainer, stats)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -70,6 +89,24 @@ def _strategy(trainer: Trainer) -> Any:
     from lightning_fedshard.trainer.strategy import federated_strategy
 
     return federated_strategy(trainer)
+
+
+def _restart_skipped_groups(trainer: Trainer, stats: SyncStats) -> None:
+    """After ``on_nonfinite="skip_group"`` left groups out: say so, and clear their inner optimizer state.
+
+    The outer step already reset their weights to the new anchor; their inner optimizer state most likely holds the
+    same NaN/Inf, so every rank of a skipped group starts it afresh (all of them, to keep the group consistent).
+    """
+    if not stats.skipped_groups:
+        return
+    rank_zero_warn(
+        f"Skipped federation group(s) {list(stats.skipped_groups)} with a non-finite outer gradient at optimizer step"
+        f" {trainer.global_step} (sync {stats.num_syncs}): the outer step averaged the healthy groups only, and the"
+        " skipped groups restart from the new anchor with a fresh inner optimizer state."
+    )
+    if _strategy(trainer).federation.communicator.group_index in stats.skipped_groups:
+        for optimizer in trainer.optimizers:
+            optimizer.state.clear()
 
 
 def _log_to_loggers(trainer: Trainer, stats: SyncStats) -> None:

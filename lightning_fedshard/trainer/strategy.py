@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
@@ -16,8 +17,11 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -25,6 +29,7 @@ from typing_extensions import override
 
 from lightning_fedshard._compat import cpu_safe_full_state_dict
 from lightning_fedshard._federated import FederatedStrategyMixin
+from lightning_fedshard.checkpoint import FederationCheckpointer, is_peer_failure, peer_failure_message, unsafe_to_save
 from lightning_fedshard.core.config import OuterOptimizerSpec
 
 if TYPE_CHECKING:
@@ -48,6 +53,7 @@ class _FederatedFSDPStrategy(FederatedStrategyMixin, FSDPStrategy):
         outer_optimizer: OuterOptimizerSpec = "nesterov",
         reduce_dtype: str | torch.dtype = "float32",
         anchor_device: Literal["cpu", "device"] = "cpu",
+        on_nonfinite: Literal["raise", "skip_group"] = "raise",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -64,8 +70,9 @@ class _FederatedFSDPStrategy(FederatedStrategyMixin, FSDPStrategy):
         **kwargs: Any,
     ) -> None:
         self._init_federation(
-            num_groups, shard_size, sync_every, outer_optimizer, reduce_dtype, anchor_device, sharding_strategy, kwargs
-        )
+            num_groups, shard_size, sync_every, outer_optimizer, reduce_dtype, anchor_device, on_nonfinite,
+            sharding_strategy, kwargs,
+        )  # fmt: skip
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -115,23 +122,68 @@ class _FederatedFSDPStrategy(FederatedStrategyMixin, FSDPStrategy):
         _attach_outer_sync(trainer)
         super().setup(trainer)
 
-    # -- state dicts: the consensus, gathered without the CPU offload that crashes torch on CPU ---------------
+    # -- checkpoints: the consensus as the model, every group's own state beside it (see checkpoint.py) ----------
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's state dict holding the consensus (the anchor of the last sync), in Lightning's key layout."""
+        if unsafe_to_save(sys.exc_info()[1]) is not None:
+            return {}  # `save_checkpoint` will skip this save; gathering now could only fail or store broken weights
         with self._consensus(), cpu_safe_full_state_dict(self.root_device):
             return super().lightning_module_state_dict()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        with cpu_safe_full_state_dict(self.root_device):
-            return super().optimizer_state(optimizer)
+        """This rank's own inner optimizer state; :meth:`save_checkpoint` files it under the rank's group."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return optimizer.state_dict()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
+        # `sys.exc_info()` is set while Lightning runs `on_exception` hooks such as `OnExceptionCheckpoint`.
+        reason = unsafe_to_save(sys.exc_info()[1])
+        if reason is not None:
+            rank_zero_warn(f"Not saving checkpoint {str(filepath)!r}: {reason}")
+            return
+        optimizer_states = checkpoint.pop("optimizer_states", [])
+        self.checkpointer.save(checkpoint, self.broadcast(filepath), self._state_dict_type, optimizer_states)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        with cpu_safe_full_state_dict(self.root_device):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        assert self.lightning_module is not None
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        return self.checkpointer.load(
+            self.broadcast(checkpoint_path),
+            optimizers=self.optimizers if fitting else None,
+            strict=self.lightning_module.strict_loading,
+            weights_only=weights_only,
+        )
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if is_peer_failure(sys.exc_info()[1]):
+            return  # handling a failed collective (e.g. the barrier after `OnExceptionCheckpoint`): it would fail too
+        super().barrier(name)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        if is_peer_failure(exception):
+            message = peer_failure_message(exception, self.global_rank)
+            log.error(message)
+            if hasattr(exception, "add_note"):  # Python >= 3.11: shown under the traceback
+                exception.add_note(message)
+
+    @property
+    def checkpointer(self) -> FederationCheckpointer:
+        """Saves and loads this rank's federation state with the model (see :mod:`lightning_fedshard.checkpoint`)."""
+        assert self.model is not None
+        return FederationCheckpointer(
+            self.mesh.topology, self.hybrid, self.global_rank, self.federation, self.model, self.free_unsharded_params
+        )
 
     def _consensus(self) -> AbstractContextManager[None]:
         return self._federation.consensus_weights() if self._federation is not None else nullcontext()
@@ -164,20 +216,25 @@ class FLFSDPStrategy(_FederatedFSDPStrategy):
             ``torch.optim.Optimizer`` from an iterable of tensors.
         reduce_dtype: Data type of the outer all-reduce: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``.
         anchor_device: Where the anchor and outer optimizer state live: ``"cpu"`` (default) or ``"device"``.
+        on_nonfinite: ``"raise"`` (default): a NaN/Inf pseudo-gradient stops training with an error naming the
+            groups, the step and the sync, leaving the anchor and the last checkpoint untouched. ``"skip_group"``:
+            average over the healthy groups only and restart the broken ones (weights from the new anchor, fresh
+            inner optimizer state), with a warning.
         accelerator: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
         parallel_devices: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
         cluster_environment: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
         checkpoint_io: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
         precision_plugin: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
         process_group_backend: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
-        timeout: Timeout of collective operations.
+        timeout: Timeout of collective operations: if a rank dies, the others stop with an error within it.
         cpu_offload: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
         mixed_precision: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
         auto_wrap_policy: See :class:`~lightning.pytorch.strategies.FSDPStrategy`; layer classes may also be given
             by import path, e.g. ``["transformers.models.llama.modeling_llama.LlamaDecoderLayer"]``.
         activation_checkpointing_policy: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
         sharding_strategy: Must be ``"FULL_SHARD"`` (the default) for FL+FSDP.
-        state_dict_type: ``"full"`` (default) or ``"sharded"`` checkpoints.
+        state_dict_type: ``"full"`` (default) or ``"sharded"`` checkpoints; both resume exactly (see
+            docs/checkpoints.md).
         **kwargs: Passed on to :class:`~lightning.pytorch.strategies.FSDPStrategy` and torch FSDP, except
             ``device_mesh`` and ``process_group``, which the federation builds itself.
     """
@@ -209,20 +266,25 @@ class FLHSDPStrategy(_FederatedFSDPStrategy):
             ``torch.optim.Optimizer`` from an iterable of tensors.
         reduce_dtype: Data type of the outer all-reduce: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``.
         anchor_device: Where the anchor and outer optimizer state live: ``"cpu"`` (default) or ``"device"``.
+        on_nonfinite: ``"raise"`` (default): a NaN/Inf pseudo-gradient stops training with an error naming the
+            groups, the step and the sync, leaving the anchor and the last checkpoint untouched. ``"skip_group"``:
+            average over the healthy groups only and restart the broken ones (weights from the new anchor, fresh
+            inner optimizer state), with a warning.
         accelerator: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
         parallel_devices: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
         cluster_environment: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
         checkpoint_io: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
         precision_plugin: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
         process_group_backend: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
-        timeout: Timeout of collective operations.
+        timeout: Timeout of collective operations: if a rank dies, the others stop with an error within it.
         cpu_offload: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
         mixed_precision: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
         auto_wrap_policy: See :class:`~lightning.pytorch.strategies.FSDPStrategy`; layer classes may also be given
             by import path, e.g. ``["transformers.models.llama.modeling_llama.LlamaDecoderLayer"]``.
         activation_checkpointing_policy: See :class:`~lightning.pytorch.strategies.FSDPStrategy`.
         sharding_strategy: Must be ``"HYBRID_SHARD"`` (the default) for FL+HSDP.
-        state_dict_type: ``"full"`` (default) or ``"sharded"`` checkpoints.
+        state_dict_type: ``"full"`` (default) or ``"sharded"`` checkpoints; both resume exactly (see
+            docs/checkpoints.md).
         **kwargs: Passed on to :class:`~lightning.pytorch.strategies.FSDPStrategy` and torch FSDP, except
             ``device_mesh`` and ``process_group``, which the federation builds itself.
     """
@@ -238,11 +300,16 @@ class FLHSDPStrategy(_FederatedFSDPStrategy):
 
 
 def _attach_outer_sync(trainer: Trainer) -> None:
+    from lightning.pytorch.callbacks import Checkpoint
+
     from lightning_fedshard.trainer.callback import OuterSync
 
     callbacks: list = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
     if not any(isinstance(cb, OuterSync) for cb in callbacks):
-        callbacks.append(OuterSync())
+        # Before the checkpoint callbacks: a checkpoint of a sync step then holds the synced state, and a failed
+        # (non-finite) sync stops training before a checkpoint of the broken weights is written.
+        first_checkpoint = next((i for i, cb in enumerate(callbacks) if isinstance(cb, Checkpoint)), len(callbacks))
+        callbacks.insert(first_checkpoint, OuterSync())
 
 
 def federated_strategy(trainer: Trainer) -> _FederatedFSDPStrategy:

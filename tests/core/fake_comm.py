@@ -51,6 +51,10 @@ class _ThreadCommunicator:
         self._groups = groups
         self._g = g
         self.num_groups = groups.num_groups
+        self.group_index = g
+
+    def sum_across_groups(self, tensor: Tensor) -> None:
+        self._groups._all_reduce_sum(self._g, tensor)
 
     def average_across_groups(self, tensor: Tensor) -> None:
         self._groups._all_reduce_sum(self._g, tensor)

@@ -1,0 +1,270 @@
+"""Multi-process proofs that checkpoints resume exactly, survive failures and change nothing while training.
+
+Four launches: a 4-rank FL+FSDP job (2 nodes x 2 devices, 2 groups) in which one rank dies mid-save, the 4-rank
+scenarios (straight runs, resumes, topology change, non-finite syncs), then the same for FL+HSDP on 8 ranks (2 nodes x 4
+devices, 2 groups x 2 replicas x 2 shards). Every run trains 8 steps with ``sync_every=3`` (syncs after steps 3, 6 and
+a final one after 8), AdamW + a step LR schedule inside, Nesterov outside, and dropout.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_fedshard.checkpoint import FEDSHARD_KEY
+from tests.launch import launch
+
+WORKER = Path(__file__).with_name("ckpt_worker.py")
+FSDP = dict(strategy="fl_fsdp")
+HSDP = dict(strategy="fl_hsdp", num_groups=2, shard_size=2)
+SHARDED = dict(state_dict_type="sharded")
+DEATH = dict(ckpt=True, die_at_save_step=5, timeout_s=20)
+
+
+def _family(prefix: str, base: dict, runs_from: str) -> list[dict]:
+    """A straight run writing a checkpoint after every step, and resumes from each kind of checkpoint."""
+    return [
+        dict(base, name=prefix, ckpt=True, presync_ckpt_step=6),
+        dict(base, name=f"{prefix}_between", resume_from=f"{runs_from}/ckpts/step=4.ckpt"),
+        dict(base, name=f"{prefix}_boundary", resume_from=f"{runs_from}/ckpts/step=6.ckpt"),
+        dict(base, name=f"{prefix}_presync", resume_from=f"{runs_from}/presync6.ckpt"),
+        dict(base, name=f"{prefix}_exc", ckpt=True, raise_at_step=5, expect_error=True),
+        dict(base, name=f"{prefix}_exception", resume_from=f"{prefix}_exc/on_exception.ckpt"),
+    ]
+
+
+SCENARIOS_4 = [
+    *_family("full", FSDP, "full"),
+    *_family("sharded", {**FSDP, **SHARDED}, "sharded"),
+    dict(FSDP, name="nockpt"),
+    dict(FSDP, name="nockpt_again"),
+    dict(FSDP, name="after_death", resume_from="../death4/death/ckpts/step=4.ckpt"),
+    dict(FSDP, name="topology_groups", num_groups=4, resume_from="full/ckpts/step=4.ckpt"),
+    dict(FSDP, name="nan_raise", ckpt=True, nan_at_step=3, expect_error=True),
+    dict(FSDP, name="nan_skip", on_nonfinite="skip_group", nan_at_step=3),
+]
+SCENARIOS_8 = [
+    *_family("hfull", HSDP, "hfull"),
+    *_family("hsharded", {**HSDP, **SHARDED}, "hsharded"),
+    dict(HSDP, name="hnockpt"),
+    dict(HSDP, name="hafter_death", **SHARDED, resume_from="../death8/hdeath/ckpts/step=4.ckpt"),
+    dict(HSDP, name="htopology_full", resume_from="../ranks4/full/ckpts/step=4.ckpt"),
+    dict(HSDP, name="htopology_sharded", **SHARDED, resume_from="../ranks4/sharded/ckpts/step=4.ckpt"),
+    dict(HSDP, name="hnan_raise", ckpt=True, nan_at_step=3, expect_error=True),
+    dict(HSDP, name="hnan_skip", on_nonfinite="skip_group", nan_at_step=3),
+]
+# (world, resumed run, uninterrupted run, checkpoint step)
+RESUMES = [
+    (world, f"{prefix}_{case}", prefix, step)
+    for world, prefixes in ((4, ("full", "sharded")), (8, ("hfull", "hsharded")))
+    for prefix in prefixes
+    for case, step in (("between", 4), ("boundary", 6), ("presync", 6), ("exception", 5))
+] + [(4, "after_death", "full", 4), (8, "hafter_death", "hfull", 4)]
+
+
+def _launch(base: Path, folder: str, specs: list[dict], nodes: int, devices: int) -> Path:
+    root = base / folder
+    launch(WORKER, [json.dumps(specs), str(root)], nodes, devices, root / "logs", timeout=600)
+    return root
+
+
+def _die(base: Path, folder: str, spec: dict, nodes: int, devices: int) -> dict:
+    root = base / folder
+    with pytest.raises(RuntimeError, match="failed") as failure:
+        launch(WORKER, [json.dumps([spec]), str(root)], nodes, devices, root / "logs", timeout=500)
+    logs = [(root / "logs" / f"rank{r}.log").read_text() for r in range(nodes * devices)]
+    seconds = time.time() - float((root / "died_at").read_text())  # from the death to the last survivor's exit
+    return {"root": root, "seconds": seconds, "error": str(failure.value), "logs": logs}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="module")
+def death4(base):
+    return _die(base, "death4", dict(FSDP, name="death", dying_rank=3, **DEATH), nodes=2, devices=2)
+
+
+@pytest.fixture(scope="module")
+def death8(base):
+    return _die(base, "death8", dict(HSDP, name="hdeath", dying_rank=5, **SHARDED, **DEATH), nodes=2, devices=4)
+
+
+@pytest.fixture(scope="module")
+def four(base, death4):
+    return _launch(base, "ranks4", SCENARIOS_4, nodes=2, devices=2)
+
+
+@pytest.fixture(scope="module")
+def eight(base, four, death8):
+    return _launch(base, "ranks8", SCENARIOS_8, nodes=2, devices=4)
+
+
+def _ranks(root: Path, name: str) -> list[dict]:
+    world = 4 if root.name == "ranks4" else 8
+    return [torch.load(root / name / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _max_diff(a: list[dict], b: list[dict], key: str) -> float:
+    return max((x[key] - y[key]).abs().max().item() for x, y in zip(a, b))
+
+
+# -- item 1: exact resume ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("world", "resumed", "straight", "step"), RESUMES)
+def test_resume_ends_with_exactly_the_weights_of_the_uninterrupted_run(four, eight, world, resumed, straight, step):
+    root = four if world == 4 else eight
+    got, want = _ranks(root, resumed), _ranks(root, straight)
+    assert got[0]["global_step"] == 8 and got[0]["num_syncs"] == want[0]["num_syncs"] == 3
+    for g, w in zip(got, want):
+        if "presync" not in resumed:  # a pre-sync checkpoint starts before the sync that `shards_at` comes after
+            assert torch.equal(g["initial"], w["shards_at"][step]), "the resumed run did not start at the checkpoint"
+        assert sorted(g["shards_at"]) == list(range(step, 8))
+        for s in g["shards_at"]:
+            assert torch.equal(g["shards_at"][s], w["shards_at"][s]), f"diverged at step {s}"
+        assert torch.equal(g["final_shards"], w["final_shards"])
+        assert torch.equal(g["final_optimizer"], w["final_optimizer"])
+        # the weights really moved after the checkpoint, so a lost update would show
+        assert (w["final_shards"] - w["shards_at"][step]).abs().max() > 1e-3
+    if "consensus" in want[0] and "consensus" in got[0]:  # recorded for full runs
+        for k, v in want[0]["consensus"].items():
+            assert torch.equal(got[0]["consensus"][k], v)
+    print(f"{resumed}: max |resumed - uninterrupted| = {_max_diff(got, want, 'final_shards')}")
+
+
+@pytest.mark.parametrize(("world", "run", "sharded"), [(4, "full", False), (4, "sharded", True), (8, "hfull", False)])
+def test_checkpoint_between_syncs_holds_each_groups_own_state(four, eight, world, run, sharded):
+    root = four if world == 4 else eight
+    path = root / run / "ckpts" / "step=4.ckpt"
+    if sharded:
+        files = sorted(p.name for p in (path / FEDSHARD_KEY).iterdir())
+        assert files[:4] == ["group0.shard0.pt", "group0.shard1.pt", "group1.shard0.pt", "group1.shard1.pt"]
+        entries = {f.removesuffix(".pt").replace(".", "/"): torch.load(path / FEDSHARD_KEY / f) for f in files}
+    else:
+        entries = torch.load(path, weights_only=False)[FEDSHARD_KEY]["entries"]
+    g0, g1 = entries["group0/shard0"], entries["group1/shard0"]
+    # between syncs the groups hold different weights and inner optimizer states: a checkpoint keeping group 0 alone
+    # (stock full) or one chunk per key (stock sharded, DCP de-duplication) would lose group 1's
+    assert not torch.equal(g0["weights"][0], g1["weights"][0])
+    assert not torch.equal(g0["optimizers"][0]["state"][0]["exp_avg"], g1["optimizers"][0]["state"][0]["exp_avg"])
+    anchor = entries["outer/shard0"]["outer"]["anchor"][0]
+    assert not torch.equal(anchor, g0["weights"][0]) and not torch.equal(anchor, g1["weights"][0])
+
+
+@pytest.mark.parametrize(
+    ("world", "run", "plain"), [(4, "full", "nockpt"), (4, "sharded", "nockpt"), (8, "hfull", "hnockpt")]
+)
+def test_taking_checkpoints_does_not_change_training(four, eight, world, run, plain):
+    root = four if world == 4 else eight
+    assert _max_diff(_ranks(root, run), _ranks(root, plain), "final_shards") == 0.0
+
+
+# -- item 6: determinism -------------------------------------------------------------------------------------------
+
+
+def test_same_seed_and_configuration_give_identical_weights(four):
+    a, b = _ranks(four, "nockpt"), _ranks(four, "nockpt_again")
+    for x, y in zip(a, b):
+        assert torch.equal(x["final_shards"], y["final_shards"])
+        assert not torch.equal(x["final_shards"], x["initial"])
+
+
+# -- item 2: the consensus as the ordinary state dict, and its export ----------------------------------------------
+
+
+def test_state_dict_is_the_consensus_in_the_plain_layout(four, tmp_path):
+    from lightning_fedshard import export_consensus
+    from tests.trainer.ckpt_worker import Module
+
+    path = four / "full" / "ckpts" / "step=4.ckpt"
+    checkpoint = torch.load(path, weights_only=False)
+    state_dict = checkpoint["state_dict"]
+    assert list(state_dict) == list(Module().state_dict())
+    plain = Module.load_from_checkpoint(path, map_location="cpu")  # Lightning alone, no strategy
+    for k, v in state_dict.items():
+        assert torch.equal(plain.state_dict()[k], v)
+    # the sharded checkpoint of the same step holds the same consensus, and both export to the same file
+    sharded = four / "sharded" / "ckpts" / "step=4.ckpt"
+    for source, out in ((path, tmp_path / "a"), (sharded, tmp_path / "b")):
+        exported = torch.load(export_consensus(source, out))
+        assert sorted(exported) == sorted(state_dict)  # DCP keeps its own key order
+        for k, v in state_dict.items():
+            assert torch.equal(exported[k], v)
+
+
+# -- item 3: topology changes --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("world", "run", "differences"),
+    [
+        (4, "topology_groups", ["num_groups: checkpoint 2, this run 4", "shard_size: checkpoint 2, this run 1"]),
+        (8, "htopology_full", ["world_size: checkpoint 4, this run 8", "hybrid: checkpoint False, this run True"]),
+        (8, "htopology_sharded", ["num_replicas: checkpoint 1, this run 2"]),
+    ],
+)
+def test_other_topology_resumes_from_the_consensus_with_a_warning(four, eight, world, run, differences):
+    ranks = _ranks(four if world == 4 else eight, run)
+    warned = [w for w in ranks[0]["warnings"] if w.startswith("CheckpointTopologyWarning")]
+    assert len(warned) == 1
+    for text in differences + ["Resuming from the consensus", "were dropped"]:
+        assert text in warned[0]
+    assert ranks[0]["global_step"] == 8 and ranks[0]["num_syncs"] == 3  # counters kept: syncs 6 and 8 only
+    if run == "topology_groups":  # four one-rank groups (same local layout): all start from the one consensus
+        for r in ranks[1:]:
+            assert torch.equal(r["initial"], ranks[0]["initial"])
+
+
+# -- item 4: non-finite outer gradients ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("world", "run"), [(4, "nan_raise"), (8, "hnan_raise")])
+def test_nonfinite_outer_gradient_raises_and_leaves_anchor_and_checkpoints(four, eight, world, run):
+    root = four if world == 4 else eight
+    for r in _ranks(root, run):
+        assert r["error"].startswith("NonFiniteOuterGradientError: Non-finite outer gradient")
+        assert "group(s) [1] at optimizer step 3, sync 1 (after 0 successful sync(s))" in r["error"]
+        assert torch.equal(r["final_anchor"], r["before_nan"]["anchor"])
+        assert r["ckpt_sha_after"] == r["before_nan"]["ckpt_sha"] is not None
+    files = sorted(p.name for p in (root / run / "ckpts").iterdir())
+    assert files == ["step=1.ckpt", "step=2.ckpt"], "a checkpoint of the broken state was written"
+    assert not (root / run / "on_exception.ckpt").exists()
+
+
+@pytest.mark.parametrize(("world", "run", "group_size"), [(4, "nan_skip", 2), (8, "hnan_skip", 4)])
+def test_skip_group_averages_the_healthy_groups_and_restarts_the_broken_one(four, eight, world, run, group_size):
+    ranks = _ranks(four if world == 4 else eight, run)
+    assert any("Skipped federation group(s) [1]" in w for w in ranks[0]["warnings"])
+    assert ranks[0]["global_step"] == 8 and ranks[0]["num_syncs"] == 3
+    for rank, r in enumerate(ranks):
+        assert torch.isfinite(r["final_shards"]).all()
+        # first sync, Nesterov (lr 0.7, momentum 0.9) over group 0 alone: a1 = a0 - 0.7 * 1.9 * (a0 - theta_0)
+        partner = ranks[rank % group_size]  # the rank of group 0 at the same in-group position
+        a0, theta0 = partner["before_nan"]["anchor"], partner["before_nan"]["shards"]
+        torch.testing.assert_close(r["shards_at"][3], a0 - 0.7 * 1.9 * (a0 - theta0), atol=1e-6, rtol=0)
+
+
+# -- item 5: a rank that dies ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("world", "dying"), [(4, 3), (8, 5)])
+def test_dead_rank_stops_the_others_with_a_clear_error_and_keeps_checkpoints(death4, death8, world, dying):
+    death = death4 if world == 4 else death8
+    codes = [int(c) for c in re.search(r"exit codes \[([^\]]*)\]", death["error"]).group(1).split(",")]
+    assert len(codes) == world and all(c != 0 for c in codes), "a survivor hung or exited cleanly"
+    assert death["seconds"] < 20 + 40  # the strategy's 20 s timeout plus slack for a loaded machine, never a hang
+    for rank, log in enumerate(death["logs"]):
+        if rank != dying:
+            assert f"lightning_fedshard: rank {rank} stopped because a collective failed" in log
+            assert "Checkpoints already on disk are intact" in log
+    run = death["root"] / ("death" if world == 4 else "hdeath") / "ckpts"
+    assert sorted(p.name for p in run.iterdir()) == [f"step={s}.ckpt" for s in (1, 2, 3, 4)]
+    assert not (run / "step=5.ckpt").exists()
