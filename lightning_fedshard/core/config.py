@@ -16,8 +16,9 @@ from torch.optim import SGD, Optimizer
 from lightning_fedshard.core.outer import NONFINITE_POLICIES, OuterOptimizerFactory, build_outer_optimizer
 from lightning_fedshard.core.topology import FederationTopology
 
-#: Named outer optimizers. "nesterov" is DiLoCo's outer step (also torchft's and OpenDiLoCo's default);
-#: "fedavg" replaces every group by the groups' mean, which is what the paper's published runs do.
+#: Named outer optimizers. "fedavg" (the default) replaces every group by the groups' mean, which is what the paper's
+#: published runs do and what won our benchmarks at sync_every=8 (docs/benchmarks.md); "nesterov" is DiLoCo's outer
+#: step (torchft's and OpenDiLoCo's default), tuned there for hundreds of inner steps between syncs.
 OUTER_OPTIMIZERS: dict[str, OuterOptimizerFactory] = {
     "nesterov": functools.partial(SGD, lr=0.7, momentum=0.9, nesterov=True),
     "fedavg": functools.partial(SGD, lr=1.0),
@@ -41,7 +42,8 @@ class FederationConfig:
         shard_size: Ranks sharding one replica; ``None`` means the strategy's default (all ranks of a group for
             FL+FSDP, the devices of one node for FL+HSDP).
         sync_every: Inner optimizer steps between two outer steps (``H``).
-        outer_optimizer: ``"nesterov"``, ``"fedavg"`` or a callable building an optimizer from the anchor tensors.
+        outer_optimizer: ``"fedavg"`` (default), ``"nesterov"`` or a callable building an optimizer from the anchor
+            tensors.
         reduce_dtype: Data type of the pseudo-gradient in the outer all-reduce: ``"float32"``, ``"bfloat16"`` or
             ``"float16"`` (or the matching ``torch.dtype``).
         anchor_device: ``"cpu"`` keeps the anchor and outer optimizer state in host memory; ``"device"`` keeps
@@ -59,7 +61,7 @@ class FederationConfig:
     num_groups: int | None = None
     shard_size: int | None = None
     sync_every: int = 8
-    outer_optimizer: OuterOptimizerSpec = "nesterov"
+    outer_optimizer: OuterOptimizerSpec = "fedavg"
     reduce_dtype: str | torch.dtype = "float32"
     anchor_device: str = "cpu"
     on_nonfinite: str = "raise"

@@ -98,8 +98,12 @@ class Federation:
 
     @contextmanager
     def consensus_weights(self) -> Iterator[None]:
-        """Temporarily load the consensus (the anchor) into the shards, e.g. for validation between syncs."""
-        if self._outer is None:
+        """Temporarily load the consensus (the anchor) into the shards, e.g. for validation between syncs.
+
+        With a single group there is nothing to agree on: its current weights are the consensus and stay in place
+        (so a one-group run validates and saves what plain FSDP would).
+        """
+        if self._outer is None or self.communicator.num_groups == 1:
             yield
             return
         saved = [s.detach().clone() for s in self._outer.shards]

@@ -183,13 +183,13 @@ class OuterStep:
         if self.communicator.group_index in broken:
             local.zero_()  # a broken group adds nothing to the sum; the mean divides by the healthy groups
         healthy = groups - len(broken)
-        own_sq = float(local.double().square().sum()) if local.numel() else 0.0
+        own_sq = _squared_norm(local)
         payload = local.numel() * local.element_size()
         with torch.profiler.record_function("fedshard::outer_all_reduce"):
             if groups > 1:
                 self.communicator.sum_across_groups(local)
             local.div_(healthy)
-        mean_sq = float(local.double().square().sum()) if local.numel() else 0.0
+        mean_sq = _squared_norm(local)
         norm, drift = self._global_norms(own_sq, mean_sq, local.device, healthy)
         with torch.profiler.record_function("fedshard::outer_optimizer_step"):
             self._set_grads(local)
@@ -240,12 +240,21 @@ class OuterStep:
         self.num_syncs = int(state["num_syncs"])
 
     def _pseudogradient(self) -> Tensor:
-        """``anchor - shard`` for every shard, flattened into one buffer on the shards' device."""
+        """``anchor - shard`` for every shard, written into one flat buffer of ``reduce_dtype`` on the shards' device.
+
+        One shard (an FSDP unit) at a time, so the device holds the buffer plus one unit's temporaries, not a copy of
+        every shard in every dtype on the way.
+        """
         if not self.shards:
             return torch.empty(0, dtype=self.reduce_dtype)
         device = self.shards[0].device
-        parts = [(a.to(device, non_blocking=True) - s).reshape(-1) for a, s in zip(self.anchor, self.shards)]
-        return torch.cat(parts).to(self.reduce_dtype)
+        flat = torch.empty(sum(s.numel() for s in self.shards), dtype=self.reduce_dtype, device=device)
+        offset = 0
+        for anchor, shard in zip(self.anchor, self.shards):
+            n = shard.numel()
+            flat[offset : offset + n].copy_((anchor.to(device, non_blocking=True) - shard).reshape(-1))
+            offset += n
+        return flat
 
     def _nonfinite_groups(self, local: Tensor) -> list[int]:
         """Groups whose pseudo-gradient holds NaN/Inf anywhere, known to every rank (one tiny all-reduce)."""
@@ -275,6 +284,11 @@ class OuterStep:
         groups = self.communicator.num_groups
         mean_own_sq, mean_sq_total = sums[0].item() / healthy, sums[1].item() / groups
         return math.sqrt(max(mean_sq_total, 0.0)), math.sqrt(max(mean_own_sq - mean_sq_total, 0.0))
+
+
+def _squared_norm(tensor: Tensor) -> float:
+    """Squared L2 norm for logging, accumulated in float32 without a float64 copy of the tensor."""
+    return float(torch.linalg.vector_norm(tensor.float())) ** 2 if tensor.numel() else 0.0
 
 
 def build_outer_optimizer(factory: OuterOptimizerFactory, params: list[Tensor]) -> Optimizer:

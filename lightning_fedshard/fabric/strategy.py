@@ -41,7 +41,7 @@ class _FederatedFabricStrategy(FederatedStrategyMixin, FSDPStrategy):
         num_groups: int | None = None,
         shard_size: int | None = None,
         sync_every: int = 8,
-        outer_optimizer: OuterOptimizerSpec = "nesterov",
+        outer_optimizer: OuterOptimizerSpec = "fedavg",
         reduce_dtype: str | torch.dtype = "float32",
         anchor_device: Literal["cpu", "device"] = "cpu",
         on_nonfinite: Literal["raise", "skip_group"] = "raise",
@@ -166,7 +166,7 @@ class FLFSDPStrategy(_FederatedFabricStrategy):
         num_groups: Number of federation groups. Default: one group per node.
         shard_size: Not used by FL+FSDP; passing it raises ``ValueError``.
         sync_every: Optimizer steps between two outer steps (default 8).
-        outer_optimizer: ``"nesterov"``, ``"fedavg"`` or a callable building an optimizer from tensors.
+        outer_optimizer: ``"fedavg"`` (default), ``"nesterov"`` or a callable building an optimizer from tensors.
         reduce_dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"`` for the outer all-reduce.
         anchor_device: ``"cpu"`` (default) or ``"device"``: where the anchor and outer state live.
         on_nonfinite: ``"raise"`` (default) or ``"skip_group"``: what a NaN/Inf pseudo-gradient does.
@@ -206,7 +206,7 @@ class FLHSDPStrategy(_FederatedFabricStrategy):
         num_groups: Number of federation groups. Default: one group per node.
         shard_size: Ranks that shard one replica. Default: the devices of one node.
         sync_every: Optimizer steps between two outer steps (default 8).
-        outer_optimizer: ``"nesterov"``, ``"fedavg"`` or a callable building an optimizer from tensors.
+        outer_optimizer: ``"fedavg"`` (default), ``"nesterov"`` or a callable building an optimizer from tensors.
         reduce_dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"`` for the outer all-reduce.
         anchor_device: ``"cpu"`` (default) or ``"device"``: where the anchor and outer state live.
         on_nonfinite: ``"raise"`` (default) or ``"skip_group"``: what a NaN/Inf pseudo-gradient does.

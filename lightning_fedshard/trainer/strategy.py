@@ -50,7 +50,7 @@ class _FederatedFSDPStrategy(FederatedStrategyMixin, FSDPStrategy):
         num_groups: int | None = None,
         shard_size: int | None = None,
         sync_every: int = 8,
-        outer_optimizer: OuterOptimizerSpec = "nesterov",
+        outer_optimizer: OuterOptimizerSpec = "fedavg",
         reduce_dtype: str | torch.dtype = "float32",
         anchor_device: Literal["cpu", "device"] = "cpu",
         on_nonfinite: Literal["raise", "skip_group"] = "raise",
@@ -211,9 +211,10 @@ class FLFSDPStrategy(_FederatedFSDPStrategy):
         num_groups: Number of federation groups. Default: one group per node (``num_nodes``).
         shard_size: Not used by FL+FSDP (it shards over the whole group); passing it raises ``ValueError``.
         sync_every: Optimizer steps between two outer steps (the paper's ``H``; default 8).
-        outer_optimizer: ``"nesterov"`` (``SGD(lr=0.7, momentum=0.9, nesterov=True)``, DiLoCo), ``"fedavg"``
-            (``SGD(lr=1.0)``: plain averaging, as in the paper's runs) or a callable that builds a
-            ``torch.optim.Optimizer`` from an iterable of tensors.
+        outer_optimizer: ``"fedavg"`` (default; ``SGD(lr=1.0)``: plain averaging, as in the paper's runs and best
+            in our benchmarks at ``sync_every=8``, see docs/benchmarks.md), ``"nesterov"``
+            (``SGD(lr=0.7, momentum=0.9, nesterov=True)``, DiLoCo's outer step, tuned for hundreds of inner steps) or
+            a callable that builds a ``torch.optim.Optimizer`` from an iterable of tensors.
         reduce_dtype: Data type of the outer all-reduce: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``.
         anchor_device: Where the anchor and outer optimizer state live: ``"cpu"`` (default) or ``"device"``.
         on_nonfinite: ``"raise"`` (default): a NaN/Inf pseudo-gradient stops training with an error naming the
@@ -261,9 +262,10 @@ class FLHSDPStrategy(_FederatedFSDPStrategy):
         num_groups: Number of federation groups. Default: one group per node (``num_nodes``).
         shard_size: Ranks that shard one replica. Default: the devices of one node.
         sync_every: Optimizer steps between two outer steps (the paper's ``H``; default 8).
-        outer_optimizer: ``"nesterov"`` (``SGD(lr=0.7, momentum=0.9, nesterov=True)``, DiLoCo), ``"fedavg"``
-            (``SGD(lr=1.0)``: plain averaging, as in the paper's runs) or a callable that builds a
-            ``torch.optim.Optimizer`` from an iterable of tensors.
+        outer_optimizer: ``"fedavg"`` (default; ``SGD(lr=1.0)``: plain averaging, as in the paper's runs and best
+            in our benchmarks at ``sync_every=8``, see docs/benchmarks.md), ``"nesterov"``
+            (``SGD(lr=0.7, momentum=0.9, nesterov=True)``, DiLoCo's outer step, tuned for hundreds of inner steps) or
+            a callable that builds a ``torch.optim.Optimizer`` from an iterable of tensors.
         reduce_dtype: Data type of the outer all-reduce: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``.
         anchor_device: Where the anchor and outer optimizer state live: ``"cpu"`` (default) or ``"device"``.
         on_nonfinite: ``"raise"`` (default): a NaN/Inf pseudo-gradient stops training with an error naming the

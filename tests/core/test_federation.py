@@ -54,11 +54,24 @@ def test_anchor_can_live_next_to_the_shards():
 
 
 def test_on_write_runs_after_every_rewrite_of_the_shards():
+    def work(g, comm):
+        calls = []
+        fed = Federation(FederationConfig(sync_every=1), comm)
+        fed.start([torch.zeros(2)], step=0, on_write=lambda: calls.append(1))
+        fed.maybe_sync(1)
+        with fed.consensus_weights():
+            pass
+        return len(calls)
+
+    # after the sync, after swapping the consensus in, after swapping it out
+    assert ThreadGroups(2).run(work) == [3, 3]
+
+
+def test_a_single_group_is_its_own_consensus():
     comm = ThreadGroups(1).run(lambda g, c: c)[0]
-    calls = []
-    fed = Federation(FederationConfig(sync_every=1), comm)
-    fed.start([torch.zeros(2)], step=0, on_write=lambda: calls.append(1))
-    fed.maybe_sync(1)
+    shard = torch.zeros(2)
+    fed = Federation(FederationConfig(sync_every=4), comm)
+    fed.start([shard], step=0)
+    shard.fill_(5.0)  # trained since the last sync
     with fed.consensus_weights():
-        pass
-    assert len(calls) == 3  # after the sync, after swapping the consensus in, after swapping it out
+        assert_close(shard, torch.full((2,), 5.0))

@@ -11,6 +11,7 @@ import torch
 from torch.testing import assert_close
 
 import lightning_fedshard.fabric
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.topology import FederationTopology
 from tests.launch import launch
 from tests.reference import reference_run
@@ -18,7 +19,7 @@ from tests.reference import reference_run
 WORKER = Path(__file__).with_name("worker.py")
 SCENARIOS = [
     dict(name="fsdp", strategy="fl_fsdp", sync_every=2, outer_optimizer="nesterov", lr=0.01, batch_size=4, max_steps=7),
-    # 2 groups x 2 replicas x 1 shard on 4 ranks, default sync_every (8) and outer optimizer (nesterov)
+    # 2 groups x 2 replicas x 1 shard on 4 ranks, default sync_every (8) and outer optimizer (fedavg)
     dict(name="hsdp", strategy="fl_hsdp", num_groups=2, shard_size=1, lr=0.01, batch_size=4, max_steps=10),
 ]
 TOPOLOGY = {"fsdp": FederationTopology(4, 2, 2), "hsdp": FederationTopology(4, 2, 1)}
@@ -41,7 +42,7 @@ def test_fabric_loop_matches_reference(results, name):
         [r["micro_batches"] for r in ranks],
         [topology.group_ranks(g) for g in range(topology.num_groups)],
         sync_every=spec.get("sync_every", 8),
-        outer=spec.get("outer_optimizer", "nesterov"),
+        outer=spec.get("outer_optimizer", FederationConfig().outer_optimizer),
         inner="adamw",
         lr=spec["lr"],
         accumulate=1,

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.topology import FederationTopology
 from tests.launch import launch
 from tests.reference import reference_run
@@ -50,12 +51,14 @@ SCENARIOS_4 = [
         csv=True,
         mid_ckpt_step=3,
     ),
-    # the registered name with its defaults: one group per node, sync every 8, nesterov
+    # the registered name with its defaults: one group per node, sync every 8, fedavg
     dict(BASE, name="by_name", strategy="fl_fsdp", by_name=True, max_steps=9),
     # four one-rank groups (FSDP over one rank keeps whole parameters)
     dict(BASE, name="four_groups", strategy="fl_fsdp", num_groups=4, sync_every=3, max_steps=6),
     # a single group: plain FSDP over all ranks plus a one-worker outer step (the strategy warns)
-    dict(BASE, name="one_group", strategy="fl_fsdp", num_groups=1, sync_every=3, max_steps=4),
+    dict(
+        BASE, name="one_group", strategy="fl_fsdp", num_groups=1, sync_every=3, max_steps=4, outer_optimizer="nesterov"
+    ),
     # HSDP with one-rank shards: data parallel inside each group (FSDP alone would not reduce across replicas)
     dict(BASE, name="hsdp_shard1", strategy="fl_hsdp", num_groups=2, shard_size=1, sync_every=3, max_steps=6),
 ]
@@ -109,7 +112,7 @@ def _reference(ranks: list[dict], spec: dict, topology: FederationTopology) -> d
         [r["micro_batches"] for r in ranks],
         [topology.group_ranks(g) for g in range(topology.num_groups)],
         sync_every=spec.get("sync_every", 8),
-        outer=spec.get("outer_optimizer", "nesterov"),
+        outer=spec.get("outer_optimizer", FederationConfig().outer_optimizer),
         inner=spec["inner"],
         lr=spec["lr"],
         accumulate=spec["accumulate"],

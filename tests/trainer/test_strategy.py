@@ -33,7 +33,7 @@ def test_defaults_one_group_per_node_and_shard_per_node():
     trainer = _trainer(FLFSDPStrategy(num_groups=2), devices=2, num_nodes=4)
     assert trainer.strategy.topology.mesh_shape == (2, 1, 4)
     config = trainer.strategy.federation_config
-    assert config.sync_every == 8 and config.outer_optimizer == "nesterov" and config.anchor_device == "cpu"
+    assert config.sync_every == 8 and config.outer_optimizer == "fedavg" and config.anchor_device == "cpu"
 
 
 def test_one_group_warns_that_it_is_plain_fsdp():
