@@ -17,6 +17,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 
+from lightning_fedshard.checkpoint import FederationCheckpointer
 from lightning_fedshard.core.config import FederationConfig, OuterOptimizerSpec
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fsdp import free_unsharded_params, fsdp_device_id, local_shards
@@ -236,6 +237,20 @@ class FederatedStrategyMixin:
         """Make the next forward gather the (just rewritten) shards instead of reusing gathered weights."""
         if self._wrapped is not None:
             free_unsharded_params(self._wrapped)
+
+    @property
+    def checkpointer(self) -> FederationCheckpointer:
+        """Saves and loads this rank's federation state with the model (see :mod:`lightning_fedshard.checkpoint`)."""
+        if self._wrapped is None:
+            raise RuntimeError("The model has not been wrapped by the federated strategy yet.")
+        return FederationCheckpointer(
+            self.mesh.topology,
+            self.hybrid,
+            self.global_rank,
+            self.federation,
+            self._wrapped,
+            self.free_unsharded_params,
+        )
 
     def start_federation(self, step: int) -> None:
         """Anchor the federation on the current weights at optimizer step ``step``."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -13,14 +13,18 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import FSDPStrategy, _StrategyRegistry
-from lightning.fabric.utilities.types import Optimizable
+from lightning.fabric.utilities.types import _PATH, Optimizable, _Stateful
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fedshard._compat import cpu_safe_full_state_dict
 from lightning_fedshard._federated import FederatedStrategyMixin
 from lightning_fedshard.core.config import OuterOptimizerSpec
 from lightning_fedshard.core.outer import SyncStats
+
+#: Key of the Fabric strategy's own counters in a checkpoint.
+_FABRIC_KEY = "fedshard_fabric"
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.fsdp import _POLICY
@@ -148,6 +152,84 @@ class _FederatedFabricStrategy(FederatedStrategyMixin, FSDPStrategy):
         """Evaluate on the consensus of the last sync; the group's own weights come back on exit."""
         with self.federation.consensus_weights():
             yield
+
+    # -- checkpoints: the consensus as the model's state, every group's own state beside it (checkpoint.py) ----
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Save ``state`` (the federated model, its optimizer, anything else) for an exact resume; collective.
+
+        The saved model weights are the consensus; each group's own weights and inner optimizer state, the anchor
+        and the outer optimizer state are stored beside them (see docs/checkpoints.md).
+        """
+        if storage_options is not None or filter is not None:
+            raise TypeError(f"`{type(self).__name__}.save_checkpoint` supports neither `storage_options` nor `filter`.")
+        module_key, optimizer_keys = self._federated_keys(state)
+        checkpoint = {k: v.state_dict() if isinstance(v, _Stateful) else v for k, v in state.items()
+                      if k != module_key and k not in optimizer_keys}  # fmt: skip
+        checkpoint["state_dict"] = self._consensus_state_dict()
+        checkpoint[_FABRIC_KEY] = {"num_steps": self.num_steps}
+        optimizer_states = [state[k].state_dict() for k in optimizer_keys]
+        self.checkpointer.save(checkpoint, self.broadcast(path), self._state_dict_type, optimizer_states)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Restore what :meth:`save_checkpoint` wrote into the objects of ``state`` (in place); returns the rest.
+
+        The model must have been set up by this strategy. With the same topology the run continues bit-identically;
+        otherwise every group starts from the consensus (see docs/checkpoints.md).
+        """
+        if not isinstance(state, dict):
+            raise TypeError("Pass the same `state` dict to `fabric.load` that was given to `fabric.save`.")
+        module_key, optimizer_keys = self._federated_keys(state)
+        optimizers = [state[k] for k in optimizer_keys]
+        metadata = self.checkpointer.load(self.broadcast(path), optimizers=optimizers, strict=strict,
+                                          weights_only=weights_only)  # fmt: skip
+        self.num_steps = int(metadata.pop(_FABRIC_KEY, {}).get("num_steps", self.num_steps))
+        for key, obj in state.items():
+            if key == module_key or key in optimizer_keys or key not in metadata:
+                continue
+            if isinstance(obj, _Stateful):
+                obj.load_state_dict(metadata.pop(key))
+            else:
+                state[key] = metadata.pop(key)
+        return metadata
+
+    def _federated_keys(self, state: dict[str, Any]) -> tuple[str, list[str]]:
+        """The key of the federated model in ``state`` and the keys of the optimizers."""
+        modules = [k for k, v in state.items() if v is self._wrapped]
+        if len(modules) != 1:
+            raise ValueError(
+                f"The checkpoint `state` must hold the model set up by `{type(self).__name__}` exactly once"
+                f" (found it under {modules})."
+            )
+        return modules[0], [k for k, v in state.items() if isinstance(v, Optimizer)]
+
+    def _consensus_state_dict(self) -> dict[str, Any]:
+        # Lightning's helpers are looked up at call time, so that `cpu_safe_full_state_dict` can swap them on CPU.
+        from lightning.fabric.strategies import fsdp as fabric_fsdp
+
+        module = self._wrapped
+        assert module is not None
+        with self.federation.consensus_weights(), cpu_safe_full_state_dict(self.root_device):
+            if self._state_dict_type == "sharded":
+                context = fabric_fsdp._get_sharded_state_dict_context(module)
+            else:
+                context = fabric_fsdp._get_full_state_dict_context(module, world_size=self.world_size)
+            with context:  # type: ignore[attr-defined]  # a context manager at runtime
+                return module.state_dict()
 
     @classmethod
     def _register(cls, strategy_registry: _StrategyRegistry, name: str, description: str) -> None:

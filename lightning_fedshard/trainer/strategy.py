@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from lightning_fedshard._compat import cpu_safe_full_state_dict
 from lightning_fedshard._federated import FederatedStrategyMixin
-from lightning_fedshard.checkpoint import FederationCheckpointer, is_peer_failure, peer_failure_message, unsafe_to_save
+from lightning_fedshard.checkpoint import is_peer_failure, peer_failure_message, unsafe_to_save
 from lightning_fedshard.core.config import OuterOptimizerSpec
 
 if TYPE_CHECKING:
@@ -176,14 +176,6 @@ class _FederatedFSDPStrategy(FederatedStrategyMixin, FSDPStrategy):
             log.error(message)
             if hasattr(exception, "add_note"):  # Python >= 3.11: shown under the traceback
                 exception.add_note(message)
-
-    @property
-    def checkpointer(self) -> FederationCheckpointer:
-        """Saves and loads this rank's federation state with the model (see :mod:`lightning_fedshard.checkpoint`)."""
-        assert self.model is not None
-        return FederationCheckpointer(
-            self.mesh.topology, self.hybrid, self.global_rank, self.federation, self.model, self.free_unsharded_params
-        )
 
     def _consensus(self) -> AbstractContextManager[None]:
         return self._federation.consensus_weights() if self._federation is not None else nullcontext()

@@ -72,6 +72,52 @@ def run(spec: dict[str, Any], root: Path) -> None:
     )
 
 
+def _train(spec: dict[str, Any], steps: range, resume_from: Path | None = None, save_at: Path | None = None):
+    """Fresh Fabric, model and optimizer; batches chosen from (step, rank) so a resumed run sees the same data."""
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    strategy = lightning_fedshard.fabric.FLFSDPStrategy(
+        num_groups=2, sync_every=2, outer_optimizer="nesterov", state_dict_type=spec["state_dict_type"]
+    )
+    fabric = L.Fabric(
+        accelerator="cpu", devices=int(os.environ["DEVICES"]), num_nodes=int(os.environ["NUM_NODES"]), strategy=strategy
+    )
+    fabric.launch()
+    torch.manual_seed(1000 + rank)
+    model = fabric.setup_module(make_net())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.95)))
+    state = {"model": model, "optimizer": optimizer, "step": steps.start}
+    if resume_from is not None:
+        rest = fabric.load(resume_from, state)
+        assert not rest, rest
+        assert state["step"] == steps.start and fabric.strategy.num_steps == steps.start
+    data = IndexedRegression()
+    for step in steps:
+        idx = (torch.arange(4) + 4 * (rank + world * step)) % len(data)
+        fabric.backward(loss_fn(model, data.x[idx], data.y[idx]))
+        optimizer.step()
+        optimizer.zero_grad()
+        state["step"] = step + 1
+        if save_at is not None and step + 1 == steps.stop:
+            fabric.save(save_at, state)
+    fabric.strategy.finish()
+    shards = torch.cat([p.detach().reshape(-1).clone() for p in fabric.strategy.local_shards()])
+    return shards, full_state_dict(model._forward_module)
+
+
+def run_resume(spec: dict[str, Any], root: Path) -> None:
+    """Uninterrupted 7 steps versus 3 steps, save (between syncs), then a fresh setup that loads and runs 4 more."""
+    out = root / spec["name"]
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "ckpt"
+    straight, straight_full = _train(spec, range(0, 7))
+    _train(spec, range(0, 3), save_at=path)
+    resumed, resumed_full = _train(spec, range(3, 7), resume_from=path)
+    consensus = torch.load(path, weights_only=False)["state_dict"] if path.is_file() else None
+    torch.save({"straight": straight, "resumed": resumed, "straight_full": straight_full,
+                "resumed_full": resumed_full, "consensus_keys": None if consensus is None else sorted(consensus)},
+               out / f"rank{os.environ['RANK']}.pt")  # fmt: skip
+
+
 if __name__ == "__main__":
     for spec in json.loads(sys.argv[1]):
-        run(spec, Path(sys.argv[2]))
+        (run_resume if spec.get("resume") else run)(spec, Path(sys.argv[2]))
