@@ -7,7 +7,7 @@ front of either and holds everything federated, so the adapters only route Light
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -16,12 +16,14 @@ from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setu
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
+from torch.optim import Optimizer
 
 from lightning_fedshard.checkpoint import FederationCheckpointer
 from lightning_fedshard.core.config import FederationConfig, OuterOptimizerSpec
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fsdp import free_unsharded_params, fsdp_device_id, local_shards
 from lightning_fedshard.core.mesh import FederationMesh, build_federation_mesh
+from lightning_fedshard.core.outer import SyncStats
 from lightning_fedshard.core.topology import FederationTopology
 
 log = logging.getLogger(__name__)
@@ -251,6 +253,24 @@ class FederatedStrategyMixin:
             self._wrapped,
             self.free_unsharded_params,
         )
+
+    def restart_skipped_groups(self, stats: SyncStats, optimizers: Iterable[Optimizer], step: int) -> None:
+        """After ``on_nonfinite="skip_group"`` left groups out of a sync: say so, and clear their inner optimizer state.
+
+        The outer step already reset their weights to the new anchor; their inner optimizer state most likely holds
+        the same NaN/Inf, so every rank of a skipped group starts it afresh (all of them, to keep the group
+        consistent).
+        """
+        if not stats.skipped_groups:
+            return
+        rank_zero_warn(
+            f"Skipped federation group(s) {list(stats.skipped_groups)} with a non-finite outer gradient at optimizer"
+            f" step {step} (sync {stats.num_syncs}): the outer step averaged the healthy groups only, and the skipped"
+            " groups restart from the new anchor with a fresh inner optimizer state."
+        )
+        if self.federation.communicator.group_index in stats.skipped_groups:
+            for optimizer in optimizers:
+                optimizer.state.clear()
 
     def start_federation(self, step: int) -> None:
         """Anchor the federation on the current weights at optimizer step ``step``."""

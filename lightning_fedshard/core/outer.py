@@ -175,8 +175,8 @@ class OuterStep:
         """
         start = time.perf_counter()
         with torch.profiler.record_function("fedshard::pseudogradient"):
-            local = self._pseudogradient()
-        broken = self._nonfinite_groups(local)
+            local, finite = self._pseudogradient()
+        broken = self._nonfinite_groups(finite, local.device)
         groups = self.communicator.num_groups
         if broken and (self.on_nonfinite == "raise" or len(broken) == groups):
             raise NonFiniteOuterGradientError(broken, self.num_syncs, step)
@@ -239,27 +239,30 @@ class OuterStep:
         self.optimizer.load_state_dict(state["optimizer"])
         self.num_syncs = int(state["num_syncs"])
 
-    def _pseudogradient(self) -> Tensor:
+    def _pseudogradient(self) -> tuple[Tensor, bool]:
         """``anchor - shard`` for every shard, written into one flat buffer of ``reduce_dtype`` on the shards' device.
 
         One shard (an FSDP unit) at a time, so the device holds the buffer plus one unit's temporaries, not a copy of
-        every shard in every dtype on the way.
+        every shard in every dtype on the way. Also returns whether every value was finite, checked unit by unit.
         """
         if not self.shards:
-            return torch.empty(0, dtype=self.reduce_dtype)
+            return torch.empty(0, dtype=self.reduce_dtype), True
         device = self.shards[0].device
         flat = torch.empty(sum(s.numel() for s in self.shards), dtype=self.reduce_dtype, device=device)
+        finite = True
         offset = 0
         for anchor, shard in zip(self.anchor, self.shards):
             n = shard.numel()
-            flat[offset : offset + n].copy_((anchor.to(device, non_blocking=True) - shard).reshape(-1))
+            part = flat[offset : offset + n]
+            part.copy_((anchor.to(device, non_blocking=True) - shard).reshape(-1))
+            finite = finite and bool(torch.isfinite(part).all())  # after the cast: float16 may overflow
             offset += n
-        return flat
+        return flat, finite
 
-    def _nonfinite_groups(self, local: Tensor) -> list[int]:
+    def _nonfinite_groups(self, finite: bool, device: torch.device) -> list[int]:
         """Groups whose pseudo-gradient holds NaN/Inf anywhere, known to every rank (one tiny all-reduce)."""
-        flags = torch.zeros(self.communicator.num_groups, dtype=torch.float64, device=local.device)
-        if local.numel() and not bool(torch.isfinite(local).all()):
+        flags = torch.zeros(self.communicator.num_groups, dtype=torch.float64, device=device)
+        if not finite:
             flags[self.communicator.group_index] = 1.0
         self.communicator.sum_across_model(flags)
         return [g for g, flag in enumerate(flags.tolist()) if flag > 0]
@@ -288,7 +291,7 @@ class OuterStep:
 
 def _squared_norm(tensor: Tensor) -> float:
     """Squared L2 norm for logging, accumulated in float32 without a float64 copy of the tensor."""
-    return float(torch.linalg.vector_norm(tensor.float())) ** 2 if tensor.numel() else 0.0
+    return float(torch.linalg.vector_norm(tensor, dtype=torch.float32)) ** 2 if tensor.numel() else 0.0
 
 
 def build_outer_optimizer(factory: OuterOptimizerFactory, params: list[Tensor]) -> Optimizer:

@@ -134,6 +134,7 @@ class _FederatedFabricStrategy(FederatedStrategyMixin, FSDPStrategy):
         stats = self.federation.maybe_sync(self.num_steps)
         if stats is not None:
             self.last_sync_stats = stats
+            self.restart_skipped_groups(stats, [self._optimizer] if self._optimizer else [], self.num_steps)
         return output
 
     def finish(self) -> SyncStats | None:
@@ -145,6 +146,7 @@ class _FederatedFabricStrategy(FederatedStrategyMixin, FSDPStrategy):
         stats = self.federation.finish(self.num_steps)
         if stats is not None:
             self.last_sync_stats = stats
+            self.restart_skipped_groups(stats, [self._optimizer] if self._optimizer else [], self.num_steps)
         return stats
 
     @contextmanager

@@ -7,7 +7,6 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_fedshard.core.outer import SyncStats
@@ -92,21 +91,7 @@ def _strategy(trainer: Trainer) -> Any:
 
 
 def _restart_skipped_groups(trainer: Trainer, stats: SyncStats) -> None:
-    """After ``on_nonfinite="skip_group"`` left groups out: say so, and clear their inner optimizer state.
-
-    The outer step already reset their weights to the new anchor; their inner optimizer state most likely holds the
-    same NaN/Inf, so every rank of a skipped group starts it afresh (all of them, to keep the group consistent).
-    """
-    if not stats.skipped_groups:
-        return
-    rank_zero_warn(
-        f"Skipped federation group(s) {list(stats.skipped_groups)} with a non-finite outer gradient at optimizer step"
-        f" {trainer.global_step} (sync {stats.num_syncs}): the outer step averaged the healthy groups only, and the"
-        " skipped groups restart from the new anchor with a fresh inner optimizer state."
-    )
-    if _strategy(trainer).federation.communicator.group_index in stats.skipped_groups:
-        for optimizer in trainer.optimizers:
-            optimizer.state.clear()
+    _strategy(trainer).restart_skipped_groups(stats, trainer.optimizers, trainer.global_step)
 
 
 def _log_to_loggers(trainer: Trainer, stats: SyncStats) -> None:
