@@ -289,9 +289,13 @@ class OuterStep:
         return math.sqrt(max(mean_sq_total, 0.0)), math.sqrt(max(mean_own_sq - mean_sq_total, 0.0))
 
 
-def _squared_norm(tensor: Tensor) -> float:
-    """Squared L2 norm for logging, accumulated in float32 without a float64 copy of the tensor."""
-    return float(torch.linalg.vector_norm(tensor, dtype=torch.float32)) ** 2 if tensor.numel() else 0.0
+def _squared_norm(tensor: Tensor, chunk: int = 1 << 24) -> float:
+    """Squared L2 norm for logging, in float32 chunks so a low-precision buffer is never copied whole."""
+    flat = tensor.reshape(-1)
+    return sum(
+        float(torch.linalg.vector_norm(flat[i : i + chunk], dtype=torch.float32)) ** 2
+        for i in range(0, flat.numel(), chunk)
+    )
 
 
 def build_outer_optimizer(factory: OuterOptimizerFactory, params: list[Tensor]) -> Optimizer:
