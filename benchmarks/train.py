@@ -99,8 +99,9 @@ def make_strategy(cfg: RunConfig) -> FLFSDPStrategy | FLHSDPStrategy:
 class NoOuterSync(OuterSync):
     """Stands in for the automatically attached :class:`OuterSync` in the FSDP / HSDP baselines.
 
-    With one federation group an outer step has nothing to merge, but it would still copy the shards and move the
-    validation onto the last anchor; the baselines must be plain FSDP / HSDP, so every hook does nothing.
+    With one federation group an outer step has nothing to merge, but it would still copy the shards every sync and,
+    with a momentum outer optimizer, change the weights; the baselines must be plain FSDP / HSDP, so every hook does
+    nothing.
     """
 
     @override

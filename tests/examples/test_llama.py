@@ -119,6 +119,9 @@ def test_warmup_cosine_schedule() -> None:
         ({"betas": (0.9, 1.5)}, r"betas=\(0.9, 1.5\)"),
         ({"warmup_fraction": 1.5}, "warmup_fraction=1.5"),
         ({"min_lr_ratio": -0.1}, "min_lr_ratio=-0.1"),
+        ({"num_kv_heads": 3}, "num_kv_heads=3"),
+        ({"num_kv_heads": 0}, "num_kv_heads=0"),
+        ({"rope_theta": 0.0}, "rope_theta=0.0"),
     ],
 )
 def test_bad_arguments_raise(kwargs: dict[str, Any], message: str) -> None:
