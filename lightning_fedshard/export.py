@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-from lightning.fabric.strategies.fsdp import _is_full_checkpoint, _is_sharded_checkpoint
-from lightning.fabric.utilities.load import _lazy_load, _materialize_tensors
 from torch import Tensor
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.nn import Module
+
+from lightning_fedshard.checkpoint.format import checkpoint_kind, in_memory, pop_state_dict, read_full
 
 #: File name of the plain PyTorch state dict written by :func:`export_consensus`.
 CONSENSUS_FILENAME = "consensus.pt"
@@ -67,27 +69,18 @@ def read_consensus(checkpoint_path: str | Path) -> dict[str, Tensor]:
         ValueError: If it is not a checkpoint, or holds no model weights.
     """
     path = Path(checkpoint_path)
-    if _is_sharded_checkpoint(path):
+    if checkpoint_kind(path) == "sharded":
         return _read_sharded_model(path)
-    if _is_full_checkpoint(path):
-        checkpoint = _lazy_load(path)
-        if "state_dict" not in checkpoint:
-            raise ValueError(f"Checkpoint {str(path)!r} holds no 'state_dict'; its keys are {sorted(checkpoint)}.")
-        return _materialize_tensors(checkpoint["state_dict"])
-    if not path.exists():
-        raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
-    raise ValueError(f"{str(path)!r} is not a checkpoint: expected a file (full) or a directory with 'meta.pt'.")
+    return in_memory(pop_state_dict(read_full(path), path))
 
 
 def _read_sharded_model(path: Path) -> dict[str, Tensor]:
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    checkpoint: dict[str, Any] = {}
-    _load_state_dict(
-        checkpoint, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True
-    )
+    """The ``"model"`` of a DCP checkpoint, through a temporary ``torch.save`` file (the public DCP conversion)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        converted = Path(scratch) / "consensus.pt"
+        dcp_to_torch_save(path, converted)
+        # Written just now from the DCP files, which `dcp_to_torch_save` already unpickled in full.
+        checkpoint = torch.load(converted, map_location="cpu", weights_only=False)
     if "model" not in checkpoint:
         raise ValueError(f"Sharded checkpoint {str(path)!r} holds no 'model'; its keys are {sorted(checkpoint)}.")
     return checkpoint["model"]
