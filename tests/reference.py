@@ -2,18 +2,42 @@
 
 It keeps one full model per federation group (no sharding, no process groups, no code from the package): a group's
 gradient is the mean of its ranks' gradients (what FSDP's reduce-scatter and HSDP's all-reduce compute), each group
-steps its own inner optimizer, and every ``sync_every`` steps (and at the last step) the anchor takes a hand-written
-outer SGD step with optional Nesterov momentum on the mean pseudo-gradient.
+steps its own inner optimizer, and the anchor takes hand-written outer SGD steps (optional Nesterov momentum) on the
+mean pseudo-gradient.
+
+Without options the anchor syncs as a whole every ``sync_every`` steps and once more at the last step. With
+streaming fragments, delay and merge (issue 8) the schedule is, for ``H = sync_every``, ``P = len(fragments)`` and
+``K = H / P``:
+
+- every fragment has its own slice of the anchor and its own outer optimizer state;
+- after every optimizer step ``s`` with ``s % K == 0`` fragment ``(s / K - 1) % P`` lands: its pseudo-gradient is
+  ``anchor_f - local_{g,f}`` with ``local_{g,f}`` group g's weights of that fragment right after step
+  ``s - sync_delay`` (a snapshot); the mean over groups is the outer gradient, the outer optimizer steps ``anchor_f``
+  and every group's weights of the fragment become ``anchor_new + merge_alpha * (local_now - anchor_new)``, with
+  ``local_now`` the weights after step ``s`` (not the snapshot);
+- after the last step ``T``, snapshots whose landing lies beyond ``T`` are dropped, and every fragment takes one
+  synchronous outer step on ``anchor_f - local_{g,f}`` after step ``T`` and every group's weights of it become the new
+  anchor (no merge) - except a fragment that landed at ``T`` with ``merge_alpha == 0``: its groups already hold its
+  anchor, so it is left as it is. A fragment that landed at ``T`` with ``merge_alpha > 0`` holds merged weights that
+  differ between groups; ``final_landing`` says what it does (see `federate`). Either way every group ends with the
+  consensus, which is the returned ``final``.
+
+`federate` runs that schedule over any groups that can train one step, report and load weights (`Group`): the toy
+network in `reference_run`, or scripted groups with known updates in ``tests/test_reference.py``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from tests.toy import IndexedRegression, loss_fn, make_net
+
+FinalLanding = Literal["sync", "reset"]
 
 
 @dataclass
@@ -33,13 +57,201 @@ class Outer:
             anchor[k] = anchor[k] - self.lr * update
 
 
-OUTERS = {"nesterov": dict(lr=0.7, momentum=0.9, nesterov=True), "fedavg": dict(lr=1.0)}
+OUTERS: dict[str, dict[str, Any]] = {"nesterov": dict(lr=0.7, momentum=0.9, nesterov=True), "fedavg": dict(lr=1.0)}
+
+
+class Group(Protocol):
+    """One federation group as the outer loop sees it: it trains, shows its weights and takes new ones."""
+
+    def train_step(self, step: int) -> None:
+        """Run optimizer step ``step`` (0-based) in place."""
+
+    def weights(self) -> dict[str, Tensor]:
+        """The group's current weights by name (may share storage with the model)."""
+
+    def load(self, weights: dict[str, Tensor]) -> None:
+        """Overwrite the named weights (a subset of the names) with copies of the given values."""
+
+
+@dataclass(frozen=True)
+class Sync:
+    """One outer step of one fragment.
+
+    ``kind`` is ``"landing"`` for a scheduled landing and ``"final"`` for the synchronous step at the end of training.
+    ``outer_grad`` is the mean pseudo-gradient the fragment's outer optimizer stepped on.
+    """
+
+    step: int
+    fragment: int
+    kind: Literal["landing", "final"]
+    outer_grad: dict[str, Tensor]
+
+
+def federate(
+    initial: dict[str, Tensor],
+    groups: Sequence[Group],
+    *,
+    sync_every: int,
+    outer: str,
+    max_steps: int,
+    fragments: list[list[str]] | None = None,
+    sync_delay: int = 0,
+    merge_alpha: float = 0.0,
+    final_landing: FinalLanding = "sync",
+) -> dict[str, object]:
+    """Train ``groups`` (all holding ``initial``) for ``max_steps`` optimizer steps under the outer schedule above.
+
+    Args:
+        initial: the starting anchor; it is not modified.
+        groups: the federation groups, all holding ``initial`` already.
+        sync_every: ``H``; every fragment lands once every ``H`` steps.
+        outer: a name from `OUTERS`; every fragment builds its own optimizer from it.
+        max_steps: ``T``, the number of optimizer steps.
+        fragments: the names of ``initial`` per fragment, in landing order; ``None`` is one fragment with every name.
+        sync_delay: ``d`` in ``[0, K)``: a landing at ``s`` takes its pseudo-gradient from the weights after ``s - d``.
+        merge_alpha: in ``[0, 1]``: after a landing a group keeps this share of its own progress on the fragment.
+        final_landing: what a fragment does at the end when it landed at ``T`` with ``merge_alpha > 0``: ``"sync"``
+            (its groups hold merged weights that are not its anchor, so like every other fragment it takes the final
+            synchronous outer step, its outer optimizer stepping twice at ``T``) or ``"reset"`` (no second outer
+            step: its groups are reset to the anchor of the landing at ``T``, i.e. the last merge is skipped).
+
+    Returns:
+        ``anchors``: the full anchor after every outer step, by optimizer step (``0``: the initial anchor; at ``T``
+        after the final steps); ``final``: the consensus every group holds at the end; ``groups_before``: every
+        group's weights, flattened in name order, before every step (by 0-based step); ``syncs``: every `Sync` in
+        order.
+    """
+    parts = _check_fragments(list(initial), fragments)
+    every = _check_schedule(sync_every, len(parts), sync_delay, merge_alpha, final_landing)
+    anchor = {k: v.clone() for k, v in initial.items()}
+    outers = [Outer(**OUTERS[outer]) for _ in parts]
+    anchors: dict[int, dict[str, Tensor]] = {0: _copy(anchor)}
+    groups_before: dict[int, list[Tensor]] = {}
+    syncs: list[Sync] = []
+    in_flight: dict[int, list[dict[str, Tensor]]] = {}  # landing step -> each group's snapshot of that fragment
+    landed = -1
+    for step in range(max_steps):
+        groups_before[step] = [torch.cat([v.reshape(-1) for v in g.weights().values()]) for g in groups]
+        for group in groups:
+            group.train_step(step)
+        done = step + 1
+        if (done + sync_delay) % every == 0:
+            keys = parts[_landing_fragment(done + sync_delay, every, len(parts))]
+            in_flight[done + sync_delay] = [_slice(g.weights(), keys, clone=True) for g in groups]
+        if done % every == 0:
+            landed = _landing_fragment(done, every, len(parts))
+            keys = parts[landed]
+            grad = _outer_step(anchor, outers[landed], in_flight.pop(done), keys)
+            syncs.append(Sync(done, landed, "landing", grad))
+            for g in groups:
+                g.load(_merge(anchor, g.weights(), keys, merge_alpha))
+            anchors[done] = _copy(anchor)
+    # End of training: reductions still in flight are dropped; every fragment whose groups may not hold its anchor
+    # takes one synchronous outer step on its current pseudo-gradient and every group restarts from the result.
+    if max_steps > 0:
+        landed_at_end = landed if max_steps % every == 0 else -1
+        for f, keys in enumerate(parts):
+            if f == landed_at_end and (merge_alpha == 0 or final_landing == "reset"):
+                for g in groups:
+                    g.load(_slice(anchor, keys))
+                continue
+            grad = _outer_step(anchor, outers[f], [_slice(g.weights(), keys) for g in groups], keys)
+            syncs.append(Sync(max_steps, f, "final", grad))
+            for g in groups:
+                g.load(_slice(anchor, keys))
+        anchors[max_steps] = _copy(anchor)
+    return {"anchors": anchors, "final": anchor, "groups_before": groups_before, "syncs": syncs}
+
+
+def _check_fragments(names: list[str], fragments: list[list[str]] | None) -> list[list[str]]:
+    if fragments is None:
+        return [names]
+    parts = [[k.removeprefix("net.") if k not in names else k for k in part] for part in fragments]
+    flat = [k for part in parts for k in part]
+    if any(not part for part in parts) or sorted(flat) != sorted(names):
+        raise ValueError(f"`fragments` must split the names {names} into non-empty disjoint parts, got {fragments}.")
+    return parts
+
+
+def _check_schedule(sync_every: int, num_fragments: int, sync_delay: int, merge_alpha: float, final: str) -> int:
+    if sync_every < 1 or sync_every % num_fragments:
+        raise ValueError(f"`sync_every={sync_every}` must be a positive multiple of {num_fragments} fragments.")
+    every = sync_every // num_fragments
+    if not 0 <= sync_delay < every:
+        raise ValueError(f"`sync_delay={sync_delay}` must lie in [0, {every}).")
+    if not 0 <= merge_alpha <= 1:
+        raise ValueError(f"`merge_alpha={merge_alpha}` must lie in [0, 1].")
+    if final not in ("sync", "reset"):
+        raise ValueError(f"`final_landing={final!r}` must be 'sync' or 'reset'.")
+    return every
+
+
+def _landing_fragment(step: int, every: int, num_fragments: int) -> int:
+    return (step // every - 1) % num_fragments
+
+
+def _outer_step(
+    anchor: dict[str, Tensor], opt: Outer, local: list[dict[str, Tensor]], keys: list[str]
+) -> dict[str, Tensor]:
+    """Step ``anchor`` on the keys of one fragment with the mean over groups of ``anchor - local``; return that mean."""
+    delta = {k: anchor[k] - torch.stack([w[k] for w in local]).mean(0) for k in keys}
+    opt.step(anchor, delta)
+    return delta
+
+
+def _merge(anchor: dict[str, Tensor], local: dict[str, Tensor], keys: list[str], alpha: float) -> dict[str, Tensor]:
+    if alpha == 0:  # exactly the anchor, bit for bit (no 0 * (local - anchor) that could carry a NaN or a -0)
+        return _slice(anchor, keys)
+    return {k: anchor[k] + alpha * (local[k] - anchor[k]) for k in keys}
+
+
+def _slice(weights: dict[str, Tensor], keys: list[str], clone: bool = False) -> dict[str, Tensor]:
+    return {k: weights[k].detach().clone() if clone else weights[k] for k in keys}
+
+
+def _copy(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v.clone() for k, v in weights.items()}
 
 
 def _inner_optimizer(net: nn.Module, inner: str, lr: float) -> torch.optim.Optimizer:
     if inner == "sgd":
         return torch.optim.SGD(net.parameters(), lr=lr)
     return torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+class NetGroup:
+    """A federation group of the toy network: its ranks' micro-batches, its gradient is their mean."""
+
+    def __init__(
+        self,
+        anchor: dict[str, Tensor],
+        ranks: list[int],
+        micro_batches: list[list[list[int]]],
+        data: IndexedRegression,
+        *,
+        inner: str,
+        lr: float,
+        accumulate: int,
+    ) -> None:
+        self.net = make_net()
+        self.net.load_state_dict(anchor)
+        self.opt = _inner_optimizer(self.net, inner, lr)
+        self.ranks, self.micro_batches, self.data, self.accumulate = ranks, micro_batches, data, accumulate
+
+    def train_step(self, step: int) -> None:
+        self.opt.zero_grad()
+        for rank in self.ranks:
+            for m in range(step * self.accumulate, (step + 1) * self.accumulate):
+                idx = torch.tensor(self.micro_batches[rank][m])
+                loss = loss_fn(self.net, self.data.x[idx], self.data.y[idx]) / (self.accumulate * len(self.ranks))
+                loss.backward()
+        self.opt.step()
+
+    def weights(self) -> dict[str, Tensor]:
+        return {k: v.detach() for k, v in self.net.state_dict().items()}
+
+    def load(self, weights: dict[str, Tensor]) -> None:
+        self.net.load_state_dict(weights, strict=False)
 
 
 def reference_run(
@@ -53,38 +265,29 @@ def reference_run(
     lr: float,
     accumulate: int,
     max_steps: int,
+    fragments: list[list[str]] | None = None,
+    sync_delay: int = 0,
+    merge_alpha: float = 0.0,
+    final_landing: FinalLanding = "sync",
 ) -> dict[str, object]:
     """``micro_batches[rank]`` lists the sample indices of every micro-batch that rank trained on, in order.
 
-    Returns the anchor after every sync (by optimizer step) and each group's weights before every step.
+    ``fragments`` names the parameters per fragment, with or without the LightningModule's ``net.`` prefix; the
+    schedule options are those of `federate`. Without them this is the plain algorithm (one sync of everything every
+    ``sync_every`` steps and at the last step). Returns the anchor after every outer step (by optimizer step), the
+    final consensus, each group's weights before every step and every `Sync` (see `federate`).
     """
     data = IndexedRegression()
     anchor = {k.removeprefix("net."): v.clone().double().float() for k, v in initial.items()}
-    nets = []
-    for _ in groups:
-        net = make_net()
-        net.load_state_dict(anchor)
-        nets.append(net)
-    opts = [_inner_optimizer(net, inner, lr) for net in nets]
-    outer_opt = Outer(**OUTERS[outer])
-    anchors: dict[int, dict[str, Tensor]] = {0: {k: v.clone() for k, v in anchor.items()}}
-    groups_before: dict[int, list[Tensor]] = {}
-    for step in range(max_steps):
-        groups_before[step] = [torch.cat([p.detach().reshape(-1) for p in net.parameters()]) for net in nets]
-        for g, ranks in enumerate(groups):
-            opts[g].zero_grad()
-            for rank in ranks:
-                for m in range(step * accumulate, (step + 1) * accumulate):
-                    idx = torch.tensor(micro_batches[rank][m])
-                    loss = loss_fn(nets[g], data.x[idx], data.y[idx]) / (accumulate * len(ranks))
-                    loss.backward()
-            opts[g].step()
-        done = step + 1
-        if done % sync_every == 0 or done == max_steps:
-            states = [{k: v.detach() for k, v in net.state_dict().items()} for net in nets]
-            delta = {k: anchor[k] - torch.stack([s[k] for s in states]).mean(0) for k in anchor}
-            outer_opt.step(anchor, delta)
-            for net in nets:
-                net.load_state_dict(anchor)
-            anchors[done] = {k: v.clone() for k, v in anchor.items()}
-    return {"anchors": anchors, "final": anchor, "groups_before": groups_before}
+    nets = [NetGroup(anchor, ranks, micro_batches, data, inner=inner, lr=lr, accumulate=accumulate) for ranks in groups]
+    return federate(
+        anchor,
+        nets,
+        sync_every=sync_every,
+        outer=outer,
+        max_steps=max_steps,
+        fragments=fragments,
+        sync_delay=sync_delay,
+        merge_alpha=merge_alpha,
+        final_landing=final_landing,
+    )

@@ -13,6 +13,13 @@ import torch
 from torch import Tensor
 from torch.optim import SGD, Optimizer
 
+from lightning_fedshard.core.compress import (
+    COMPRESSED_REDUCE_DTYPES,
+    DEFAULT_BLOCK_SIZE,
+    REDUCE_DTYPE_NAMES,
+    Reducer,
+    make_reducer,
+)
 from lightning_fedshard.core.outer import NONFINITE_POLICIES, OuterOptimizerFactory, build_outer_optimizer
 from lightning_fedshard.core.topology import FederationTopology
 
@@ -37,25 +44,51 @@ OuterOptimizerSpec = str | Callable[[Iterable[Tensor]], Optimizer]
 class FederationConfig:
     """The federation options of an FL+FSDP / FL+HSDP strategy, validated.
 
+    This docstring is the one description of these options: the Trainer and Fabric strategies show it as their own
+    (see :func:`federation_args_doc`), and so do LightningCLI's ``--help`` and the docs.
+
     Args:
-        num_groups: Federation groups ``G``; ``None`` means one group per node.
-        shard_size: Ranks sharding one replica; ``None`` means the strategy's default (all ranks of a group for
-            FL+FSDP, the devices of one node for FL+HSDP).
-        sync_every: Inner optimizer steps between two outer steps (``H``).
-        outer_optimizer: ``"fedavg"`` (default), ``"nesterov"`` or a callable building an optimizer from the anchor
-            tensors.
-        reduce_dtype: Data type of the pseudo-gradient in the outer all-reduce: ``"float32"``, ``"bfloat16"`` or
-            ``"float16"`` (or the matching ``torch.dtype``).
-        anchor_device: ``"cpu"`` keeps the anchor and outer optimizer state in host memory; ``"device"`` keeps
-            them next to the model shards.
-        on_nonfinite: What a sync does when a group's pseudo-gradient holds NaN/Inf: ``"raise"`` (default) stops
-            with an error naming the groups, the step and the sync, leaving the anchor untouched; ``"skip_group"``
-            averages over the healthy groups only and restarts the broken ones from the new anchor.
+        num_groups: Number of federation groups ``G``. Default: one group per node (``num_nodes``). The world size
+            must be divisible by it.
+        shard_size: FL+HSDP only: ranks that shard one replica (``S``). Default: the devices of one node. The group
+            size must be divisible by it. FL+FSDP shards over the whole group and refuses this argument.
+        sync_every: Optimizer steps between two outer steps (the paper's ``H``; default 8).
+        outer_optimizer: ``"fedavg"`` (default; ``SGD(lr=1.0)``: plain averaging, as in the paper's runs and best
+            in our benchmarks at ``sync_every=8``, see docs/benchmarks.md), ``"nesterov"``
+            (``SGD(lr=0.7, momentum=0.9, nesterov=True)``, DiLoCo's outer step, tuned for hundreds of inner steps) or
+            a callable that builds a ``torch.optim.Optimizer`` from an iterable of tensors.
+        reduce_dtype: Data type of the pseudo-gradient on the wire: ``"float32"`` (default), ``"bfloat16"`` or
+            ``"float16"`` (or the matching ``torch.dtype``), summed by an all-reduce; or ``"int8"`` / ``"int4"``:
+            block-wise absmax quantization, summed in float32 by an all-to-all and an all-gather of quantized chunks
+            (works on gloo and NCCL; about 0.26x and 0.13x the bytes of float32, scales included).
+        quant_block_size: Values per quantization block (one float32 scale each) for ``"int8"`` / ``"int4"``
+            (default 128, measured as the smallest block that keeps int4 under 0.14x float32).
+        error_feedback: With ``"int8"`` / ``"int4"``, carry each rank's quantization residual into its next sync, so
+            that rounding errors are delayed instead of lost (default False; kept in checkpoints). Rejected with a
+            float ``reduce_dtype``, which has no residual.
+        anchor_device: Where the anchor (float32) and the outer optimizer state live: ``"cpu"`` (default; host
+            memory, the accelerator pays nothing) or ``"device"`` (next to the model's shards).
+        on_nonfinite: What a sync does when a group's pseudo-gradient holds NaN/Inf. ``"raise"`` (default): stop
+            with an error naming the groups, the step and the sync, leaving the anchor and the last checkpoint
+            untouched. ``"skip_group"``: average over the healthy groups only and restart the broken ones (weights
+            from the new anchor, fresh inner optimizer state), with a warning.
+        fragments: Streaming fragments ``P`` (default 1: the whole model syncs at once). The model's FSDP units, in
+            module order, are cut into ``P`` contiguous fragments balanced by size, each with its own outer
+            optimizer; one fragment lands every ``sync_every / P`` optimizer steps, in turn, so every fragment still
+            syncs every ``sync_every`` steps but one sync moves about ``1 / P`` of the model. ``sync_every`` must be
+            divisible by it, and the model needs at least ``P`` FSDP units. torchft calls fragments the same.
+        sync_delay: Optimizer steps that a fragment's sum over the groups may overlap with training (default 0):
+            the pseudo-gradient is taken after step ``s - sync_delay``, summed in the background, and applied after
+            step ``s``. ``0 <= sync_delay < sync_every / fragments``. torchft's ``fragment_sync_delay``.
+        merge_alpha: After a fragment lands, each group's weights of it become
+            ``anchor + merge_alpha * (local - anchor)`` (default 0.0: restart from the new anchor); in ``[0, 1]``.
+            torchft's ``fragment_update_alpha``.
 
     Raises:
         ValueError: For a non-positive ``num_groups``, ``shard_size`` or ``sync_every``, an unknown outer
             optimizer name, an outer optimizer factory that does not return an optimizer, an unknown reduce dtype,
-            anchor device or ``on_nonfinite`` policy.
+            anchor device or ``on_nonfinite`` policy, ``sync_every`` not divisible by ``fragments``, ``sync_delay``
+            outside ``[0, sync_every / fragments)`` or ``merge_alpha`` outside ``[0, 1]``.
     """
 
     num_groups: int | None = None
@@ -65,6 +98,11 @@ class FederationConfig:
     reduce_dtype: str | torch.dtype = "float32"
     anchor_device: str = "cpu"
     on_nonfinite: str = "raise"
+    fragments: int = 1
+    sync_delay: int = 0
+    merge_alpha: float = 0.0
+    quant_block_size: int = DEFAULT_BLOCK_SIZE
+    error_feedback: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_groups", "shard_size"):
@@ -72,11 +110,31 @@ class FederationConfig:
         _check_positive_int("sync_every", self.sync_every, allow_none=False)
         # Build the outer optimizer once on a probe tensor, so a broken factory fails before any rank starts.
         build_outer_optimizer(self.outer_optimizer_factory, [torch.zeros(1, requires_grad=True)])
-        resolve_reduce_dtype(self.reduce_dtype)
+        _check_positive_int("quant_block_size", self.quant_block_size, allow_none=False)
+        # Builds a reducer once: an unknown dtype, or error feedback with a float dtype, fail here.
+        make_reducer(self.reduce_dtype, self.quant_block_size, self.error_feedback)
         if self.anchor_device not in ("cpu", "device"):
             raise ValueError(f"`anchor_device` must be 'cpu' or 'device', got {self.anchor_device!r}.")
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"`on_nonfinite` must be one of {list(NONFINITE_POLICIES)}, got {self.on_nonfinite!r}.")
+        self._check_streaming()
+
+    def _check_streaming(self) -> None:
+        _check_positive_int("fragments", self.fragments, allow_none=False)
+        if self.sync_every % self.fragments:
+            raise ValueError(
+                f"`sync_every={self.sync_every}` must be divisible by `fragments={self.fragments}`: one fragment lands"
+                " every `sync_every / fragments` optimizer steps."
+            )
+        interval = self.sync_every // self.fragments
+        delay = self.sync_delay
+        if not isinstance(delay, int) or isinstance(delay, bool) or not 0 <= delay < interval:
+            raise ValueError(
+                f"`sync_delay` must be an integer in [0, sync_every / fragments) = [0, {interval}), got {delay!r}."
+            )
+        alpha = self.merge_alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"`merge_alpha` must be a number in [0, 1], got {alpha!r}.")
 
     def topology(self, num_nodes: int, devices_per_node: int, hybrid: bool) -> FederationTopology:
         """The job's topology once the number of nodes and devices per node are known.
@@ -107,8 +165,32 @@ class FederationConfig:
 
     @property
     def reduce_torch_dtype(self) -> torch.dtype:
-        """``reduce_dtype`` as a ``torch.dtype``."""
-        return resolve_reduce_dtype(self.reduce_dtype)
+        """The dtype of the pseudo-gradient buffer: ``reduce_dtype`` for floats, float32 before quantization."""
+        return torch.float32 if self.compressed else resolve_reduce_dtype(self.reduce_dtype)
+
+    @property
+    def compressed(self) -> bool:
+        """Whether the outer traffic is quantized (``"int8"`` / ``"int4"``)."""
+        return str(self.reduce_dtype) in COMPRESSED_REDUCE_DTYPES
+
+    def reducer(self) -> Reducer | None:
+        """A new quantized reducer for one fragment, or ``None`` for a float all-reduce."""
+        if not self.compressed:
+            return None
+        return make_reducer(self.reduce_dtype, self.quant_block_size, self.error_feedback)
+
+
+def federation_args_doc() -> str:
+    """The ``Args:`` entries of :class:`FederationConfig`'s docstring, indented for a class docstring.
+
+    The strategies append them to their own docstrings, so every place that documents the federation arguments
+    (Python's ``help``, LightningCLI's ``--help``) shows this one description.
+    """
+    doc = FederationConfig.__doc__ or ""
+    lines = doc.split("\n")
+    start = next(i for i, line in enumerate(lines) if line.strip() == "Args:") + 1
+    end = next(i for i in range(start, len(lines)) if not lines[i].strip())
+    return "\n".join(lines[start:end])
 
 
 def resolve_outer_optimizer(spec: OuterOptimizerSpec) -> OuterOptimizerFactory:
@@ -141,7 +223,7 @@ def resolve_reduce_dtype(value: str | torch.dtype) -> torch.dtype:
         name = value.removeprefix("torch.")
         if name in _REDUCE_DTYPES:
             return _REDUCE_DTYPES[name]
-    raise ValueError(f"Unsupported `reduce_dtype={value!r}`; choose one of {sorted(_REDUCE_DTYPES)}.")
+    raise ValueError(f"Unsupported `reduce_dtype={value!r}`; choose one of {list(REDUCE_DTYPE_NAMES)}.")
 
 
 def _check_positive_int(name: str, value: object, allow_none: bool) -> None:

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_fedshard.core.config import FederationConfig
-from lightning_fedshard.core.outer import Communicator, OuterStep, SyncStats
+from lightning_fedshard.core.fragments import cut_fragments, landing_fragment, starting_fragment
+from lightning_fedshard.core.outer import Communicator, OuterStep, PendingSync, SyncStats
 
 
 class Federation:
@@ -30,7 +32,10 @@ class Federation:
         self.communicator = communicator
         self._outer: OuterStep | None = None
         self._on_write: Callable[[], None] = _nothing
+        self._pending: PendingSync | None = None
         self.last_synced_step = 0
+        self.last_step = 0
+        self.landed_at: list[int] = [0] * config.fragments
 
     @property
     def started(self) -> bool:
@@ -44,16 +49,25 @@ class Federation:
             raise RuntimeError("The federation has not started: call `start(shards, step)` first.")
         return self._outer
 
+    @property
+    def pending(self) -> PendingSync | None:
+        """The fragment sync in flight (started, not landed yet), if any."""
+        return self._pending
+
     def start(self, shards: Sequence[Tensor], step: int, on_write: Callable[[], None] | None = None) -> None:
         """Take the current shards as the anchor (all groups must hold the same weights) at optimizer step ``step``.
 
         Calling it again with the same shards keeps everything (anchor, outer optimizer state, schedule), e.g. after
-        :meth:`load_state_dict` restored them from a checkpoint; only ``on_write`` is replaced.
+        :meth:`load_state_dict` restored them from a checkpoint; only ``on_write`` is replaced. The shards (FSDP
+        units, in module order) are cut into ``config.fragments`` fragments (see :func:`cut_fragments`).
 
         Args:
             shards: This rank's local shards, updated in place by training.
             step: The optimizer step training starts from.
             on_write: Called after the shards were overwritten in place, e.g. to drop caches of gathered weights.
+
+        Raises:
+            ValueError: If the model has fewer FSDP units than ``config.fragments``.
         """
         self._on_write = on_write or _nothing
         if self._outer is not None and _same_tensors(self._outer.shards, shards):
@@ -66,35 +80,95 @@ class Federation:
             reduce_dtype=self.config.reduce_torch_dtype,
             anchor_device=anchor_device,
             on_nonfinite=self.config.on_nonfinite,
+            fragments=cut_fragments([s.numel() for s in shards], self.config.fragments),
+            reducer=self.config.reducer,
         )
-        self.last_synced_step = step
+        self.last_synced_step = self.last_step = step
+        self.landed_at = [step] * self.config.fragments
 
     def is_due(self, step: int) -> bool:
-        """Whether an outer step is due after optimizer step ``step`` (a multiple of ``sync_every`` not synced yet).
+        """Whether a fragment lands after optimizer step ``step`` (a multiple of ``sync_every / fragments``).
 
         ``step`` counts real optimizer steps, so gradient accumulation and repeated hook calls for the same step
         never trigger twice.
         """
-        return step > self.last_synced_step and step % self.config.sync_every == 0
+        due = landing_fragment(step, self.config.sync_every, self.config.fragments) is not None
+        return due and step > self.last_synced_step
 
     def maybe_sync(self, step: int) -> SyncStats | None:
-        """Run the outer step if one is due after optimizer step ``step``; collective."""
-        return self.sync(step) if self.is_due(step) else None
+        """Everything the schedule asks for after optimizer step ``step``; collective.
 
-    def finish(self, step: int) -> SyncStats | None:
-        """Sync once more if training stopped between two syncs, so every group ends with the consensus."""
-        return self.sync(step) if self.started and step > self.last_synced_step else None
+        Lands the fragment that is due (waits for its sum, outer step, merge) and, with ``sync_delay > 0``, takes the
+        pseudo-gradient of the fragment that lands ``sync_delay`` steps later and starts its sum in the background.
+        A step already handled is ignored.
 
-    def sync(self, step: int) -> SyncStats:
-        """Run the outer step now; collective.
+        Returns:
+            The statistics of the sync that landed, or ``None``.
 
         Raises:
             NonFiniteOuterGradientError: See :class:`~lightning_fedshard.core.outer.OuterStep`.
         """
-        stats = self.outer.step(step=step)
-        self._on_write()
-        self.last_synced_step = step
+        if step <= self.last_step:
+            return None
+        stats = self._land(step) if self.is_due(step) else None
+        starting = starting_fragment(step, self.config.sync_every, self.config.fragments, self.config.sync_delay)
+        if starting is not None:
+            self._pending = self.outer.begin(starting, step, background=True)
+        self.last_step = step
         return stats
+
+    def _land(self, step: int) -> SyncStats:
+        fragment = landing_fragment(step, self.config.sync_every, self.config.fragments)
+        assert fragment is not None
+        pending, self._pending = self._pending, None
+        if pending is None or pending.fragment != fragment:  # no overlap (sync_delay=0), or resumed without one
+            self._drop(pending)
+            pending = self.outer.begin(fragment, step, background=False)
+        stats = self.outer.complete(pending, step=step, merge_alpha=self.config.merge_alpha)
+        self._on_write()
+        self.last_synced_step = self.landed_at[fragment] = step
+        return replace(stats, num_fragments=self.config.fragments)
+
+    def finish(self, step: int) -> SyncStats | None:
+        """End of training after optimizer step ``step``: every group ends with the consensus; collective.
+
+        A sum still in flight is dropped (awaited, then discarded). Every fragment that did not land at ``step`` takes
+        one synchronous outer step on its current pseudo-gradient; a fragment that landed at ``step`` with
+        ``merge_alpha > 0`` gets the new anchor copied in, so that all groups agree.
+
+        Returns:
+            The statistics of the last of these syncs, or ``None`` if none was needed.
+        """
+        if not self.started:
+            return None
+        self._drop(self._pending)
+        self._pending = None
+        stats = None
+        for fragment in range(self.config.fragments):
+            if self.landed_at[fragment] == step:
+                if self.config.merge_alpha > 0:
+                    self.outer.copy_anchor_to_shards(fragment)
+                    self._on_write()
+                continue
+            stats = replace(self.sync(step, fragment), num_fragments=self.config.fragments)
+        self.last_step = max(self.last_step, step)
+        return stats
+
+    def sync(self, step: int, fragment: int = 0) -> SyncStats:
+        """Run one fragment's outer step now, synchronously (the new anchor replaces the shards); collective.
+
+        Raises:
+            NonFiniteOuterGradientError: See :class:`~lightning_fedshard.core.outer.OuterStep`.
+        """
+        stats = self.outer.step(step=step, fragment=fragment)
+        self._on_write()
+        self.last_synced_step = self.landed_at[fragment] = step
+        return stats
+
+    @staticmethod
+    def _drop(pending: PendingSync | None) -> None:
+        if pending is not None:
+            pending.result()  # every rank started this collective: let it finish everywhere, then forget it
 
     @contextmanager
     def consensus_weights(self) -> Iterator[None]:
@@ -118,14 +192,37 @@ class Federation:
             self._on_write()
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's federation state (outer step and schedule)."""
-        return {"outer": self.outer.state_dict() if self._outer else None, "last_synced_step": self.last_synced_step}
+        """This rank's federation state: outer step, schedule and the fragment sync in flight (its sum completed)."""
+        return {
+            "outer": self.outer.state_dict() if self._outer else None,
+            "last_synced_step": self.last_synced_step,
+            "last_step": self.last_step,
+            "landed_at": list(self.landed_at),
+            "pending": self._pending.state_dict() if self._pending is not None else None,
+        }
+
+    def group_state_dict(self) -> dict[str, Any]:
+        """This rank's state that differs between groups (error-feedback residuals); see :class:`OuterStep`."""
+        return self.outer.group_state_dict() if self._outer else {}
+
+    def load_group_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`group_state_dict`."""
+        if self._outer is not None:
+            self._outer.load_group_state_dict(state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the federation must already be started on the same shards layout."""
         if state.get("outer") is not None:
             self.outer.load_state_dict(state["outer"])
         self.last_synced_step = int(state["last_synced_step"])
+        # Written by versions without fragments: the last handled step was the last sync (a sync still due then
+        # runs when training starts), and every fragment (the only one) landed then.
+        self.last_step = int(state.get("last_step", self.last_synced_step))
+        self.landed_at = [int(s) for s in state.get("landed_at", [self.last_synced_step] * self.config.fragments)]
+        pending = state.get("pending")
+        self._pending = None
+        if pending is not None:
+            self._pending = PendingSync.from_state_dict(pending, self.outer.shards[0].device)
 
 
 def _nothing() -> None:

@@ -26,12 +26,15 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+
+from lightning_fedshard.core.compress import Reducer
 
 OuterOptimizerFactory = Callable[[Iterable[Tensor]], Optimizer]
 
@@ -78,6 +81,16 @@ class Communicator(Protocol):
     def sum_across_groups(self, tensor: Tensor) -> None:
         """Replace ``tensor`` in place by its sum over the ranks at the same in-group position of every group."""
 
+    def all_to_all(self, output: Tensor, input: Tensor) -> None:
+        """Exchange equal parts over the ``"fed"`` axis: part ``j`` of ``input`` goes to group ``j``.
+
+        ``input`` and ``output`` are 1-D, of the same length, divisible by ``G``; ``output`` part ``j`` is what
+        group ``j`` sent to this rank.
+        """
+
+    def all_gather(self, output: Tensor, input: Tensor) -> None:
+        """Fill the 1-D ``output`` (``G`` times ``input``'s length) with every group's ``input``, in group order."""
+
     def sum_across_model(self, tensor: Tensor) -> None:
         """Replace a small statistics vector in place by its sum over all distinct shards of all groups.
 
@@ -99,6 +112,12 @@ class SyncStats:
         num_syncs: Number of outer steps done so far, including this one.
         skipped_groups: Groups left out of the mean because their pseudo-gradient was not finite
             (``on_nonfinite="skip_group"``); they restart from the new anchor.
+        fragment: The fragment that synced (0 with one fragment).
+        exposed_seconds: Seconds the training loop was blocked by this sync (taking the pseudo-gradient, waiting for
+            the sum, the outer optimizer step); less than ``seconds`` when the sum overlapped with training.
+        compute_utilization: Over the round that this sync closes: compute time / (compute time + exposed sync
+            time), where compute time is the round's wall time minus the exposed sync time. Set by the runtime.
+        num_fragments: How many fragments the model is cut into (the fragment index is logged when > 1).
     """
 
     outer_grad_norm: float
@@ -107,6 +126,10 @@ class SyncStats:
     seconds: float
     num_syncs: int
     skipped_groups: tuple[int, ...] = ()
+    fragment: int = 0
+    exposed_seconds: float = 0.0
+    compute_utilization: float | None = None
+    num_fragments: int = 1
 
     def as_dict(self, prefix: str = "fedshard/") -> dict[str, float]:
         """The statistics as a flat ``{name: value}`` dict for loggers."""
@@ -117,28 +140,108 @@ class SyncStats:
             f"{prefix}sync_seconds": self.seconds,
             f"{prefix}num_syncs": float(self.num_syncs),
         }
+        stats[f"{prefix}sync_exposed_seconds"] = self.exposed_seconds
+        if self.compute_utilization is not None:
+            stats[f"{prefix}compute_utilization"] = self.compute_utilization
+        if self.num_fragments > 1:
+            stats[f"{prefix}fragment"] = float(self.fragment)
         if self.skipped_groups:
             stats[f"{prefix}skipped_groups"] = float(len(self.skipped_groups))
         return stats
 
 
+@dataclass
+class PendingSync:
+    """A fragment's outer reduction that started after one optimizer step and lands after a later one.
+
+    :meth:`OuterStep.begin` takes the fragment's pseudo-gradient (the snapshot) and starts summing it over the groups,
+    in a background thread when asked to; :meth:`OuterStep.complete` waits for the sum and applies the outer step.
+
+    Attributes:
+        fragment: Index of the fragment.
+        started_at: Optimizer step after which the pseudo-gradient was taken (``None`` if unknown).
+        broken: Groups whose pseudo-gradient held NaN/Inf (``on_nonfinite="skip_group"``); known to every rank.
+        own_sq: Squared L2 norm of this rank's own pseudo-gradient of the fragment (for the drift statistic).
+        bytes_sent: Bytes this rank sends for the sum (ring collectives; quantization scales included).
+        clock: ``time.perf_counter()`` when the snapshot was taken.
+        exposed: Seconds the caller was blocked by :meth:`OuterStep.begin`.
+    """
+
+    fragment: int
+    started_at: int | None
+    broken: tuple[int, ...]
+    own_sq: float
+    bytes_sent: int
+    clock: float
+    exposed: float = 0.0
+    _future: Future[Tensor] | None = field(default=None, repr=False)
+    _result: Tensor | None = field(default=None, repr=False)
+
+    def result(self) -> Tensor:
+        """The pseudo-gradient summed over the groups (waits for the reduction if it still runs)."""
+        if self._result is None:
+            assert self._future is not None
+            self._result = self._future.result()
+            self._future = None
+        return self._result
+
+    @property
+    def done(self) -> bool:
+        """Whether the sum is available without waiting."""
+        return self._result is not None or (self._future is not None and self._future.done())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to land this sync later, e.g. after a resume: the reduction is completed first."""
+        return {
+            "fragment": self.fragment,
+            "started_at": self.started_at,
+            "broken": list(self.broken),
+            "own_sq": self.own_sq,
+            "bytes_sent": self.bytes_sent,
+            "result": self.result().detach().to("cpu", copy=True),
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any], device: torch.device) -> PendingSync:
+        """Rebuild a completed :class:`PendingSync` from :meth:`state_dict`."""
+        return cls(
+            fragment=int(state["fragment"]),
+            started_at=state["started_at"],
+            broken=tuple(state["broken"]),
+            own_sq=float(state["own_sq"]),
+            bytes_sent=int(state["bytes_sent"]),
+            clock=time.perf_counter(),
+            _result=state["result"].to(device),
+        )
+
+
 class OuterStep:
-    """Keeps the anchor and the outer optimizer for a list of local shards, and performs the outer step.
+    """Keeps the anchor and the outer optimizers for a list of local shards, and performs outer steps.
+
+    The shards may be cut into *fragments* (contiguous lists of shard indices), each with its own outer optimizer, that
+    sync at different optimizer steps (streaming DiLoCo). An outer step of a fragment has two halves:
+    :meth:`begin` takes its pseudo-gradient and starts the sum over the groups, optionally in a background thread so
+    that training goes on meanwhile, and :meth:`complete` waits for the sum, steps the fragment's outer optimizer and
+    writes the new anchor (merged with the current local weights by ``merge_alpha``) into the shards. :meth:`step`
+    does both at once.
 
     Args:
         shards: This rank's local shards of the model parameters (the tensors training updates in place). They
             must have the same shapes, in the same order, on every rank at the same in-group position.
-        outer_optimizer: Builds the outer optimizer from the anchor tensors, e.g.
-            ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``.
+        outer_optimizer: Builds an outer optimizer from anchor tensors, e.g.
+            ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``; one per fragment.
         communicator: Collectives over the federation (see :class:`Communicator`).
         reduce_dtype: Data type of the pseudo-gradient on the wire.
         anchor_device: Where the anchor and the outer optimizer state live. ``"cpu"`` (default) costs the
             accelerator no memory; ``None`` keeps them next to the shards.
         on_nonfinite: ``"raise"`` (default) or ``"skip_group"``; see :meth:`step`.
+        fragments: Shard indices of each fragment, covering every shard exactly once; default: one fragment.
+        reducer: Builds the quantized reducer of a fragment (see :mod:`~lightning_fedshard.core.compress`), called
+            once per fragment; ``None`` (default) sums in ``reduce_dtype`` with the communicator's all-reduce.
 
     Raises:
-        ValueError: If ``outer_optimizer`` does not return a ``torch.optim.Optimizer``, or for an unknown
-            ``on_nonfinite``.
+        ValueError: If ``outer_optimizer`` does not return a ``torch.optim.Optimizer``, for an unknown
+            ``on_nonfinite``, or fragments that do not cover the shards exactly once.
     """
 
     def __init__(
@@ -149,80 +252,164 @@ class OuterStep:
         reduce_dtype: torch.dtype = torch.float32,
         anchor_device: torch.device | str | None = "cpu",
         on_nonfinite: str = "raise",
+        fragments: Sequence[Sequence[int]] | None = None,
+        reducer: Callable[[], Reducer | None] | None = None,
     ) -> None:
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"`on_nonfinite` must be one of {list(NONFINITE_POLICIES)}, got {on_nonfinite!r}.")
         self.on_nonfinite = on_nonfinite
         self.shards = list(shards)
+        self.fragments = [list(f) for f in fragments] if fragments is not None else [list(range(len(self.shards)))]
+        if sorted(i for f in self.fragments for i in f) != list(range(len(self.shards))) or not all(self.fragments):
+            raise ValueError(f"Fragments {self.fragments} must cover the {len(self.shards)} shards exactly once.")
         self.communicator = communicator
         self.reduce_dtype = reduce_dtype
         self.num_syncs = 0
         self.anchor = [_new_anchor(s, anchor_device) for s in self.shards]
-        self.optimizer = build_outer_optimizer(outer_optimizer, self.anchor)
+        self.optimizers = [build_outer_optimizer(outer_optimizer, [self.anchor[i] for i in f]) for f in self.fragments]
+        self.reducers = [reducer() if reducer is not None else None for _ in self.fragments]
+        if any(r is not None for r in self.reducers):
+            self.reduce_dtype = torch.float32  # quantized from float32 pseudo-gradients
+        self._executor: ThreadPoolExecutor | None = None
+
+    @property
+    def optimizer(self) -> Optimizer:
+        """The outer optimizer of the first (with one fragment: the only) fragment."""
+        return self.optimizers[0]
 
     @torch.no_grad()
-    def step(self, step: int | None = None) -> SyncStats:
-        """Average the pseudo-gradients over groups, step the outer optimizer and reset every shard to the anchor.
+    def step(self, step: int | None = None, fragment: int = 0) -> SyncStats:
+        """Average the pseudo-gradients over groups, step the outer optimizer and reset the shards to the anchor.
 
-        Collective: every rank of the job must call it at the same point.
+        Collective: every rank of the job must call it at the same point. Acts on one fragment (default: the first,
+        with one fragment the whole model).
 
         Args:
             step: The optimizer step this sync follows; only used in error messages.
+            fragment: Which fragment syncs.
 
         Raises:
             NonFiniteOuterGradientError: If a group's pseudo-gradient holds NaN/Inf and ``on_nonfinite="raise"``, or
                 every group's does. Nothing was changed then.
         """
+        return self.complete(self.begin(fragment, step, background=False), step=step)
+
+    @torch.no_grad()
+    def begin(self, fragment: int, step: int | None = None, background: bool = True) -> PendingSync:
+        """Take the fragment's pseudo-gradient now and start summing it over the groups; collective.
+
+        The NaN/Inf check (one tiny all-reduce over all ranks) runs here, in the caller's thread, so that only the
+        ``"fed"`` ring is used from the background thread.
+
+        Args:
+            fragment: Which fragment.
+            step: The optimizer step after which the pseudo-gradient is taken (for messages and statistics).
+            background: Sum in a background thread (training may go on) instead of before returning.
+
+        Raises:
+            NonFiniteOuterGradientError: As for :meth:`step`; nothing was changed then.
+        """
         start = time.perf_counter()
         with torch.profiler.record_function("fedshard::pseudogradient"):
-            local, finite = self._pseudogradient()
+            local, finite = self._pseudogradient(fragment)
         broken = self._nonfinite_groups(finite, local.device)
         groups = self.communicator.num_groups
         if broken and (self.on_nonfinite == "raise" or len(broken) == groups):
             raise NonFiniteOuterGradientError(broken, self.num_syncs, step)
         if self.communicator.group_index in broken:
             local.zero_()  # a broken group adds nothing to the sum; the mean divides by the healthy groups
-        healthy = groups - len(broken)
-        own_sq = _squared_norm(local)
-        payload = local.numel() * local.element_size()
-        with torch.profiler.record_function("fedshard::outer_all_reduce"):
-            if groups > 1:
-                self.communicator.sum_across_groups(local)
-            local.div_(healthy)
+        pending = PendingSync(
+            fragment=fragment,
+            started_at=step,
+            broken=tuple(broken),
+            own_sq=_squared_norm(local),
+            bytes_sent=self._wire_bytes(fragment, local),
+            clock=start,
+        )
+        if background:
+            pending._future = self._background().submit(self._sum_across_groups, local, fragment)
+        else:
+            pending._result = self._sum_across_groups(local, fragment)
+        pending.exposed = time.perf_counter() - start
+        return pending
+
+    @torch.no_grad()
+    def complete(self, pending: PendingSync, step: int | None = None, merge_alpha: float = 0.0) -> SyncStats:
+        """Wait for the sum of :meth:`begin`, step the fragment's outer optimizer and write the new anchor.
+
+        Every shard of the fragment becomes ``anchor + merge_alpha * (shard - anchor)`` with the new anchor: with
+        ``merge_alpha=0`` every group restarts the fragment from the anchor.
+        """
+        start = time.perf_counter()
+        with torch.profiler.record_function("fedshard::outer_all_reduce_wait"):
+            local = pending.result()
+        groups = self.communicator.num_groups
+        healthy = groups - len(pending.broken)
+        local.div_(healthy)
         mean_sq = _squared_norm(local)
-        norm, drift = self._global_norms(own_sq, mean_sq, local.device, healthy)
+        norm, drift = self._global_norms(pending.own_sq, mean_sq, local.device, healthy)
         with torch.profiler.record_function("fedshard::outer_optimizer_step"):
-            self._set_grads(local)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.copy_anchor_to_shards()
+            self._set_grads(local, pending.fragment)
+            optimizer = self.optimizers[pending.fragment]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            self._write_anchor(pending.fragment, merge_alpha)
         self.num_syncs += 1
+        now = time.perf_counter()
         return SyncStats(
             outer_grad_norm=norm,
             drift=drift,
-            bytes_sent=int(2 * (groups - 1) / groups * payload),
-            seconds=time.perf_counter() - start,
+            bytes_sent=pending.bytes_sent,
+            seconds=now - pending.clock,
             num_syncs=self.num_syncs,
-            skipped_groups=tuple(broken),
+            skipped_groups=pending.broken,
+            fragment=pending.fragment,
+            exposed_seconds=pending.exposed + (now - start),
         )
 
-    @torch.no_grad()
-    def copy_anchor_to_shards(self) -> None:
-        """Overwrite every local shard with the anchor (the last consensus)."""
-        for shard, anchor in zip(self.shards, self.anchor):
-            shard.copy_(anchor, non_blocking=True)
+    def _sum_across_groups(self, local: Tensor, fragment: int) -> Tensor:
+        reducer = self.reducers[fragment]
+        if reducer is not None:
+            return reducer.sum_across_groups(local, self.communicator)
+        if self.communicator.num_groups > 1:
+            self.communicator.sum_across_groups(local)
+        return local
+
+    def _wire_bytes(self, fragment: int, local: Tensor) -> int:
+        groups = self.communicator.num_groups
+        reducer = self.reducers[fragment]
+        if reducer is not None:
+            return reducer.wire_bytes(local.numel(), groups)
+        return int(2 * (groups - 1) / groups * local.numel() * local.element_size())  # ring all-reduce
+
+    def _background(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedshard-outer")
+        return self._executor
 
     @torch.no_grad()
-    def reset_anchor(self) -> None:
-        """Take the current shards as the anchor, e.g. after weights were loaded from elsewhere."""
-        for shard, anchor in zip(self.shards, self.anchor):
-            anchor.copy_(shard)
+    def _write_anchor(self, fragment: int, merge_alpha: float) -> None:
+        for i in self.fragments[fragment]:
+            shard, anchor = self.shards[i], self.anchor[i]
+            if merge_alpha == 0.0:
+                shard.copy_(anchor, non_blocking=True)
+            else:
+                new = anchor.to(shard.device, non_blocking=True)
+                shard.copy_(torch.lerp(new, shard.to(new.dtype), merge_alpha))
+
+    @torch.no_grad()
+    def copy_anchor_to_shards(self, fragment: int | None = None) -> None:
+        """Overwrite the local shards (of one fragment, or all) with the anchor (the last consensus)."""
+        indices = range(len(self.shards)) if fragment is None else self.fragments[fragment]
+        for i in indices:
+            self.shards[i].copy_(self.anchor[i], non_blocking=True)
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's outer state: anchor shards, outer optimizer state and the sync counter."""
+        """This rank's outer state: anchor shards, outer optimizer states (one per fragment) and the sync counter."""
         return {
             "anchor": [a.detach().clone() for a in self.anchor],
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.optimizers[0].state_dict(),
+            "optimizers": [o.state_dict() for o in self.optimizers],
             "num_syncs": self.num_syncs,
         }
 
@@ -231,27 +418,43 @@ class OuterStep:
         anchors = state["anchor"]
         if len(anchors) != len(self.anchor):
             raise ValueError(f"The saved outer state holds {len(anchors)} shards, this rank has {len(self.anchor)}.")
+        optimizers = state.get("optimizers", [state["optimizer"]])
+        if len(optimizers) != len(self.optimizers):
+            raise ValueError(
+                f"The saved outer state has {len(optimizers)} fragment optimizer(s), this run {len(self.optimizers)}."
+            )
         with torch.no_grad():
             for mine, saved in zip(self.anchor, anchors):
                 if mine.shape != saved.shape:
                     raise ValueError(f"Saved anchor shard of shape {tuple(saved.shape)} != {tuple(mine.shape)}.")
                 mine.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
+        for optimizer, saved_state in zip(self.optimizers, optimizers):
+            optimizer.load_state_dict(saved_state)
         self.num_syncs = int(state["num_syncs"])
 
-    def _pseudogradient(self) -> tuple[Tensor, bool]:
-        """``anchor - shard`` for every shard, written into one flat buffer of ``reduce_dtype`` on the shards' device.
+    def group_state_dict(self) -> dict[str, Any]:
+        """State that differs between the groups: the quantization residuals of error feedback, per fragment."""
+        return {"reducers": [r.state_dict() if r is not None else None for r in self.reducers]}
+
+    def load_group_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`group_state_dict` on the same rank of the same topology."""
+        for reducer, saved in zip(self.reducers, state.get("reducers", [])):
+            if reducer is not None and saved is not None:
+                reducer.load_state_dict(saved)
+
+    def _pseudogradient(self, fragment: int) -> tuple[Tensor, bool]:
+        """``anchor - shard`` for a fragment's shards, in one flat buffer of ``reduce_dtype`` on the shards' device.
 
         One shard (an FSDP unit) at a time, so the device holds the buffer plus one unit's temporaries, not a copy of
         every shard in every dtype on the way. Also returns whether every value was finite, checked unit by unit.
         """
-        if not self.shards:
-            return torch.empty(0, dtype=self.reduce_dtype), True
-        device = self.shards[0].device
-        flat = torch.empty(sum(s.numel() for s in self.shards), dtype=self.reduce_dtype, device=device)
+        indices = self.fragments[fragment]
+        device = self.shards[indices[0]].device
+        flat = torch.empty(sum(self.shards[i].numel() for i in indices), dtype=self.reduce_dtype, device=device)
         finite = True
         offset = 0
-        for anchor, shard in zip(self.anchor, self.shards):
+        for i in indices:
+            anchor, shard = self.anchor[i], self.shards[i]
             n = shard.numel()
             part = flat[offset : offset + n]
             part.copy_((anchor.to(device, non_blocking=True) - shard).reshape(-1))
@@ -267,16 +470,17 @@ class OuterStep:
         self.communicator.sum_across_model(flags)
         return [g for g, flag in enumerate(flags.tolist()) if flag > 0]
 
-    def _set_grads(self, flat: Tensor) -> None:
+    def _set_grads(self, flat: Tensor, fragment: int) -> None:
         offset = 0
-        for anchor in self.anchor:
+        for i in self.fragments[fragment]:
+            anchor = self.anchor[i]
             n = anchor.numel()
             grad = flat[offset : offset + n].view_as(anchor)
             anchor.grad = grad.to(anchor.device, anchor.dtype, copy=True)
             offset += n
 
     def _global_norms(self, own_sq: float, mean_sq: float, device: torch.device, healthy: int) -> tuple[float, float]:
-        """Whole-model norm of the mean pseudo-gradient, and the healthy groups' RMS distance from their mean.
+        """Whole-fragment norm of the mean pseudo-gradient, and the healthy groups' RMS distance from their mean.
 
         Since the mean pseudo-gradient is the mean of the groups' ones,
         ``mean_g |d_g - d|^2 = mean_g |d_g|^2 - |d|^2``: one tiny all-reduce gives both. Skipped groups contribute

@@ -1,4 +1,4 @@
-"""The Trainer callback that runs the outer step of FL+FSDP / FL+HSDP."""
+"""The Trainer callback that routes optimizer steps to the federated runtime, and logs its syncs."""
 
 from __future__ import annotations
 
@@ -10,14 +10,22 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_fedshard.core.outer import SyncStats
+from lightning_fedshard.runtime import FederatedRuntime
 
 
 class OuterSync(Callback):
-    """Runs the federation's outer step every ``sync_every`` optimizer steps, and once more when ``fit`` ends.
+    """Routes the Trainer's steps to the federation: the outer step runs every ``sync_every`` optimizer steps.
 
-    The ``fl_fsdp`` and ``fl_hsdp`` strategies attach this callback by themselves; pass one explicitly only to
-    change how it logs. Validation during ``fit`` runs on the consensus weights of the last sync (groups keep
-    their own weights in between and get them back afterwards).
+    The ``fl_fsdp`` and ``fl_hsdp`` strategies place this callback first in the Trainer's callback list (they add one
+    if none was given, and move a given one to the front), so at a sync step every other callback's
+    ``on_train_batch_end`` - checkpoints included - sees the synced weights, and when ``fit`` stops between two
+    syncs every other callback's ``on_train_end`` sees the consensus in every group. Pass one explicitly only to
+    change how it logs. Validation during ``fit`` runs on the consensus weights of the last sync (groups keep their
+    own weights in between and get them back afterwards).
+
+    Only real optimizer steps count (``trainer.global_step``): under gradient accumulation the micro-batches of one
+    step count once. Under manual optimization every ``step()`` of a ``LightningOptimizer`` counts, so with two
+    optimizers stepped per batch ``sync_every`` counts both.
 
     Every sync writes ``fedshard/outer_grad_norm``, ``fedshard/drift`` (RMS distance of the groups from their
     mean), ``fedshard/sync_bytes`` (bytes this rank sent in the outer all-reduce), ``fedshard/sync_seconds`` and
@@ -38,62 +46,51 @@ class OuterSync(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        strategy = _strategy(trainer)
-        strategy.start_federation(trainer.global_step)
-        # A checkpoint written in `on_train_batch_end` before this callback's sync of the same step resumes with that
-        # sync still due: run it now, as the uninterrupted run did.
-        stats = strategy.federation.maybe_sync(trainer.global_step)
-        if stats is not None:
-            _restart_skipped_groups(trainer, stats)
+        runtime = _runtime(trainer)
+        runtime.set_optimizers(trainer.optimizers)
+        runtime.start(trainer.global_step)
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        stats = _strategy(trainer).federation.maybe_sync(trainer.global_step)
-        if stats is not None:
-            _restart_skipped_groups(trainer, stats)
-            if self.log_stats:
-                self._log(trainer, pl_module, stats)
-
-    def _log(self, trainer: Trainer, pl_module: LightningModule, stats: SyncStats) -> None:
-        # Straight to the loggers: `self.log` only reaches them every `log_every_n_steps`, and a sync between two
-        # logging steps would be lost. The progress bar gets a short summary through Lightning.
-        _log_to_loggers(trainer, stats)
-        if self.prog_bar:
-            for name, value in stats.as_dict().items():
-                if name in self._PROG_BAR_KEYS:
-                    pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=True, logger=False)
+        stats = _runtime(trainer).after_optimizer_step(trainer.global_step)
+        if stats is not None and self.log_stats:
+            _log_to_loggers(trainer, stats)
+            if self.prog_bar:
+                for name, value in stats.as_dict().items():
+                    if name in self._PROG_BAR_KEYS:
+                        pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=True, logger=False)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        stats = _strategy(trainer).federation.finish(trainer.global_step)
-        if stats is not None:
-            _restart_skipped_groups(trainer, stats)
-            if self.log_stats:
-                # `self.log` is not allowed in `on_train_end`; write to the loggers directly.
-                _log_to_loggers(trainer, stats)
+        stats = _runtime(trainer).finish()
+        if stats is not None and self.log_stats:
+            _log_to_loggers(trainer, stats)  # `self.log` is not allowed in `on_train_end`
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.state.fn == TrainerFn.FITTING and _strategy(trainer).federation.started:
-            self._consensus.enter_context(_strategy(trainer).federation.consensus_weights())
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._consensus.enter_context(_runtime(trainer).consensus_weights())
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._consensus.close()
 
 
-def _strategy(trainer: Trainer) -> Any:
-    from lightning_fedshard.trainer.strategy import federated_strategy
-
-    return federated_strategy(trainer)
-
-
-def _restart_skipped_groups(trainer: Trainer, stats: SyncStats) -> None:
-    _strategy(trainer).restart_skipped_groups(stats, trainer.optimizers, trainer.global_step)
+def _runtime(trainer: Trainer) -> FederatedRuntime:
+    """The federated runtime of the trainer's strategy, or a clear error if it uses another strategy."""
+    runtime = getattr(trainer.strategy, "runtime", None)
+    if not isinstance(runtime, FederatedRuntime):
+        raise TypeError(
+            "`OuterSync` needs the 'fl_fsdp' or 'fl_hsdp' strategy, but the trainer uses"
+            f" {type(trainer.strategy).__name__}."
+        )
+    return runtime
 
 
 def _log_to_loggers(trainer: Trainer, stats: SyncStats) -> None:
+    # Straight to the loggers: `self.log` only reaches them every `log_every_n_steps`, and a sync between two
+    # logging steps would be lost. The progress bar gets a short summary through Lightning.
     for logger in trainer.loggers:
         logger.log_metrics(stats.as_dict(), step=trainer.global_step)

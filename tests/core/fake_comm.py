@@ -45,8 +45,25 @@ class ThreadGroups:
         self._barrier.wait()
         tensor.copy_(total)
 
+    def _exchange(self, g: int, input: Tensor, combine: Callable[[list[Tensor]], Tensor]) -> Tensor:
+        """Every group posts ``input``; each gets ``combine(all posted tensors)`` once all have read them."""
+        self._slots[g] = input.clone()
+        self._barrier.wait()
+        result = combine([s for s in self._slots])  # type: ignore[misc]
+        self._barrier.wait()
+        return result
+
+    def _all_to_all(self, g: int, output: Tensor, input: Tensor) -> None:
+        output.copy_(self._exchange(g, input, lambda posted: torch.cat([p.chunk(self.num_groups)[g] for p in posted])))
+
+    def _all_gather(self, g: int, output: Tensor, input: Tensor) -> None:
+        output.copy_(self._exchange(g, input, lambda posted: torch.cat(posted)))
+
 
 class _ThreadCommunicator:
+    # Bytes this group sent through `all_to_all` / `all_gather`, as ring collectives send them.
+    bytes_sent: int = 0
+
     def __init__(self, groups: ThreadGroups, g: int) -> None:
         self._groups = groups
         self._g = g
@@ -56,9 +73,18 @@ class _ThreadCommunicator:
     def sum_across_groups(self, tensor: Tensor) -> None:
         self._groups._all_reduce_sum(self._g, tensor)
 
-    def average_across_groups(self, tensor: Tensor) -> None:
-        self._groups._all_reduce_sum(self._g, tensor)
-        tensor.div_(self.num_groups)
-
     def sum_across_model(self, tensor: Tensor) -> None:
         self._groups._all_reduce_sum(self._g, tensor)
+
+    def all_to_all(self, output: Tensor, input: Tensor) -> None:
+        """Equal parts of ``input`` go to each group; ``output`` part ``j`` comes from group ``j``."""
+        nbytes = input.numel() * input.element_size()
+        assert nbytes % self.num_groups == 0 and output.shape == input.shape
+        self.bytes_sent += nbytes * (self.num_groups - 1) // self.num_groups  # its own part stays home
+        self._groups._all_to_all(self._g, output, input)
+
+    def all_gather(self, output: Tensor, input: Tensor) -> None:
+        """``output`` = every group's ``input`` concatenated in group order."""
+        assert output.numel() == input.numel() * self.num_groups
+        self.bytes_sent += input.numel() * input.element_size() * (self.num_groups - 1)  # a ring forwards G - 1
+        self._groups._all_gather(self._g, output, input)

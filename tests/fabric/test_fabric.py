@@ -21,12 +21,31 @@ SCENARIOS = [
     dict(name="fsdp", strategy="fl_fsdp", sync_every=2, outer_optimizer="nesterov", lr=0.01, batch_size=4, max_steps=7),
     # 2 groups x 2 replicas x 1 shard on 4 ranks, default sync_every (8) and outer optimizer (fedavg)
     dict(name="hsdp", strategy="fl_hsdp", num_groups=2, shard_size=1, lr=0.01, batch_size=4, max_steps=10),
+    # streaming: 2 fragments landing every 2 steps, sums overlapping one step, merged with alpha 0.5; stops at 7,
+    # after the snapshot (step 7) of the fragment that would land at step 8
+    dict(
+        name="stream",
+        strategy="fl_fsdp",
+        sync_every=4,
+        fragments=2,
+        sync_delay=1,
+        merge_alpha=0.5,
+        outer_optimizer="nesterov",
+        wrap_linear=True,
+        lr=0.01,
+        batch_size=4,
+        max_steps=7,
+    ),
 ]
 RESUME = [
     dict(name="resume_full", resume=True, state_dict_type="full"),
     dict(name="resume_sharded", resume=True, state_dict_type="sharded"),
 ]
-TOPOLOGY = {"fsdp": FederationTopology(4, 2, 2), "hsdp": FederationTopology(4, 2, 1)}
+TOPOLOGY = {
+    "fsdp": FederationTopology(4, 2, 2),
+    "hsdp": FederationTopology(4, 2, 1),
+    "stream": FederationTopology(4, 2, 2),
+}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +55,7 @@ def results(tmp_path_factory):
     return {s["name"]: [torch.load(root / s["name"] / f"rank{r}.pt") for r in range(4)] for s in SCENARIOS + RESUME}
 
 
-@pytest.mark.parametrize("name", ["fsdp", "hsdp"])
+@pytest.mark.parametrize("name", ["fsdp", "hsdp", "stream"])
 def test_fabric_loop_matches_reference(results, name):
     spec = next(s for s in SCENARIOS if s["name"] == name)
     ranks = results[name]
@@ -51,6 +70,10 @@ def test_fabric_loop_matches_reference(results, name):
         lr=spec["lr"],
         accumulate=1,
         max_steps=spec["max_steps"],
+        fragments=ranks[0]["fragment_names"] if spec.get("fragments") else None,
+        sync_delay=spec.get("sync_delay", 0),
+        merge_alpha=spec.get("merge_alpha", 0.0),
+        final_landing="reset",  # a fragment that lands at the last step keeps that landing's anchor
     )
     for r in ranks:  # every rank, every group: the consensus
         for k, v in ref["final"].items():
@@ -69,6 +92,17 @@ def test_syncs_happen_inside_optimizer_step_and_finish_closes_the_round(results)
     assert hsdp["strategy_type"] == "FLHSDPStrategy"
 
 
+def test_every_sync_goes_through_the_runtime_entry_points(results):
+    """The Fabric path: `optimizer_step` calls `FederatedRuntime.after_optimizer_step`, never the core itself."""
+    for name in ("fsdp", "hsdp", "stream"):
+        spec = next(s for s in SCENARIOS if s["name"] == name)
+        for r in results[name]:
+            calls = r["runtime_calls"]
+            assert calls.get("routed_syncs", 0) == r["num_syncs"] == r["final_sync"], name
+            assert "bypassed_syncs" not in calls, name
+            assert calls["after_optimizer_step"] == spec["max_steps"], name
+
+
 def test_fabric_registry_and_early_errors():
     fabric = L.Fabric(accelerator="cpu", devices=2, num_nodes=2, strategy="fl_fsdp")
     assert isinstance(fabric.strategy, lightning_fedshard.fabric.FLFSDPStrategy)
@@ -77,15 +111,18 @@ def test_fabric_registry_and_early_errors():
         L.Fabric(accelerator="cpu", devices=4, strategy=lightning_fedshard.fabric.FLFSDPStrategy(num_groups=3))
     with pytest.raises(ValueError, match=r"`sync_every` must be a positive integer, got -2"):
         lightning_fedshard.fabric.FLHSDPStrategy(sync_every=-2)
+    with pytest.raises(ValueError, match=r"`state_dict_type='weird'` is not supported"):
+        lightning_fedshard.fabric.FLFSDPStrategy(state_dict_type="weird")
 
 
 def test_one_model_and_one_optimizer(monkeypatch):
     strategy = lightning_fedshard.fabric.FLFSDPStrategy()
-    strategy._wrapped = torch.nn.Linear(1, 1)  # as if setup_module had run
+    monkeypatch.setattr(strategy.runtime, "_synchronize_initial_weights", lambda module: None)  # no processes here
+    strategy.runtime.wrap(torch.nn.Linear(1, 1), lambda m: m)  # as if setup_module had run
     with pytest.raises(RuntimeError, match="federates one model"):
         strategy.setup_module(torch.nn.Linear(1, 1))
     first = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
-    strategy._optimizer = first
+    strategy.setup_optimizer(first)
     with pytest.raises(RuntimeError, match="supports one optimizer"):
         strategy.setup_optimizer(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1))
 

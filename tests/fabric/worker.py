@@ -15,7 +15,10 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.utils.data import DataLoader
 
 import lightning_fedshard.fabric
+from tests import runtime_spy
 from tests.toy import IndexedRegression, loss_fn, make_net
+
+runtime_spy.install()
 
 
 def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -33,8 +36,12 @@ def run(spec: dict[str, Any], root: Path) -> None:
         if spec["strategy"] == "fl_hsdp"
         else lightning_fedshard.fabric.FLFSDPStrategy
     )
-    kwargs = {k: spec[k] for k in ("num_groups", "shard_size", "sync_every", "outer_optimizer") if k in spec}
+    keys = ("num_groups", "shard_size", "sync_every", "outer_optimizer", "fragments", "sync_delay", "merge_alpha")
+    kwargs = {k: spec[k] for k in keys if k in spec}
+    if spec.get("wrap_linear"):  # one FSDP unit per Linear layer, so the model can be cut into fragments
+        kwargs["auto_wrap_policy"] = {torch.nn.Linear}
     strategy = spec["strategy"] if spec.get("by_name") else cls(**kwargs)
+    runtime_spy.take()
     fabric = L.Fabric(
         accelerator="cpu", devices=int(os.environ["DEVICES"]), num_nodes=int(os.environ["NUM_NODES"]), strategy=strategy
     )
@@ -67,6 +74,9 @@ def run(spec: dict[str, Any], root: Path) -> None:
             "syncs_seen": sorted(set(stats)),
             "final_sync": None if last is None else last.num_syncs,
             "strategy_type": type(fabric.strategy).__name__,
+            "runtime_calls": runtime_spy.take(),
+            "num_syncs": fabric.strategy.federation.outer.num_syncs,
+            "fragment_names": fabric.strategy.fragment_parameter_names,
         },
         out / f"rank{rank}.pt",
     )

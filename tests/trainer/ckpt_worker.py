@@ -25,7 +25,6 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_fedshard
-from lightning_fedshard._compat import cpu_safe_full_state_dict
 from lightning_fedshard.core.fsdp import local_shards
 from tests.toy import HIDDEN, IN, OUT, IndexedRegression, loss_fn
 
@@ -36,6 +35,8 @@ class Module(L.LightningModule):
     def __init__(self, world: int = 4, rank: int = 0, lr: float = 0.01) -> None:
         super().__init__()
         self.world, self.rank, self.lr = world, rank, lr
+        self.after_optimizer_step = None  # set by the Recorder: runs between the optimizer step and the sync
+        self.user_error_at_step: int | None = None  # set from the spec, see `on_train_batch_start`
         self.data = IndexedRegression(n=world * BATCH_SIZE)
         self.net = nn.Sequential(
             nn.Linear(IN, HIDDEN),
@@ -46,10 +47,22 @@ class Module(L.LightningModule):
             nn.Linear(HIDDEN, OUT),
         )
 
+    def on_train_batch_start(self, batch, batch_idx):
+        # A user error whose words read like a failed collective. Not raised in `training_step`: FSDP1 stays in its
+        # forward state after an error there, and any later state dict (`OnExceptionCheckpoint`'s) asserts.
+        if self.global_step == self.user_error_at_step:
+            raise RuntimeError("timeout reading shard from gloo nccl")
+
     def training_step(self, batch, batch_idx):
         order = torch.randperm(len(self.data), generator=torch.Generator().manual_seed(self.global_step))
         idx = order[self.rank * BATCH_SIZE : (self.rank + 1) * BATCH_SIZE]  # every rank its own samples
         return loss_fn(self.net, self.data.x[idx], self.data.y[idx])
+
+    def lr_scheduler_step(self, scheduler, metric):
+        # Lightning steps the LR scheduler after the optimizer step and before any `on_train_batch_end`.
+        super().lr_scheduler_step(scheduler, metric)
+        if self.after_optimizer_step is not None:
+            self.after_optimizer_step(self.trainer)
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -79,21 +92,17 @@ class Recorder(L.Callback):
         self.shards_at: dict[int, torch.Tensor] = {}
         self.before_nan: dict[str, Any] = {}
         self.initial: torch.Tensor | None = None
+        self.pending_at_save: dict[int, bool] = {}
 
     def on_train_start(self, trainer, pl_module):
         self.initial = _flat(local_shards(trainer.strategy.model))
+        pl_module.after_optimizer_step = self.after_optimizer_step
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.shards_at[trainer.global_step] = _flat(local_shards(trainer.strategy.model))
-        if self.spec.get("boundary_ckpt_step") == trainer.global_step:  # right after the sync of the previous step
-            trainer.save_checkpoint(self.out / f"boundary{trainer.global_step}.ckpt")
-        if self.spec.get("raise_at_step") == trainer.global_step:
-            raise RuntimeError(f"injected failure at step {trainer.global_step}")
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        # runs before OuterSync's sync of the same step (user callbacks come first)
+    def after_optimizer_step(self, trainer):
+        # Every callback's `on_train_batch_end` comes after OuterSync's sync of the step; a checkpoint written after
+        # the optimizer step, from the LightningModule's `lr_scheduler_step`, still has that sync due.
         step = trainer.global_step
-        if self.spec.get("presync_ckpt_step") == step:  # before OuterSync's sync of this very step
+        if self.spec.get("presync_ckpt_step") == step:
             trainer.save_checkpoint(self.out / f"presync{step}.ckpt")
         if self.spec.get("nan_at_step") == step:
             strategy = trainer.strategy
@@ -106,7 +115,15 @@ class Recorder(L.Callback):
                 with torch.no_grad():
                     local_shards(strategy.model)[0][0] = float("nan")
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.shards_at[trainer.global_step] = _flat(local_shards(trainer.strategy.model))
+        if self.spec.get("boundary_ckpt_step") == trainer.global_step:  # right after the sync of the previous step
+            trainer.save_checkpoint(self.out / f"boundary{trainer.global_step}.ckpt")
+        if self.spec.get("raise_at_step") == trainer.global_step:
+            raise RuntimeError(f"injected failure at step {trainer.global_step}")
+
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self.pending_at_save[trainer.global_step] = trainer.strategy.federation.pending is not None
         if self.spec.get("die_at_save_step") == trainer.global_step and self.rank == self.spec["dying_rank"]:
             (self.out.parent / "died_at").write_text(str(time.time()))
             os._exit(1)  # dies in the middle of a save, while the other ranks are in its collectives
@@ -114,7 +131,11 @@ class Recorder(L.Callback):
 
 def _strategy(spec: dict[str, Any]) -> Any:
     cls = lightning_fedshard.FLHSDPStrategy if spec["strategy"] == "fl_hsdp" else lightning_fedshard.FLFSDPStrategy
-    kwargs = {k: spec[k] for k in ("num_groups", "shard_size", "on_nonfinite", "state_dict_type") if k in spec}
+    keys = ("num_groups", "shard_size", "on_nonfinite", "state_dict_type", "fragments", "sync_delay", "merge_alpha",
+            "reduce_dtype", "error_feedback")  # fmt: skip
+    kwargs = {k: spec[k] for k in keys if k in spec}
+    if spec.get("fragments", 1) > 1:  # one FSDP unit per Linear layer, so the model can be cut into fragments
+        kwargs["auto_wrap_policy"] = {nn.Linear}
     if "timeout_s" in spec:
         kwargs["timeout"] = timedelta(seconds=spec["timeout_s"])
     return cls(sync_every=spec.get("sync_every", 3), outer_optimizer="nesterov", **kwargs)
@@ -132,6 +153,7 @@ def run(spec: dict[str, Any], root: Path) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["NUM_NODES"]) * int(os.environ["DEVICES"])
     torch.manual_seed(1000 + rank)
     module = Module(world, rank)
+    module.user_error_at_step = spec.get("user_error_at_step")
     recorder = Recorder(spec, out, rank)
     callbacks: list[L.Callback] = [recorder]
     if spec.get("ckpt"):
@@ -174,11 +196,11 @@ def run(spec: dict[str, Any], root: Path) -> None:
         "final_optimizer": _optimizer_flat(trainer),
         "global_step": trainer.global_step,
         "num_syncs": strategy.federation.outer.num_syncs if strategy.federation.started else 0,
+        "pending_at_save": recorder.pending_at_save,
         "ckpt_sha_after": _sha(out / "ckpts" / "step=2.ckpt"),
     }
     if error is None and spec.get("state_dict_type", "full") == "full":  # a sharded one holds ShardedTensors
-        with cpu_safe_full_state_dict(torch.device("cpu")):
-            result["consensus"] = {k: v.clone() for k, v in strategy.lightning_module_state_dict().items()}
+        result["consensus"] = {k: v.clone() for k, v in strategy.lightning_module_state_dict().items()}
     torch.save(result, out / f"rank{rank}.pt")
 
 

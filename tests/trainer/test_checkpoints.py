@@ -3,7 +3,8 @@
 Four launches: a 4-rank FL+FSDP job (2 nodes x 2 devices, 2 groups) in which one rank dies mid-save, the 4-rank
 scenarios (straight runs, resumes, topology change, non-finite syncs), then the same for FL+HSDP on 8 ranks (2 nodes x 4
 devices, 2 groups x 2 replicas x 2 shards). Every run trains 8 steps with ``sync_every=3`` (syncs after steps 3, 6 and
-a final one after 8), AdamW + a step LR schedule inside, Nesterov outside, and dropout.
+a final one after 8), AdamW + a step LR schedule inside, Nesterov outside, and dropout. A fifth, 2-rank launch checks
+that a user error worded like a failed collective still gets its ``OnExceptionCheckpoint``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ FSDP = dict(strategy="fl_fsdp")
 HSDP = dict(strategy="fl_hsdp", num_groups=2, shard_size=2)
 SHARDED = dict(state_dict_type="sharded")
 DEATH = dict(ckpt=True, die_at_save_step=5, timeout_s=20)
+STREAM = dict(sync_every=4, fragments=2, sync_delay=1, merge_alpha=0.5, reduce_dtype="int8", error_feedback=True)
 
 
 def _family(prefix: str, base: dict, runs_from: str) -> list[dict]:
@@ -47,6 +49,12 @@ SCENARIOS_4 = [
     dict(FSDP, name="topology_groups", num_groups=4, resume_from="full/ckpts/step=4.ckpt"),
     dict(FSDP, name="nan_raise", ckpt=True, nan_at_step=3, expect_error=True),
     dict(FSDP, name="nan_skip", on_nonfinite="skip_group", nan_at_step=3),
+    # streaming (issue 8): fragments landing at 2, 4, 6, 8, each sum started one step earlier, int8 outer traffic with
+    # error feedback; the checkpoints of steps 3 and 5 are written while a sum is in flight
+    dict(FSDP, **STREAM, name="stream", ckpt=True),
+    dict(FSDP, **STREAM, name="stream_inflight", resume_from="stream/ckpts/step=3.ckpt"),
+    dict(FSDP, **STREAM, **SHARDED, name="stream_sharded", ckpt=True),
+    dict(FSDP, **STREAM, **SHARDED, name="stream_sharded_inflight", resume_from="stream_sharded/ckpts/step=5.ckpt"),
 ]
 SCENARIOS_8 = [
     *_family("hfull", HSDP, "hfull"),
@@ -268,3 +276,43 @@ def test_dead_rank_stops_the_others_with_a_clear_error_and_keeps_checkpoints(dea
     run = death["root"] / ("death" if world == 4 else "hdeath") / "ckpts"
     assert sorted(p.name for p in run.iterdir()) == [f"step={s}.ckpt" for s in (1, 2, 3, 4)]
     assert not (run / "step=5.ckpt").exists()
+
+
+# -- a user error that reads like a failed collective ----------------------------------------------------------------
+
+
+def test_user_error_with_the_words_of_a_collective_failure_still_saves_its_on_exception_checkpoint(base):
+    spec = dict(FSDP, name="user_error", ckpt=True, user_error_at_step=3, expect_error=True)
+    root = _launch(base, "user_error", [spec], nodes=1, devices=2)
+    ranks = [torch.load(root / "user_error" / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for r in ranks:
+        assert r["error"] == "RuntimeError: timeout reading shard from gloo nccl"
+    assert not any("Not saving checkpoint" in w for w in ranks[0]["warnings"])
+    path = root / "user_error" / "on_exception.ckpt"
+    checkpoint = torch.load(path, weights_only=False)
+    assert checkpoint["global_step"] == 3 and checkpoint[FEDSHARD_KEY]["schedule"]["last_synced_step"] == 3
+    from tests.trainer.ckpt_worker import Module
+
+    plain = Module.load_from_checkpoint(path, map_location="cpu")  # loads with Lightning alone
+    for k, v in checkpoint["state_dict"].items():
+        assert torch.equal(plain.state_dict()[k], v)
+
+
+# -- streaming fragments (issue 8) ----------------------------------------------------------------------------------
+
+
+STREAM_RESUMES = [("stream_inflight", "stream", 3), ("stream_sharded_inflight", "stream_sharded", 5)]
+
+
+@pytest.mark.parametrize(("resumed", "straight", "step"), STREAM_RESUMES)
+def test_resume_with_fragments_and_a_sum_in_flight_is_exact(four, resumed, straight, step):
+    got, want = _ranks(four, resumed), _ranks(four, straight)
+    assert all(r["pending_at_save"][step] for r in want), "no sum was in flight when the checkpoint was written"
+    assert got[0]["num_syncs"] == want[0]["num_syncs"] == 5  # landings at 2, 4, 6, 8, then the other fragment
+    for g, w in zip(got, want):
+        assert torch.equal(g["initial"], w["shards_at"][step])
+        for s in range(step, 8):
+            assert torch.equal(g["shards_at"][s], w["shards_at"][s]), f"diverged at step {s}"
+        assert torch.equal(g["final_shards"], w["final_shards"])
+        assert torch.equal(g["final_optimizer"], w["final_optimizer"])
+        assert (w["final_shards"] - w["shards_at"][step]).abs().max() > 1e-3

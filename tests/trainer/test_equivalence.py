@@ -61,6 +61,64 @@ SCENARIOS_4 = [
     ),
     # HSDP with one-rank shards: data parallel inside each group (FSDP alone would not reduce across replicas)
     dict(BASE, name="hsdp_shard1", strategy="fl_hsdp", num_groups=2, shard_size=1, sync_every=3, max_steps=6),
+    # streaming fragments, overlapped sums and merging (issue 8); each stops between a snapshot and its landing
+    dict(
+        BASE,
+        name="stream_f2_d1_a05",
+        strategy="fl_fsdp",
+        sync_every=4,
+        fragments=2,
+        sync_delay=1,
+        merge_alpha=0.5,
+        outer_optimizer="nesterov",
+        wrap_linear=True,
+        max_steps=7,
+    ),
+    dict(
+        BASE,
+        name="stream_f1_d1",
+        strategy="fl_fsdp",
+        sync_every=2,
+        sync_delay=1,
+        outer_optimizer="nesterov",
+        max_steps=5,
+    ),
+    dict(
+        BASE,
+        name="stream_f2_a05_hsdp",
+        strategy="fl_hsdp",
+        num_groups=2,
+        shard_size=1,
+        sync_every=4,
+        fragments=2,
+        merge_alpha=0.5,
+        wrap_linear=True,
+        max_steps=6,
+    ),
+    # int8 outer traffic with error feedback: close to the float32 reference, not equal to it
+    dict(
+        BASE,
+        name="int8_ef",
+        strategy="fl_fsdp",
+        sync_every=2,
+        outer_optimizer="nesterov",
+        reduce_dtype="int8",
+        error_feedback=True,
+        max_steps=6,
+    ),
+    # a user callback and ModelCheckpoint (every sync step) in either order, stopping mid-round
+    *(
+        dict(
+            BASE,
+            name=f"order_{order}",
+            strategy="fl_fsdp",
+            sync_every=2,
+            outer_optimizer="nesterov",
+            max_steps=5,
+            order=order,
+        )
+        for order in ("user_first", "ckpt_first")
+    ),
 ]
 SCENARIOS_8 = [
     dict(
@@ -107,6 +165,7 @@ def _spec(name: str) -> dict:
 
 
 def _reference(ranks: list[dict], spec: dict, topology: FederationTopology) -> dict:
+    fragments = ranks[0].get("fragment_names")
     return reference_run(
         ranks[0]["initial"],
         [r["micro_batches"] for r in ranks],
@@ -117,6 +176,10 @@ def _reference(ranks: list[dict], spec: dict, topology: FederationTopology) -> d
         lr=spec["lr"],
         accumulate=spec["accumulate"],
         max_steps=spec["max_steps"],
+        fragments=[[n.removeprefix("net.") for n in f] for f in fragments] if spec.get("fragments") else None,
+        sync_delay=spec.get("sync_delay", 0),
+        merge_alpha=spec.get("merge_alpha", 0.0),
+        final_landing="reset",  # a fragment that lands at the last step keeps that landing's anchor
     )
 
 
@@ -249,3 +312,79 @@ def test_each_sync_is_logged(four):
         assert float(row["fedshard/outer_grad_norm"]) > 0
         assert float(row["fedshard/drift"]) > 0
         assert float(row["fedshard/sync_seconds"]) >= 0
+
+
+# -- OuterSync first in line: every other callback sees the synced state -------------------------------------------
+
+
+@pytest.mark.parametrize("order", ["user_first", "ckpt_first"])
+def test_user_callbacks_see_the_consensus_at_syncs_and_at_train_end(four, order):
+    ranks = four[f"order_{order}"]
+    topology = FederationTopology(4, 2, 2)
+    assert all(r["callback_order"][0] == "OuterSync" for r in ranks)
+    assert sorted(ranks[0]["probe_at_sync"]) == [2, 4]
+    for s in range(topology.shard_size):
+        fed = [ranks[r] for r in topology.fed_ranks(0, s)]
+        for step in (2, 4):  # on_train_batch_end of a sync step
+            assert torch.equal(fed[0]["probe_at_sync"][step], fed[1]["probe_at_sync"][step]), f"step {step}"
+        # stopped at step 5, between two syncs: on_train_end sees the final sync's consensus in every group
+        assert torch.equal(fed[0]["probe_at_train_end"], fed[1]["probe_at_train_end"])
+        assert not torch.equal(fed[0]["shards_at"][3], fed[1]["shards_at"][3]), "groups never drifted apart"
+
+
+def test_results_do_not_depend_on_callback_order(four):
+    first, last = four["order_user_first"], four["order_ckpt_first"]
+    for a, b in zip(first, last):
+        assert torch.equal(a["shards_at"][-1], b["shards_at"][-1])
+        for step in (2, 4):
+            assert torch.equal(a["probe_at_sync"][step], b["probe_at_sync"][step])
+    for step in (2, 4):  # the checkpoint of a sync step holds the consensus of that sync, in either order
+        files = [torch.load(r[0]["dir"] / "ckpts" / f"step={step}.ckpt", weights_only=False) for r in (first, last)]
+        for k, v in files[0]["state_dict"].items():
+            assert torch.equal(files[1]["state_dict"][k], v)
+        ref = _reference(first, _spec("order_user_first"), FederationTopology(4, 2, 2))
+        _assert_state_close(files[0]["state_dict"], ref["anchors"][step], atol=1e-5)
+
+
+def test_every_sync_goes_through_the_runtime_entry_points(four, eight):
+    """The Trainer path: `OuterSync` calls `FederatedRuntime.after_optimizer_step` / `finish`, never the core itself."""
+    for name, ranks in [*four.items(), *eight.items()]:
+        for r in ranks:
+            if r["num_syncs"] is None:
+                continue  # the stock FSDP baseline
+            calls = r["runtime_calls"]
+            assert calls.get("routed_syncs", 0) == r["num_syncs"], name
+            assert "bypassed_syncs" not in calls, name
+            assert calls["after_optimizer_step"] >= r["global_step"], name
+
+
+# -- streaming fragments, overlap and merging (issue 8) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "groups", "shard"), [("stream_f2_d1_a05", 2, 2), ("stream_f1_d1", 2, 2), ("stream_f2_a05_hsdp", 2, 1)]
+)
+def test_streaming_syncs_match_the_reference(four, name, groups, shard):
+    ranks = four[name]
+    ref = _reference(ranks, _spec(name), FederationTopology(4, groups, shard))
+    worst = _assert_state_close(ranks[0]["final"], ref["final"], atol=1e-6)
+    assert max((ref["final"][k] - ranks[0]["initial"][f"net.{k}"]).abs().max() for k in ref["final"]) > 1e-2
+    print(f"{name}: max |strategy - reference| = {worst:.2e}")
+
+
+def test_fragments_are_whole_units_in_module_order(four):
+    names = four["stream_f2_d1_a05"][0]["fragment_names"]
+    # three Linear units of 70, 110 and 33 parameters: the balanced cut puts the first alone
+    assert names == [["net.0.weight", "net.0.bias"], ["net.2.weight", "net.2.bias", "net.4.weight", "net.4.bias"]]
+    whole = [f"net.{i}.{p}" for i in (0, 2, 4) for p in ("weight", "bias")]
+    assert four["fsdp_nesterov"][0]["fragment_names"] == [whole]
+
+
+def test_int8_outer_traffic_stays_close_to_the_float32_reference(four):
+    ranks = four["int8_ef"]
+    ref = _reference(ranks, _spec("int8_ef"), FederationTopology(4, 2, 2))
+    errors = [(ranks[0]["final"][f"net.{k}"] - v).abs().max().item() for k, v in ref["final"].items()]
+    moved = max((v - ranks[0]["initial"][f"net.{k}"]).abs().max().item() for k, v in ref["final"].items())
+    assert 0 < max(errors) < 0.02 * moved, f"int8 error {max(errors):.2e} for a model that moved {moved:.2e}"
+    for a, b in ((0, 2), (1, 3)):  # still one consensus: the two groups' shards at each position are equal
+        assert torch.equal(ranks[a]["shards_at"][-1], ranks[b]["shards_at"][-1])

@@ -58,6 +58,8 @@ def test_one_group_warns_that_it_is_plain_fsdp():
         (lambda: FLFSDPStrategy(shard_size=2), r"`shard_size=2` is only for FL\+HSDP"),
         (lambda: FLHSDPStrategy(sharding_strategy="FULL_SHARD"), r"`sharding_strategy='FULL_SHARD'` is not supported"),
         (lambda: FLFSDPStrategy(device_mesh=(2, 2)), r"`device_mesh=\(2, 2\)` cannot be combined"),
+        (lambda: FLFSDPStrategy(state_dict_type="weird"), r"`state_dict_type='weird'` is not supported"),
+        (lambda: FLHSDPStrategy(state_dict_type="FULL"), r"`state_dict_type='FULL'` is not supported"),
     ],
 )
 def test_bad_configuration_fails_before_any_process_starts(make, match):
@@ -105,3 +107,34 @@ def test_layer_classes_by_import_path():
 def test_groups_that_split_nodes_are_warned_about():
     with pytest.warns(UserWarning, match="do not line up with nodes"):
         _trainer(FLFSDPStrategy(num_groups=2), devices=2, num_nodes=3)  # groups of 3 ranks on nodes of 2
+
+
+def test_outer_sync_is_placed_first_whatever_the_user_order():
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_fedshard.trainer.strategy import place_outer_sync_first
+
+    mine, user = OuterSync(prog_bar=False), L.Callback()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=FLFSDPStrategy(num_groups=2), logger=False,
+        callbacks=[user, ModelCheckpoint(), mine],
+    )  # fmt: skip
+    place_outer_sync_first(trainer)
+    assert trainer.callbacks[0] is mine
+    assert sum(isinstance(c, OuterSync) for c in trainer.callbacks) == 1 and user in trainer.callbacks
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=FLFSDPStrategy(num_groups=2), callbacks=[user], logger=False
+    )
+    place_outer_sync_first(trainer)
+    assert isinstance(trainer.callbacks[0], OuterSync) and trainer.callbacks[0].prog_bar
+
+    trainer = L.Trainer(accelerator="cpu", devices=2, callbacks=[OuterSync(), OuterSync()], logger=False)
+    with pytest.raises(ValueError, match="got 2 `OuterSync` callbacks"):
+        place_outer_sync_first(trainer)
+
+
+def test_outer_sync_refuses_another_strategy():
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
+    with pytest.raises(TypeError, match="`OuterSync` needs the 'fl_fsdp' or 'fl_hsdp' strategy"):
+        OuterSync().on_train_start(trainer, L.LightningModule())

@@ -10,14 +10,18 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import FSDPStrategy
 from torch.utils.data import DataLoader
 
 import lightning_fedshard
-from lightning_fedshard._compat import cpu_safe_full_state_dict
+from lightning_fedshard.checkpoint.checkpointer import fsdp_state_dict_type
 from lightning_fedshard.core.fsdp import local_shards
+from tests import runtime_spy
 from tests.toy import IndexedRegression, loss_fn, make_net
+
+runtime_spy.install()
 
 
 class PlainCPUFSDP(FSDPStrategy):
@@ -27,6 +31,11 @@ class PlainCPUFSDP(FSDPStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         return FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+
+    def lightning_module_state_dict(self):
+        # Lightning asks FSDP to offload the full state dict to the CPU, which segfaults for a model on the CPU.
+        with fsdp_state_dict_type(self.model, "full"):
+            return self.model.state_dict()
 
 
 class Module(L.LightningModule):
@@ -59,8 +68,23 @@ def _flat_shards(trainer: L.Trainer) -> torch.Tensor:
 
 
 def _full_state_dict(trainer: L.Trainer) -> dict[str, torch.Tensor]:
-    with cpu_safe_full_state_dict(torch.device("cpu")):
-        return {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+    return {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+
+
+class Probe(L.Callback):
+    """A user's callback: what it sees of the shards at each sync step and when training ends."""
+
+    def __init__(self, sync_every: int) -> None:
+        self.sync_every = sync_every
+        self.at_sync: dict[int, torch.Tensor] = {}
+        self.at_train_end: torch.Tensor | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step % self.sync_every == 0:
+            self.at_sync[trainer.global_step] = _flat_shards(trainer)
+
+    def on_train_end(self, trainer, pl_module):
+        self.at_train_end = _flat_shards(trainer)
 
 
 class Recorder(L.Callback):
@@ -73,34 +97,12 @@ class Recorder(L.Callback):
         self.initial = _full_state_dict(trainer)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if os.environ.get("DEBUG_SHARDS"):
-            sh = local_shards(trainer.strategy.model)
-            print(
-                "TRAIN", trainer.global_step, [(tuple(s.shape), s.data_ptr(), float(s.sum())) for s in sh], flush=True
-            )
         if batch_idx % self.spec["accumulate"] == 0:  # the weights after the previous step and its sync
             self.shards_at[trainer.global_step] = _flat_shards(trainer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.spec.get("mid_ckpt_step") == trainer.global_step and (batch_idx + 1) % self.spec["accumulate"] == 0:
             trainer.save_checkpoint(self.out / "mid.ckpt")
-
-    def on_validation_start(self, trainer, pl_module):
-        if os.environ.get("DEBUG_SHARDS"):
-            sh = local_shards(trainer.strategy.model)
-            print(
-                "VAL START",
-                trainer.global_step,
-                [(tuple(s.shape), s.data_ptr(), float(s.sum())) for s in sh],
-                flush=True,
-            )
-
-    def on_validation_end(self, trainer, pl_module):
-        if os.environ.get("DEBUG_SHARDS"):
-            sh = local_shards(trainer.strategy.model)
-            print(
-                "VAL END", trainer.global_step, [(tuple(s.shape), s.data_ptr(), float(s.sum())) for s in sh], flush=True
-            )
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
         # outside the forward pass, where FSDP holds only the local shards
@@ -109,6 +111,11 @@ class Recorder(L.Callback):
 
     def on_fit_end(self, trainer, pl_module):
         self.shards_at[-1] = _flat_shards(trainer)
+
+
+def _num_syncs(trainer: L.Trainer) -> int | None:
+    federation = getattr(trainer.strategy, "federation", None)
+    return federation.outer.num_syncs if federation is not None and federation.started else None
 
 
 def run(spec: dict[str, Any], root: Path) -> None:
@@ -121,9 +128,22 @@ def run(spec: dict[str, Any], root: Path) -> None:
         strategy: Any = PlainCPUFSDP()
     else:
         cls = lightning_fedshard.FLHSDPStrategy if spec["strategy"] == "fl_hsdp" else lightning_fedshard.FLFSDPStrategy
-        kwargs = {k: spec[k] for k in ("num_groups", "shard_size", "sync_every", "outer_optimizer") if k in spec}
+        keys = ("num_groups", "shard_size", "sync_every", "outer_optimizer", "fragments", "sync_delay", "merge_alpha",
+                "reduce_dtype", "error_feedback")  # fmt: skip
+        kwargs = {k: spec[k] for k in keys if k in spec}
+        if spec.get("wrap_linear"):  # one FSDP unit per Linear layer, so the model can be cut into fragments
+            kwargs["auto_wrap_policy"] = {torch.nn.Linear}
         strategy = spec["strategy"] if spec.get("by_name") else cls(**kwargs)
     recorder = Recorder(spec, out)
+    callbacks: list[L.Callback] = [recorder]
+    probe = Probe(spec.get("sync_every", 8))
+    if "order" in spec:  # a user callback and ModelCheckpoint, in the order the spec gives
+        every_sync = ModelCheckpoint(
+            dirpath=out / "ckpts", filename="{step}", every_n_train_steps=spec["sync_every"], save_top_k=-1
+        )
+        pair = [probe, every_sync] if spec["order"] == "user_first" else [every_sync, probe]
+        callbacks = pair + callbacks
+    runtime_spy.take()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["DEVICES"]),
@@ -131,10 +151,10 @@ def run(spec: dict[str, Any], root: Path) -> None:
         strategy=strategy,
         max_steps=spec["max_steps"],
         accumulate_grad_batches=spec["accumulate"],
-        callbacks=[recorder],
+        callbacks=callbacks,
         logger=CSVLogger(out, name="csv") if spec.get("csv") else False,
         log_every_n_steps=1,
-        enable_checkpointing=False,
+        enable_checkpointing="order" in spec,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -147,8 +167,7 @@ def run(spec: dict[str, Any], root: Path) -> None:
     val = DataLoader(IndexedRegression(64, seed=7), batch_size=8) if spec.get("val_check_interval") else None
     trainer.fit(module, data, val)
     final = _full_state_dict(trainer)
-    with cpu_safe_full_state_dict(torch.device("cpu")):  # the stock strategy needs it too
-        trainer.save_checkpoint(out / "final.ckpt")
+    trainer.save_checkpoint(out / "final.ckpt")
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     torch.save(
         {
@@ -159,6 +178,12 @@ def run(spec: dict[str, Any], root: Path) -> None:
             "final": final,
             "metrics": metrics,
             "global_step": trainer.global_step,
+            "probe_at_sync": probe.at_sync,
+            "probe_at_train_end": probe.at_train_end,
+            "runtime_calls": runtime_spy.take(),
+            "num_syncs": _num_syncs(trainer),
+            "callback_order": [type(c).__name__ for c in trainer.callbacks],
+            "fragment_names": getattr(trainer.strategy, "fragment_parameter_names", None),
         },
         out / f"rank{rank}.pt",
     )

@@ -1,0 +1,247 @@
+"""The constructor the Trainer and Fabric strategies share: the federation arguments, validated once.
+
+Lightning's two ``FSDPStrategy`` classes (``lightning.pytorch`` and ``lightning.fabric``) take different arguments;
+:class:`FederatedArguments` sits in front of either, takes the federation arguments, checks the FSDP arguments that
+the federation fixes, builds the :class:`~lightning_fedshard.runtime.FederatedRuntime` and hands everything else to
+the ``FSDPStrategy`` behind it. jsonargparse (LightningCLI) follows the ``**kwargs`` to that class' signature.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
+
+import torch
+
+# Private: Lightning's FSDP wrapping steps, reused so that wrapping on CPU does exactly what Lightning does elsewhere.
+from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
+from torch.nn import Module
+
+from lightning_fedshard.core.config import FederationConfig, OuterOptimizerSpec, federation_args_doc
+from lightning_fedshard.core.federation import Federation
+from lightning_fedshard.core.fsdp import fsdp_device_id
+from lightning_fedshard.core.mesh import FederationMesh
+from lightning_fedshard.core.topology import FederationTopology
+from lightning_fedshard.runtime import FederatedRuntime
+
+#: How a strategy's ``state_dict_type`` may be set.
+STATE_DICT_TYPES = ("full", "sharded")
+
+#: The ``Args:`` entries of the FSDP arguments the federated strategies handle themselves (shared by both adapters).
+_FSDP_ARGS_DOC = """\
+        auto_wrap_policy: As for Lightning's ``FSDPStrategy``; layer classes may also be given by import path, e.g.
+            ``["transformers.models.llama.modeling_llama.LlamaDecoderLayer"]``.
+        activation_checkpointing_policy: As for Lightning's ``FSDPStrategy``; layer classes may also be given by
+            import path.
+        sharding_strategy: Leave unset: FL+FSDP uses ``"FULL_SHARD"`` and FL+HSDP ``"HYBRID_SHARD"`` inside a group,
+            and any other value raises ``ValueError``.
+        state_dict_type: ``"full"`` or ``"sharded"`` checkpoints; both resume exactly (see docs/checkpoints.md).
+        **kwargs: Passed on to Lightning's ``FSDPStrategy`` and torch FSDP, except ``device_mesh`` and
+            ``process_group``, which the federation builds itself."""
+
+
+def document_federation_args(cls: type) -> type:
+    """Complete a strategy's docstring with the one description of its arguments (class decorator)."""
+    cls.__doc__ = (
+        (cls.__doc__ or "").rstrip() + "\n\n    Args:\n" + federation_args_doc() + "\n" + _FSDP_ARGS_DOC + "\n"
+    )
+    return cls
+
+
+class FederatedArguments:
+    """Constructor of a federated strategy, placed before one of Lightning's ``FSDPStrategy`` classes.
+
+    Subclasses set :attr:`hybrid` and :attr:`strategy_name`; everything federated then lives in :attr:`runtime`.
+    """
+
+    #: HYBRID_SHARD inside a group (FL+HSDP) instead of FULL_SHARD (FL+FSDP).
+    hybrid: ClassVar[bool] = False
+    #: The registered name, e.g. ``"fl_fsdp"``.
+    strategy_name: str = ""
+    # Provided by Lightning's FSDPStrategy classes.
+    root_device: torch.device
+    sharding_strategy: Any
+    cpu_offload: Any
+    mixed_precision_config: Any
+    _activation_checkpointing_kwargs: dict[str, Any]
+
+    def __init__(
+        self,
+        num_groups: int | None = None,
+        shard_size: int | None = None,
+        sync_every: int = 8,
+        outer_optimizer: OuterOptimizerSpec = "fedavg",
+        reduce_dtype: str | torch.dtype = "float32",
+        anchor_device: str = "cpu",
+        on_nonfinite: str = "raise",
+        fragments: int = 1,
+        sync_delay: int = 0,
+        merge_alpha: float = 0.0,
+        quant_block_size: int = 128,
+        error_feedback: bool = False,
+        auto_wrap_policy: Any = None,
+        activation_checkpointing_policy: Any = None,
+        sharding_strategy: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        _check_fsdp_arguments(self.hybrid, shard_size, sharding_strategy, kwargs)
+        config = FederationConfig(
+            num_groups=num_groups,
+            shard_size=shard_size,
+            sync_every=sync_every,
+            outer_optimizer=outer_optimizer,
+            reduce_dtype=reduce_dtype,
+            anchor_device=anchor_device,
+            on_nonfinite=on_nonfinite,
+            fragments=fragments,
+            sync_delay=sync_delay,
+            merge_alpha=merge_alpha,
+            quant_block_size=quant_block_size,
+            error_feedback=error_feedback,
+        )
+        self.runtime = FederatedRuntime(config, self.hybrid, self.strategy_name)
+        # Lightning's FSDPStrategy refuses HYBRID_SHARD this early (no process group exists yet): the in-group
+        # sharding is set once the mesh is built.
+        super().__init__(  # type: ignore[call-arg]  # the FSDPStrategy next in the MRO takes these
+            auto_wrap_policy=resolve_module_classes(auto_wrap_policy, "auto_wrap_policy"),
+            activation_checkpointing_policy=resolve_module_classes(
+                activation_checkpointing_policy, "activation_checkpointing_policy"
+            ),
+            sharding_strategy="FULL_SHARD",
+            **kwargs,
+        )
+        state_dict_type = getattr(self, "_state_dict_type", None)
+        if state_dict_type not in STATE_DICT_TYPES:
+            raise ValueError(f"`state_dict_type={state_dict_type!r}` is not supported; choose 'full' or 'sharded'.")
+        from torch.distributed.fsdp import ShardingStrategy
+
+        self.sharding_strategy = ShardingStrategy["HYBRID_SHARD" if self.hybrid else "FULL_SHARD"]
+
+    @property
+    def federation_config(self) -> FederationConfig:
+        """The validated federation options."""
+        return self.runtime.config
+
+    @property
+    def topology(self) -> FederationTopology:
+        """Groups, replicas and shards of this job (known once devices and nodes are set)."""
+        return self.runtime.topology
+
+    @property
+    def mesh(self) -> FederationMesh:
+        """The federation device mesh; exists after the processes have initialized."""
+        return self.runtime.mesh
+
+    @property
+    def federation(self) -> Federation:
+        """This rank's federation (outer step and schedule); exists after the processes have initialized."""
+        return self.runtime.federation
+
+    @property
+    def fragment_parameter_names(self) -> list[list[str]]:
+        """The model's parameter names in each streaming fragment (known once the model is set up)."""
+        return self.runtime.fragment_parameter_names
+
+    def local_shards(self) -> list[torch.Tensor]:
+        """This rank's flat parameter shards of the federated model."""
+        return self.runtime.local_shards()
+
+    def _federated_setup(self, num_nodes: int, devices_per_node: int, fsdp_kwargs: dict[str, Any]) -> None:
+        """Build the mesh (collective) and point FSDP at this rank's group."""
+        from torch.distributed.fsdp import ShardingStrategy
+
+        self.runtime.setup(num_nodes, devices_per_node, self.root_device)
+        fsdp_kwargs["process_group"] = self.runtime.fsdp_process_group
+        self.sharding_strategy = ShardingStrategy[self.runtime.fsdp_sharding]
+
+    def _federated_wrap(
+        self, module: Module, fsdp_kwargs: dict[str, Any], lightning_wrap: Callable[[Module], Module]
+    ) -> Module:
+        """Shard ``module`` inside this rank's group (on CPU with the ``device_id`` FSDP needs) and start all equal."""
+        return self.runtime.wrap(module, lambda m: self._wrap_with_fsdp(m, fsdp_kwargs, lightning_wrap))
+
+    def _wrap_with_fsdp(
+        self, module: Module, fsdp_kwargs: dict[str, Any], lightning_wrap: Callable[[Module], Module]
+    ) -> Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        already_wrapped = any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
+        if self.root_device.type != "cpu" or already_wrapped:
+            return lightning_wrap(module)
+        # Lightning passes `device_id=None` on CPU, which FSDP refuses; otherwise this is Lightning's own wrapping.
+        wrapped = FullyShardedDataParallel(module=module, **self._fsdp_wrap_kwargs(fsdp_kwargs))
+        _move_torchmetrics_to_device(wrapped, self.root_device)
+        _setup_activation_checkpointing(wrapped, self._activation_checkpointing_kwargs)
+        return wrapped
+
+    def _fsdp_wrap_kwargs(self, fsdp_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Arguments of every FSDP unit: Lightning's own, with the ``device_id`` FSDP needs on CPU."""
+        return {
+            "cpu_offload": self.cpu_offload,
+            "mixed_precision": self.mixed_precision_config,
+            "sharding_strategy": self.sharding_strategy,
+            "device_id": fsdp_device_id(self.root_device),
+            **fsdp_kwargs,
+        }
+
+    def _enable_wrap(self, fsdp_kwargs: dict[str, Any]) -> AbstractContextManager:
+        """FSDP's ``enable_wrap`` context for manual wrapping inside ``configure_model``."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import enable_wrap
+
+        return enable_wrap(wrapper_cls=FullyShardedDataParallel, **self._fsdp_wrap_kwargs(fsdp_kwargs))
+
+
+def _check_fsdp_arguments(hybrid: bool, shard_size: int | None, sharding_strategy: Any, kwargs: dict[str, Any]) -> None:
+    """Refuse FSDP arguments that contradict the federation, naming the value.
+
+    Raises:
+        ValueError: For ``device_mesh`` or ``process_group`` (the federation builds its own), ``shard_size`` with
+            FL+FSDP, or a ``sharding_strategy`` other than the strategy's own.
+    """
+    for key in ("device_mesh", "process_group"):
+        if kwargs.get(key) is not None:
+            raise ValueError(
+                f"`{key}={kwargs[key]!r}` cannot be combined with a federated strategy: it builds its own"
+                " mesh from `num_groups` and `shard_size`."
+            )
+    kwargs.pop("device_mesh", None)
+    kwargs.pop("process_group", None)
+    if not hybrid and shard_size is not None:
+        raise ValueError(
+            f"`shard_size={shard_size}` is only for FL+HSDP; FL+FSDP shards over the whole group."
+            " Use `strategy='fl_hsdp'` to replicate inside a group."
+        )
+    own = "HYBRID_SHARD" if hybrid else "FULL_SHARD"
+    name = getattr(sharding_strategy, "name", sharding_strategy)
+    if sharding_strategy is not None and name != own:
+        raise ValueError(
+            f"`sharding_strategy={sharding_strategy!r}` is not supported here; this strategy uses {own!r}."
+        )
+
+
+def resolve_module_classes(policy: Any, name: str) -> Any:
+    """Accept layer classes by import path (``"transformers....LlamaDecoderLayer"`` or a list), as YAML gives them.
+
+    Anything else (a set of classes, a callable policy, ``None``) is returned unchanged.
+
+    Raises:
+        ValueError: If a path does not name a ``torch.nn.Module`` subclass.
+    """
+    if isinstance(policy, str):
+        policy = [policy]
+    if not isinstance(policy, (list, tuple, set)) or not all(isinstance(p, str) for p in policy):
+        return policy
+    classes = set()
+    for path in policy:
+        module_name, _, attr = path.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise ValueError(f"`{name}` entry {path!r} cannot be imported: {err}") from err
+        if not (isinstance(cls, type) and issubclass(cls, Module)):
+            raise ValueError(f"`{name}` entry {path!r} is not a torch.nn.Module subclass.")
+        classes.add(cls)
+    return classes

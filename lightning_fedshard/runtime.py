@@ -1,0 +1,311 @@
+"""The federated runtime: everything federated about one strategy, shared by the Trainer and Fabric adapters.
+
+Lightning keeps two FSDP strategy hierarchies (``lightning.pytorch`` and ``lightning.fabric``). Each adapter owns one
+:class:`FederatedRuntime` and only routes Lightning's hooks to it; the runtime owns the topology, the mesh, the
+:class:`~lightning_fedshard.core.federation.Federation`, the wrapped module and its optimizers, the count of optimizer
+steps, the restart of skipped groups and the checkpointer. A sync reaches the core the same way from both adapters:
+one call of :meth:`FederatedRuntime.after_optimizer_step` after every real optimizer step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_fedshard.checkpoint import FederationCheckpointer
+from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.core.federation import Federation
+from lightning_fedshard.core.fsdp import free_unsharded_params, local_shards, unit_parameter_names
+from lightning_fedshard.core.mesh import FederationMesh, build_federation_mesh
+from lightning_fedshard.core.outer import SyncStats
+from lightning_fedshard.core.topology import FederationTopology
+
+log = logging.getLogger(__name__)
+
+
+class FederatedRuntime:
+    """One rank's federation as a strategy sees it: set up once, then told about every optimizer step.
+
+    Life cycle (every call after :meth:`setup` is collective: all ranks make it at the same point):
+
+    1. :meth:`validate` in the launching process, once nodes and devices are known;
+    2. :meth:`setup` after the default process group exists (builds the mesh and process groups);
+    3. :meth:`wrap` the model (all groups and replicas then start from the same weights), :meth:`set_optimizers`;
+    4. :meth:`start` when training starts, :meth:`after_optimizer_step` after every real optimizer step,
+       :meth:`finish` when training ends.
+
+    Args:
+        config: The validated federation options.
+        hybrid: FL+HSDP (HYBRID_SHARD inside a group) instead of FL+FSDP (FULL_SHARD).
+        name: The strategy's registered name, for messages.
+    """
+
+    def __init__(self, config: FederationConfig, hybrid: bool, name: str) -> None:
+        self.config = config
+        self.hybrid = hybrid
+        self.name = name
+        self.step = 0
+        self.last_sync_stats: SyncStats | None = None
+        self._topology: FederationTopology | None = None
+        self._mesh: FederationMesh | None = None
+        self._federation: Federation | None = None
+        self._module: Module | None = None
+        self._optimizers: list[Optimizer] = []
+        self._round_clock = time.perf_counter()
+
+    # -- topology and mesh ------------------------------------------------------------------------------------
+
+    def resolve_topology(self, num_nodes: int, devices_per_node: int) -> FederationTopology:
+        """Fix the job's topology once nodes and devices are known.
+
+        Raises:
+            ValueError: If the ranks cannot be cut into the configured groups and shards.
+        """
+        self._topology = self.config.topology(num_nodes, devices_per_node, self.hybrid)
+        return self._topology
+
+    @property
+    def topology(self) -> FederationTopology:
+        """Groups, replicas and shards of this job; known once :meth:`resolve_topology` ran."""
+        if self._topology is None:
+            raise RuntimeError("The federation topology is known only once the number of nodes and devices is set.")
+        return self._topology
+
+    def validate(self, num_nodes: int, devices_per_node: int) -> None:
+        """Check the topology in the launching process and warn about layouts that defeat the federation."""
+        topology = self.resolve_topology(num_nodes, devices_per_node)
+        if topology.num_groups == 1:
+            kind = "HSDP" if self.hybrid else "FSDP"
+            rank_zero_warn(
+                f"`{self.name}` with a single federation group ({topology}) is {kind} over all ranks:"
+                " there is nothing to federate (with `outer_optimizer='fedavg'` it is exactly plain"
+                f" {kind}; other outer optimizers still step the single group's weights every `sync_every` steps)."
+                " Set `num_groups` > 1 to get federated training."
+            )
+        if topology.group_size % devices_per_node and devices_per_node % topology.group_size:
+            rank_zero_warn(
+                f"Federation groups of {topology.group_size} ranks do not line up with nodes of"
+                f" {devices_per_node} devices: some groups span parts of two nodes, so their per-step traffic"
+                " crosses the slow links the federation is meant to avoid."
+            )
+        if self.hybrid and topology.shard_size > devices_per_node:
+            rank_zero_warn(
+                f"`shard_size={topology.shard_size}` is larger than a node ({devices_per_node} devices):"
+                " the per-step FSDP collectives of every replica cross nodes."
+            )
+
+    def setup(self, num_nodes: int, devices_per_node: int, device: torch.device) -> None:
+        """Build the federation mesh and the federation; collective, after the default process group exists."""
+        topology = self.resolve_topology(num_nodes, devices_per_node)
+        self._mesh = build_federation_mesh(topology, device.type)
+        self._federation = Federation(self.config, self._mesh.communicator())
+        log.info(f"{self.name}: rank {self._mesh.rank} at {self._mesh.coords} of {topology}")
+
+    @property
+    def mesh(self) -> FederationMesh:
+        """The federation device mesh; exists after the processes have initialized."""
+        if self._mesh is None:
+            raise RuntimeError("Accessing the federation mesh before processes have initialized is not allowed.")
+        return self._mesh
+
+    @property
+    def federation(self) -> Federation:
+        """This rank's federation (outer step and schedule); exists after the processes have initialized."""
+        if self._federation is None:
+            raise RuntimeError("Accessing the federation before processes have initialized is not allowed.")
+        return self._federation
+
+    @property
+    def fsdp_process_group(self) -> ProcessGroup | tuple[ProcessGroup, ProcessGroup]:
+        """What FSDP's ``process_group`` must be inside this rank's federation group."""
+        return self.mesh.fsdp_process_group(self.hybrid)
+
+    @property
+    def fsdp_sharding(self) -> str:
+        """The FSDP ``ShardingStrategy`` name that goes with :attr:`fsdp_process_group`."""
+        return self.mesh.fsdp_sharding(self.hybrid)
+
+    # -- model and optimizers ---------------------------------------------------------------------------------
+
+    def wrap(self, module: Module, wrap: Callable[[Module], Module]) -> Module:
+        """Shard ``module`` with ``wrap`` (FSDP over this rank's group) and make every group and replica start equal.
+
+        Raises:
+            RuntimeError: If a model was wrapped already: the federation holds one model.
+        """
+        if self._module is not None:
+            raise RuntimeError(
+                f"`{self.name}` federates one model, and one was set up already. Put all trainable modules into one"
+                " `nn.Module` before setting it up."
+            )
+        wrapped = wrap(module)
+        self._synchronize_initial_weights(wrapped)
+        self._module = wrapped
+        return wrapped
+
+    @torch.no_grad()
+    def _synchronize_initial_weights(self, module: Module) -> None:
+        """All groups and replicas start from the same weights and buffers, whatever each process initialized."""
+        self.mesh.broadcast_shards(local_shards(module))
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src=0)
+
+    @property
+    def module(self) -> Module:
+        """The FSDP-wrapped model."""
+        if self._module is None:
+            raise RuntimeError("The model has not been set up by the federated strategy yet.")
+        return self._module
+
+    def local_shards(self) -> list[Tensor]:
+        """This rank's flat parameter shards of the wrapped model."""
+        return local_shards(self.module)
+
+    def free_unsharded_params(self) -> None:
+        """Make the next forward gather the (just rewritten) shards instead of reusing gathered weights."""
+        if self._module is not None:
+            free_unsharded_params(self._module)
+
+    def set_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        """The inner optimizers of the model; a group that a sync skipped restarts them with an empty state."""
+        self._optimizers = list(optimizers)
+
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        """The inner optimizers given to :meth:`set_optimizers`."""
+        return list(self._optimizers)
+
+    # -- the sync schedule ------------------------------------------------------------------------------------
+
+    @property
+    def syncs_are_identity(self) -> bool:
+        """One group averaging with itself: every outer step would give its weights back, so none runs.
+
+        This is what makes a one-group ``"fedavg"`` run exactly plain FSDP / HSDP, with no copy and no rounding.
+        """
+        return self.topology.num_groups == 1 and self.config.outer_optimizer == "fedavg"
+
+    def is_due(self, step: int) -> bool:
+        """Whether :meth:`after_optimizer_step` with ``step`` would run an outer step."""
+        return not self.syncs_are_identity and self.federation.is_due(step)
+
+    def start(self, step: int) -> SyncStats | None:
+        """Anchor the federation on the current weights at optimizer step ``step``; collective.
+
+        If a checkpoint restored a federation whose sync of step ``step`` had not run yet (it was saved between the
+        optimizer step and the sync), that sync runs now, as it did in the uninterrupted run.
+        """
+        self.step = step
+        federation = self.federation
+        federation.start(self.local_shards(), step, on_write=self.free_unsharded_params)
+        self._round_clock = time.perf_counter()
+        if federation.config.fragments > 1:
+            rank_zero_info(f"{self.name}: streaming fragments (FSDP units in module order): {self._fragment_summary()}")
+        return None if self.syncs_are_identity else self._synced(federation.maybe_sync(step))
+
+    def after_optimizer_step(self, step: int | None = None) -> SyncStats | None:
+        """Tell the federation that a real optimizer step completed; runs the outer step when one is due.
+
+        This is the one entry point of a sync during training, for the Trainer and Fabric alike. Calls that repeat
+        an already counted step (e.g. once per micro-batch under gradient accumulation) do nothing.
+
+        Args:
+            step: Optimizer steps completed so far, when the caller counts them (the Trainer's ``global_step``);
+                ``None`` counts one more step.
+
+        Returns:
+            The statistics of the sync that ran, or ``None``.
+
+        Raises:
+            NonFiniteOuterGradientError: See :class:`~lightning_fedshard.core.outer.OuterStep`.
+        """
+        step = self.step + 1 if step is None else step
+        if step <= self.step:
+            return None
+        self.step = step
+        return None if self.syncs_are_identity else self._synced(self.federation.maybe_sync(step))
+
+    def finish(self) -> SyncStats | None:
+        """End of training: sync once more if it stopped between two syncs, so every group holds the consensus."""
+        if self.syncs_are_identity:
+            return None
+        return self._synced(self.federation.finish(self.step))
+
+    def _synced(self, stats: SyncStats | None) -> SyncStats | None:
+        if stats is None:
+            return None
+        now = time.perf_counter()
+        round_seconds = now - self._round_clock
+        self._round_clock = now
+        if round_seconds > 0:
+            utilization = max(0.0, 1.0 - stats.exposed_seconds / round_seconds)
+            stats = replace(stats, compute_utilization=utilization)
+        self.last_sync_stats = stats
+        self._restart_skipped_groups(stats)
+        return stats
+
+    @property
+    def fragment_parameter_names(self) -> list[list[str]]:
+        """The model's parameter names in each streaming fragment, in order (known once the federation started)."""
+        names = unit_parameter_names(self.module)
+        return [[n for unit in fragment for n in names[unit]] for fragment in self.federation.outer.fragments]
+
+    def _fragment_summary(self) -> str:
+        fragments = self.federation.outer.fragments
+        sizes = [sum(self.local_shards()[u].numel() for u in fragment) for fragment in fragments]
+        return "; ".join(
+            f"{f}: units {units[0]}-{units[-1]}, {size:,} local values, {len(names)} parameter(s) from {names[0]!r}"
+            for f, (units, size, names) in enumerate(zip(fragments, sizes, self.fragment_parameter_names))
+        )
+
+    def _restart_skipped_groups(self, stats: SyncStats) -> None:
+        """After ``on_nonfinite="skip_group"`` left groups out of a sync: say so, and clear their inner optimizer state.
+
+        The outer step already reset their weights to the new anchor; their inner optimizer state most likely holds
+        the same NaN/Inf, so every rank of a skipped group starts it afresh (all of them, to keep the group
+        consistent).
+        """
+        if not stats.skipped_groups:
+            return
+        rank_zero_warn(
+            f"Skipped federation group(s) {list(stats.skipped_groups)} with a non-finite outer gradient at optimizer"
+            f" step {self.step} (sync {stats.num_syncs}): the outer step averaged the healthy groups only, and the"
+            " skipped groups restart from the new anchor with a fresh inner optimizer state."
+        )
+        if self.federation.communicator.group_index in stats.skipped_groups:
+            for optimizer in self._optimizers:
+                optimizer.state.clear()
+
+    @contextmanager
+    def consensus_weights(self) -> Iterator[None]:
+        """Within the block the model holds the consensus of the last sync; its own weights come back on exit."""
+        if self._federation is None:
+            yield
+            return
+        with self._federation.consensus_weights():
+            yield
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+
+    @property
+    def checkpointer(self) -> FederationCheckpointer:
+        """Saves and loads this rank's federation state with the model (see :mod:`lightning_fedshard.checkpoint`)."""
+        return FederationCheckpointer(
+            self.mesh.topology,
+            self.hybrid,
+            self.mesh.rank,
+            self.federation,
+            self.module,
+            self.free_unsharded_params,
+        )
