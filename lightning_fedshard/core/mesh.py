@@ -45,6 +45,14 @@ class FederationMesh:
         """The process group of this rank along one mesh axis."""
         return self.device_mesh.get_group(Axis(axis).value)
 
+    def ranks(self, axis: Axis | str) -> list[int]:
+        """Global ranks of this rank's process group along one mesh axis, in the group's rank order.
+
+        Along ``"shard"`` they are the ranks FSDP shards one replica over, along ``"replicate"`` the HSDP replicas of
+        this rank's shard, along ``"fed"`` the ring of the outer all-reduce (one rank per group, group by group).
+        """
+        return dist.get_process_group_ranks(self.group(axis))
+
     def fsdp_process_group(self, hybrid: bool) -> ProcessGroup | tuple[ProcessGroup, ProcessGroup]:
         """What to pass as FSDP's ``process_group``: the group's shard group, or ``(shard, replicate)`` for HSDP.
 
@@ -114,19 +122,32 @@ class ProcessGroupCommunicator:
         if self.num_groups > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.fed_group)
 
-    def average_across_groups(self, tensor: Tensor) -> None:
-        """Mean over the ``"fed"`` axis (SUM then divide: gloo has no AVG)."""
-        if self.num_groups == 1:
-            return
-        self.sum_across_groups(tensor)
-        tensor.div_(self.num_groups)
-
     def sum_across_model(self, tensor: Tensor) -> None:
         """Sum over all ranks, then divide by the number of replicas, which hold identical data."""
         if self.topology.world_size == 1:
             return
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         tensor.div_(self.topology.num_replicas)
+
+    def all_to_all(self, output: Tensor, input: Tensor) -> None:
+        """Exchange equal parts over the ``"fed"`` axis: part ``j`` of ``input`` goes to group ``j``.
+
+        ``input`` and ``output`` are 1-D, of the same length, divisible by ``G``; ``output`` part ``j`` is what
+        group ``j`` sent to this rank.
+        """
+        if self.num_groups == 1:
+            output.copy_(input)
+            return
+        dist.all_to_all_single(output, input, group=self.fed_group)
+
+    def all_gather(self, output: Tensor, input: Tensor) -> None:
+        """Fill the 1-D ``output`` (``G`` times ``input``'s length) with every group's ``input``, in group order."""
+        if self.num_groups == 1:
+            output.copy_(input)
+            return
+        # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; both work on gloo and NCCL.
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(output, input, group=self.fed_group)
 
 
 def build_federation_mesh(topology: FederationTopology, device_type: str) -> FederationMesh:

@@ -1,11 +1,13 @@
 """A small Llama language model, built from scratch, as a LightningModule.
 
-The network is ``transformers.LlamaForCausalLM`` with random weights (nothing is downloaded) and tied input/output
-embeddings. Training uses AdamW with a linear warm-up and a cosine decay; validation reports the mean negative
-log-likelihood (``val_loss``, nats per token), perplexity and bits per byte.
+The network is ``transformers.LlamaForCausalLM`` with random weights (nothing is downloaded) and, by default, tied
+input/output embeddings. Training uses AdamW with a linear warm-up and a cosine decay; validation reports the mean
+negative log-likelihood (``val_loss``, nats per token), perplexity and bits per byte.
 
 The module works unchanged under Lightning's ``FSDPStrategy`` (FSDP1) with ``use_orig_params=True``: pass
-``auto_wrap_policy=LlamaLM.wrap_policy()`` to shard every decoder layer on its own.
+``auto_wrap_policy=LlamaLM.wrap_policy()`` to shard every decoder layer on its own. With ``meta_init=True`` the
+network is created on the meta device in ``configure_model`` and FSDP materializes it one unit at a time (see
+:mod:`lightning_fedshard.core.meta_init`), so no process ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
 from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import MeanMetric
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+from lightning_fedshard.core.meta_init import install_reset_parameters, materialize
 
 
 @dataclass(frozen=True)
@@ -86,13 +91,29 @@ class WarmupCosine:
 
 
 class LlamaLM(LightningModule):
-    """Causal language model: a random-init ``LlamaForCausalLM`` with tied embeddings.
+    """Causal language model: a random-init ``LlamaForCausalLM``.
 
     Batches are ``{"input_ids": (B, T), "labels": (B, T)}`` with ``labels`` already shifted by one position (as
     :class:`~lightning_fedshard.examples.ShakespeareDataModule` yields them); the model does not shift again.
 
-    All ranks build identical initial weights: the model is built under a forked RNG seeded with ``init_seed``, so
-    neither the global RNG state nor the rank matters.
+    All ranks build identical initial weights, which depend on ``init_seed`` only (neither on the global RNG state nor
+    on the rank). Two ways to build them:
+
+    - ``meta_init=False`` (eager, the default): the whole network is built in ``__init__``, in float32, under a
+      forked RNG seeded with ``init_seed``: every process holds the full model before FSDP shards it.
+    - ``meta_init=True``: ``configure_model`` creates the network on the meta device (no memory). Under an FSDP1
+      strategy (Lightning's ``FSDPStrategy`` and the federated strategies), FSDP then materializes and shards one
+      unit (decoder layer) at a time, calling the ``reset_parameters`` that
+      :func:`~lightning_fedshard.core.meta_init.install_reset_parameters` gives every module: transformers' own
+      ``_init_weights`` (normal(0, 0.02) for linear and embedding weights, ones for RMSNorm, a recomputed rotary
+      ``inv_freq``) under a seed derived from ``init_seed`` and the module's name. The weights are the same on
+      every rank, for every wrap policy and world size, but they are *not* bit-identical to the eager path's:
+      the eager path draws all tensors from one RNG stream in construction order, which a unit materialized on
+      its own cannot reproduce. They follow the same distributions. Without an FSDP strategy (one device, DDP,
+      ``load_from_checkpoint``) ``configure_model`` materializes the same values at once.
+
+    For Fabric, build the eager module inside ``fabric.init_module(empty_init=True)`` instead: it is then created on
+    the meta device and ``fabric.setup`` materializes it through the same ``reset_parameters``.
 
     Args:
         size: Preset width and depth from :data:`LLAMA_SIZES`.
@@ -110,6 +131,10 @@ class LlamaLM(LightningModule):
         warmup_fraction: Fraction of ``trainer.estimated_stepping_batches`` spent warming up linearly.
         min_lr_ratio: Learning rate at the end of the cosine decay, as a fraction of ``lr``.
         init_seed: Seed of the weight initialization.
+        tie_word_embeddings: Share one matrix between the input embedding and the output projection (Llama-3.1-8B
+            does not; the small presets do).
+        meta_init: Create the network on the meta device in ``configure_model`` and let FSDP materialize it unit by
+            unit (see above); otherwise build it in float32 in ``__init__``.
 
     Raises:
         ValueError: If an argument is out of range or the shape is inconsistent.
@@ -132,6 +157,8 @@ class LlamaLM(LightningModule):
         warmup_fraction: float = 0.1,
         min_lr_ratio: float = 0.0,
         init_seed: int = 0,
+        tie_word_embeddings: bool = True,
+        meta_init: bool = False,
     ) -> None:
         super().__init__()
         if size not in LLAMA_SIZES:
@@ -160,23 +187,57 @@ class LlamaLM(LightningModule):
             num_key_value_heads=kv_heads,
             rope_theta=rope_theta,  # type: ignore[call-arg]  # transformers 5 folds it into rope_parameters
             max_position_embeddings=max_seq_len,
-            tie_word_embeddings=True,
+            tie_word_embeddings=tie_word_embeddings,
             # The tokenizer has no special tokens; Llama's defaults (1, 2) would point at ordinary tokens.
             bos_token_id=None,
             eos_token_id=None,
             pad_token_id=None,
         )
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(init_seed)
-            self.model = LlamaForCausalLM(self.config)
+        self.init_seed = init_seed
+        self.meta_init = meta_init
+        self.model: LlamaForCausalLM
+        self._no_decay: set[str] = set()
+        self._num_parameters: int | None = None
+        if not meta_init:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(init_seed)
+                self._build()
+        # Real tensors even under an empty-init (meta) context: Lightning moves metrics to the device, it cannot
+        # materialize them.
+        with torch.device("cpu"):
+            self.val_nll = MeanMetric()
+
+    def _build(self) -> None:
+        """Create the network (on the current default device) and the bookkeeping that needs its shapes."""
+        self.model = LlamaForCausalLM(self.config)
+        # Used only if the network lives on the meta device when an FSDP unit (or `materialize`) takes it.
+        install_reset_parameters(self.model, self.init_seed, self.model._init_weights)
         # Decided on the bare model: once FSDP shards it, every parameter is a flat 1-D view and shapes say nothing.
         self._no_decay = {
             _clean_name(f"model.{name}")
             for name, param in self.model.named_parameters()
             if param.ndim < 2 or "embed_tokens" in name
         }
-        self._num_parameters = sum(param.numel() for param in self.model.parameters())
-        self.val_nll = MeanMetric()
+        self._num_parameters = _count_parameters(self.model)
+
+    def configure_model(self) -> None:
+        """With ``meta_init``: create the network on the meta device (materialized at once if no FSDP will do it).
+
+        Lightning calls this hook inside the strategy's and the precision's init contexts (e.g. ``bf16-true`` makes
+        the meta tensors bfloat16), and again before ``validate``/``test`` and in ``load_from_checkpoint``: it builds
+        only once.
+        """
+        if not self.meta_init or "model" in self._modules:
+            return
+        with torch.device("meta"):
+            self._build()
+        if not self._materialized_by_fsdp():
+            materialize(self.model, self.device)
+
+    def _materialized_by_fsdp(self) -> bool:
+        """Whether the attached Trainer's strategy wraps with FSDP1, which materializes meta modules unit by unit."""
+        trainer = self._trainer
+        return trainer is not None and isinstance(trainer.strategy, FSDPStrategy)
 
     @classmethod
     def wrap_policy(cls) -> set[type[nn.Module]]:
@@ -184,7 +245,10 @@ class LlamaLM(LightningModule):
         return {LlamaDecoderLayer}
 
     def num_parameters(self) -> int:
-        """Number of parameters (tied embeddings counted once), as built, before any sharding."""
+        """Number of parameters (tied embeddings counted once), before any sharding; allocates nothing."""
+        if self._num_parameters is None:  # meta_init before configure_model: count a throw-away meta copy
+            with torch.device("meta"):
+                return _count_parameters(LlamaForCausalLM(self.config))
         return self._num_parameters
 
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -263,6 +327,11 @@ class LlamaLM(LightningModule):
                 it first, e.g. with FSDP's full state dict), since the live parameters then hold only shards.
         """
         self.model.save_pretrained(str(path), state_dict=state_dict)
+
+
+def _count_parameters(model: nn.Module) -> int:
+    # Only on the bare network: once FSDP wraps it, its parameters are this rank's shards.
+    return sum(param.numel() for param in model.parameters())
 
 
 def _validate(

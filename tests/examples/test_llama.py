@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 
 from lightning_fedshard.examples import LLAMA_SIZES, LlamaLM, ShakespeareDataModule
 from lightning_fedshard.examples.llama import WarmupCosine
+from tests.launch import free_port, launch
 
 TINY: dict[str, Any] = {
     "vocab_size": 256,
@@ -172,3 +174,112 @@ def test_save_pretrained_round_trips(tmp_path: Path) -> None:
     loaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
     input_ids = torch.randint(0, 256, (2, 8))
     torch.testing.assert_close(loaded(input_ids).logits, model(input_ids))
+
+
+def test_untied_embeddings_add_an_output_matrix() -> None:
+    tied, untied = LlamaLM(**TINY), LlamaLM(**TINY, tie_word_embeddings=False)
+    assert untied.model.lm_head.weight is not untied.model.model.embed_tokens.weight
+    assert untied.num_parameters() == tied.num_parameters() + TINY["vocab_size"] * TINY["hidden_size"]
+    # The output projection is a matrix like any other: weight decay applies to it.
+    assert "model.lm_head.weight" not in untied._no_decay
+
+
+def _rope_inv_freq(head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_meta_init_builds_in_configure_model(tie: bool) -> None:
+    eager = LlamaLM(**TINY, tie_word_embeddings=tie)
+    torch.manual_seed(5)
+    state = torch.random.get_rng_state()
+    model = LlamaLM(**TINY, tie_word_embeddings=tie, meta_init=True)
+    assert "model" not in model._modules  # nothing built yet
+    assert model.num_parameters() == eager.num_parameters()
+    model.configure_model()  # no Trainer, so no FSDP: materialized here
+    network = model.model
+    model.configure_model()
+    assert model.model is network  # built once
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert (network.lm_head.weight is network.model.embed_tokens.weight) is tie
+    torch.testing.assert_close(network.model.rotary_emb.inv_freq, _rope_inv_freq(TINY["hidden_size"] // 2))
+    torch.testing.assert_close(network.model.rotary_emb.inv_freq, eager.model.model.rotary_emb.inv_freq)
+    for name, param in network.named_parameters():
+        if "norm" in name:
+            assert torch.equal(param, torch.ones_like(param)), name
+        else:  # transformers' normal(0, initializer_range=0.02), as the eager path
+            assert param.std().item() == pytest.approx(0.02, rel=0.2), name
+            assert not torch.equal(param, eager.model.get_parameter(name)), name  # same law, other draws
+    again = LlamaLM(**TINY, tie_word_embeddings=tie, meta_init=True)
+    again.configure_model()
+    torch.testing.assert_close(again.state_dict(), model.state_dict(), rtol=0, atol=0)
+    input_ids = torch.randint(0, TINY["vocab_size"], (2, 8))
+    assert torch.isfinite(model(input_ids)).all()
+
+
+def test_fabric_empty_init_materializes_through_fsdp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fabric: build inside `init_module(empty_init=True)`; FSDP materializes it with the same values."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from lightning_fedshard.fabric import FLFSDPStrategy
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    strategy = FLFSDPStrategy(num_groups=1, auto_wrap_policy=LlamaLM.wrap_policy())
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = LlamaLM(**TINY)
+    assert all(param.is_meta for param in model.parameters())
+    wrapped = fabric.setup_module(model)
+    reference = LlamaLM(**TINY, meta_init=True)
+    reference.configure_model()
+    with FullyShardedDataParallel.summon_full_params(wrapped._forward_module):
+        assert model.model.lm_head.weight.data_ptr() == model.model.model.embed_tokens.weight.data_ptr()
+        torch.testing.assert_close(model.model.state_dict(), reference.model.state_dict(), rtol=0, atol=0)
+    torch.testing.assert_close(model.model.model.rotary_emb.inv_freq, _rope_inv_freq(TINY["hidden_size"] // 2))
+
+
+def test_meta_init_under_fl_fsdp_materializes_one_unit_at_a_time(tmp_path: Path) -> None:
+    """4 ranks, 2 groups x 2 shards, through the Trainer: no rank ever holds more than one unit outside its shards.
+
+    The worker wraps every `reset_parameters` FSDP calls and records, after each, the bytes the model holds in FSDP's
+    flat shards and elsewhere (`materialized_bytes`). Without FSDP the same counter reaches the whole model
+    (tests/core/test_meta_init.py), so the bound below fails if materialization ever stops being unit by unit.
+    """
+    config = {**TINY, "vocab_size": 512, "hidden_size": 64, "num_layers": 3, "num_heads": 4, "intermediate_size": 128}
+    config["tie_word_embeddings"] = False
+    launch(
+        Path(__file__).with_name("meta_worker.py"),
+        [json.dumps(config), str(tmp_path)],
+        num_nodes=2,
+        devices=2,
+        log_dir=tmp_path / "logs",
+    )
+    reference = LlamaLM(**config, meta_init=True)
+    reference.configure_model()
+    network = reference.model
+    layer_bytes = [_bytes(layer) for layer in network.model.layers]
+    total = _bytes(network)
+    largest_unit = max([*layer_bytes, total - sum(layer_bytes)])  # root unit: embeddings, output, norm, rotary
+    shard_bound = total / 2 + 2 * (len(layer_bytes) + 1) * 4  # FSDP pads each unit to a multiple of 2 values
+    full_states = 0
+    for rank in range(4):
+        seen = torch.load(tmp_path / f"rank{rank}.pt")
+        flat, other = zip(*seen["trace"])
+        assert len(seen["trace"]) == sum(1 for m in network.modules() if "reset_parameters" in vars(m))
+        assert max(layer_bytes) <= max(other) <= largest_unit < total / 2
+        assert all(f + o <= shard_bound + largest_unit for f, o in seen["trace"])
+        assert flat[-1] <= seen["shard_bytes"] <= shard_bound
+        torch.testing.assert_close(seen["inv_freq"], network.model.rotary_emb.inv_freq, rtol=0, atol=0)
+        assert all(abs(loss - math.log(config["vocab_size"])) < 0.2 for loss in seen["losses"])
+        if seen["initial"]:  # rank 0 of each group gathers the full state dict
+            full_states += 1
+            expected = {f"model.{k}": v for k, v in network.state_dict().items()}
+            torch.testing.assert_close({k: seen["initial"][k] for k in expected}, expected, rtol=0, atol=0)
+    assert full_states >= 2
+
+
+def _bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
