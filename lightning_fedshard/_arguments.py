@@ -8,6 +8,7 @@ the ``FSDPStrategy`` behind it. jsonargparse (LightningCLI) follows the ``**kwar
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -20,10 +21,7 @@ from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setu
 from torch.nn import Module
 
 from lightning_fedshard.core.config import FederationConfig, OuterOptimizerSpec, federation_args_doc
-from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fsdp import fsdp_device_id
-from lightning_fedshard.core.mesh import FederationMesh
-from lightning_fedshard.core.topology import FederationTopology
 from lightning_fedshard.runtime import FederatedRuntime
 
 #: How a strategy's ``state_dict_type`` may be set.
@@ -40,6 +38,11 @@ _FSDP_ARGS_DOC = """\
         state_dict_type: ``"full"`` or ``"sharded"`` checkpoints; both resume exactly (see docs/checkpoints.md).
         **kwargs: Passed on to Lightning's ``FSDPStrategy`` and torch FSDP, except ``device_mesh`` and
             ``process_group``, which the federation builds itself."""
+
+
+def _from_runtime(name: str, doc: str) -> Any:
+    """A read-only property that reads ``self.runtime.<name>``."""
+    return property(lambda self: getattr(self.runtime, name), doc=doc)
 
 
 def document_federation_args(cls: type) -> type:
@@ -60,12 +63,16 @@ class FederatedArguments:
     hybrid: ClassVar[bool] = False
     #: The registered name, e.g. ``"fl_fsdp"``.
     strategy_name: str = ""
+    #: One line describing the strategy in Lightning's registries.
+    description: str = ""
     # Provided by Lightning's FSDPStrategy classes.
+    num_nodes: int
+    num_processes: int
     root_device: torch.device
     sharding_strategy: Any
     cpu_offload: Any
     mixed_precision_config: Any
-    _activation_checkpointing_kwargs: dict[str, Any]
+    _activation_checkpointing_kwargs: dict[str, Any]  # private in Lightning; needed to wrap on CPU as it does
 
     def __init__(
         self,
@@ -73,34 +80,23 @@ class FederatedArguments:
         shard_size: int | None = None,
         sync_every: int = 8,
         outer_optimizer: OuterOptimizerSpec = "fedavg",
-        reduce_dtype: str | torch.dtype = "float32",
         anchor_device: str = "cpu",
         on_nonfinite: str = "raise",
         fragments: int = 1,
-        sync_delay: int = 0,
-        merge_alpha: float = 0.0,
+        reduce_dtype: str | torch.dtype = "float32",
         quant_block_size: int = 128,
         error_feedback: bool = False,
-        auto_wrap_policy: Any = None,
-        activation_checkpointing_policy: Any = None,
-        sharding_strategy: Any = None,
+        sync_delay: int = 0,
+        merge_alpha: float = 0.0,
+        auto_wrap_policy: Any | None = None,
+        activation_checkpointing_policy: Any | None = None,
+        sharding_strategy: Any | None = None,
         **kwargs: Any,
     ) -> None:
         _check_fsdp_arguments(self.hybrid, shard_size, sharding_strategy, kwargs)
-        config = FederationConfig(
-            num_groups=num_groups,
-            shard_size=shard_size,
-            sync_every=sync_every,
-            outer_optimizer=outer_optimizer,
-            reduce_dtype=reduce_dtype,
-            anchor_device=anchor_device,
-            on_nonfinite=on_nonfinite,
-            fragments=fragments,
-            sync_delay=sync_delay,
-            merge_alpha=merge_alpha,
-            quant_block_size=quant_block_size,
-            error_feedback=error_feedback,
-        )
+        # Every FederationConfig field is an argument of this constructor, with the same default (a test checks it).
+        arguments = locals()
+        config = FederationConfig(**{f.name: arguments[f.name] for f in dataclasses.fields(FederationConfig)})
         self.runtime = FederatedRuntime(config, self.hybrid, self.strategy_name)
         # Lightning's FSDPStrategy refuses HYBRID_SHARD this early (no process group exists yet): the in-group
         # sharding is set once the mesh is built.
@@ -112,86 +108,80 @@ class FederatedArguments:
             sharding_strategy="FULL_SHARD",
             **kwargs,
         )
-        state_dict_type = getattr(self, "_state_dict_type", None)
+        state_dict_type = getattr(self, "_state_dict_type", None)  # private in Lightning, which does not validate it
         if state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(f"`state_dict_type={state_dict_type!r}` is not supported; choose 'full' or 'sharded'.")
         from torch.distributed.fsdp import ShardingStrategy
 
         self.sharding_strategy = ShardingStrategy["HYBRID_SHARD" if self.hybrid else "FULL_SHARD"]
 
-    @property
-    def federation_config(self) -> FederationConfig:
-        """The validated federation options."""
-        return self.runtime.config
+    federation_config = _from_runtime("config", "The validated federation options.")
+    topology = _from_runtime(
+        "topology", "Groups, replicas and shards of this job (known once devices and nodes are set)."
+    )
+    mesh = _from_runtime("mesh", "The federation device mesh; exists after the processes have initialized.")
+    federation = _from_runtime("federation", "This rank's federation (outer step and schedule), after initialization.")
+    fragment_parameter_names = _from_runtime(
+        "fragment_parameter_names", "The model's parameter names in each streaming fragment, once it is set up."
+    )
+
+    # -- Lightning hooks of the FSDPStrategy behind this class (no @override: this class has no such base) ----------
+
+    def _configure_launcher(self) -> None:
+        # Private hook, but the only one that runs in the launching process once nodes and devices are known: a
+        # topology that does not fit fails here, before any rank starts.
+        super()._configure_launcher()  # type: ignore[misc]
+        self.runtime.validate(self.num_nodes, self.num_processes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]
+        from torch.distributed.fsdp import ShardingStrategy
+
+        self.runtime.setup(self.num_nodes, self.num_processes, self.root_device)
+        self._fsdp_options["process_group"] = self.runtime.fsdp_process_group
+        self.sharding_strategy = ShardingStrategy[self.runtime.fsdp_sharding]
 
     @property
-    def topology(self) -> FederationTopology:
-        """Groups, replicas and shards of this job (known once devices and nodes are set)."""
-        return self.runtime.topology
-
-    @property
-    def mesh(self) -> FederationMesh:
-        """The federation device mesh; exists after the processes have initialized."""
-        return self.runtime.mesh
-
-    @property
-    def federation(self) -> Federation:
-        """This rank's federation (outer step and schedule); exists after the processes have initialized."""
-        return self.runtime.federation
-
-    @property
-    def fragment_parameter_names(self) -> list[list[str]]:
-        """The model's parameter names in each streaming fragment (known once the model is set up)."""
-        return self.runtime.fragment_parameter_names
+    def _fsdp_options(self) -> dict[str, Any]:
+        """The dict of FSDP arguments that the Lightning strategy behind this class passes to every FSDP unit."""
+        raise NotImplementedError
 
     def local_shards(self) -> list[torch.Tensor]:
         """This rank's flat parameter shards of the federated model."""
         return self.runtime.local_shards()
 
-    def _federated_setup(self, num_nodes: int, devices_per_node: int, fsdp_kwargs: dict[str, Any]) -> None:
-        """Build the mesh (collective) and point FSDP at this rank's group."""
-        from torch.distributed.fsdp import ShardingStrategy
-
-        self.runtime.setup(num_nodes, devices_per_node, self.root_device)
-        fsdp_kwargs["process_group"] = self.runtime.fsdp_process_group
-        self.sharding_strategy = ShardingStrategy[self.runtime.fsdp_sharding]
-
-    def _federated_wrap(
-        self, module: Module, fsdp_kwargs: dict[str, Any], lightning_wrap: Callable[[Module], Module]
-    ) -> Module:
+    def _federated_wrap(self, module: Module, lightning_wrap: Callable[[Module], Module]) -> Module:
         """Shard ``module`` inside this rank's group (on CPU with the ``device_id`` FSDP needs) and start all equal."""
-        return self.runtime.wrap(module, lambda m: self._wrap_with_fsdp(m, fsdp_kwargs, lightning_wrap))
+        return self.runtime.wrap(module, lambda m: self._wrap_with_fsdp(m, lightning_wrap))
 
-    def _wrap_with_fsdp(
-        self, module: Module, fsdp_kwargs: dict[str, Any], lightning_wrap: Callable[[Module], Module]
-    ) -> Module:
+    def _wrap_with_fsdp(self, module: Module, lightning_wrap: Callable[[Module], Module]) -> Module:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         already_wrapped = any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
         if self.root_device.type != "cpu" or already_wrapped:
             return lightning_wrap(module)
         # Lightning passes `device_id=None` on CPU, which FSDP refuses; otherwise this is Lightning's own wrapping.
-        wrapped = FullyShardedDataParallel(module=module, **self._fsdp_wrap_kwargs(fsdp_kwargs))
+        wrapped = FullyShardedDataParallel(module=module, **self._fsdp_wrap_kwargs())
         _move_torchmetrics_to_device(wrapped, self.root_device)
         _setup_activation_checkpointing(wrapped, self._activation_checkpointing_kwargs)
         return wrapped
 
-    def _fsdp_wrap_kwargs(self, fsdp_kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _fsdp_wrap_kwargs(self) -> dict[str, Any]:
         """Arguments of every FSDP unit: Lightning's own, with the ``device_id`` FSDP needs on CPU."""
         return {
             "cpu_offload": self.cpu_offload,
             "mixed_precision": self.mixed_precision_config,
             "sharding_strategy": self.sharding_strategy,
             "device_id": fsdp_device_id(self.root_device),
-            **fsdp_kwargs,
+            **self._fsdp_options,
         }
 
-    def _enable_wrap(self, fsdp_kwargs: dict[str, Any]) -> AbstractContextManager:
+    def _enable_wrap(self) -> AbstractContextManager:
         """FSDP's ``enable_wrap`` context for manual wrapping inside ``configure_model``."""
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import enable_wrap
 
-        return enable_wrap(wrapper_cls=FullyShardedDataParallel, **self._fsdp_wrap_kwargs(fsdp_kwargs))
+        return enable_wrap(wrapper_cls=FullyShardedDataParallel, **self._fsdp_wrap_kwargs())
 
 
 def _check_fsdp_arguments(hybrid: bool, shard_size: int | None, sharding_strategy: Any, kwargs: dict[str, Any]) -> None:

@@ -27,6 +27,7 @@ from lightning_fedshard.checkpoint import FederationCheckpointer
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fsdp import free_unsharded_params, local_shards, unit_parameter_names
+from lightning_fedshard.core.lazy import required
 from lightning_fedshard.core.mesh import FederationMesh, build_federation_mesh
 from lightning_fedshard.core.outer import SyncStats
 from lightning_fedshard.core.topology import FederationTopology
@@ -78,9 +79,7 @@ class FederatedRuntime:
     @property
     def topology(self) -> FederationTopology:
         """Groups, replicas and shards of this job; known once :meth:`resolve_topology` ran."""
-        if self._topology is None:
-            raise RuntimeError("The federation topology is known only once the number of nodes and devices is set.")
-        return self._topology
+        return required(self._topology, "The federation topology is known only once nodes and devices are set.")
 
     def validate(self, num_nodes: int, devices_per_node: int) -> None:
         """Check the topology in the launching process and warn about layouts that defeat the federation."""
@@ -115,16 +114,12 @@ class FederatedRuntime:
     @property
     def mesh(self) -> FederationMesh:
         """The federation device mesh; exists after the processes have initialized."""
-        if self._mesh is None:
-            raise RuntimeError("Accessing the federation mesh before processes have initialized is not allowed.")
-        return self._mesh
+        return required(self._mesh, "Accessing the federation mesh before processes have initialized is not allowed.")
 
     @property
     def federation(self) -> Federation:
         """This rank's federation (outer step and schedule); exists after the processes have initialized."""
-        if self._federation is None:
-            raise RuntimeError("Accessing the federation before processes have initialized is not allowed.")
-        return self._federation
+        return required(self._federation, "Accessing the federation before processes have initialized is not allowed.")
 
     @property
     def fsdp_process_group(self) -> ProcessGroup | tuple[ProcessGroup, ProcessGroup]:
@@ -164,9 +159,7 @@ class FederatedRuntime:
     @property
     def module(self) -> Module:
         """The FSDP-wrapped model."""
-        if self._module is None:
-            raise RuntimeError("The model has not been set up by the federated strategy yet.")
-        return self._module
+        return required(self._module, "The model has not been set up by the federated strategy yet.")
 
     def local_shards(self) -> list[Tensor]:
         """This rank's flat parameter shards of the wrapped model."""

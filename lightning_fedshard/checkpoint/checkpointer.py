@@ -95,12 +95,8 @@ class FederationCheckpointer:
         module: Module,
         on_write: Callable[[], None],
     ) -> None:
-        self.topology = topology
-        self.hybrid = hybrid
-        self.rank = rank
-        self.federation = federation
-        self.module = module
-        self.on_write = on_write
+        self.topology, self.hybrid, self.rank = topology, hybrid, rank
+        self.federation, self.module, self.on_write = federation, module, on_write
         self.group, self.replica, self.shard = topology.coords(rank)
 
     # -- saving -------------------------------------------------------------------------------------------------

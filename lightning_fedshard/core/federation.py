@@ -16,6 +16,7 @@ from torch import Tensor
 
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.fragments import cut_fragments, landing_fragment, starting_fragment
+from lightning_fedshard.core.lazy import required
 from lightning_fedshard.core.outer import Communicator, OuterStep, PendingSync, SyncStats
 
 
@@ -45,9 +46,7 @@ class Federation:
     @property
     def outer(self) -> OuterStep:
         """The outer step; raises before :meth:`start`."""
-        if self._outer is None:
-            raise RuntimeError("The federation has not started: call `start(shards, step)` first.")
-        return self._outer
+        return required(self._outer, "The federation has not started: call `start(shards, step)` first.")
 
     @property
     def pending(self) -> PendingSync | None:

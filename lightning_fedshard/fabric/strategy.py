@@ -7,6 +7,8 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch.distributed as dist
+
+# Private names: Lightning types its own strategy hooks with them and exports no public alias.
 from lightning.fabric.strategies import FSDPStrategy, _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH, Optimizable
 from torch.distributed.checkpoint.stateful import Stateful
@@ -30,20 +32,13 @@ class _FederatedFabricStrategy(FederatedArguments, FSDPStrategy):
     Only one optimizer is supported: every ``optimizer.step()`` counts as one step.
     """
 
-    @override
-    def _configure_launcher(self) -> None:
-        # Private hook, but the only one that runs in the launching process once nodes and devices are known.
-        super()._configure_launcher()
-        self.runtime.validate(self.num_nodes, self.num_processes)
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self._federated_setup(self.num_nodes, self.num_processes, self._fsdp_kwargs)
+    @property
+    def _fsdp_options(self) -> dict[str, Any]:
+        return self._fsdp_kwargs  # private: Fabric's FSDPStrategy keeps the FSDP arguments only here
 
     @override
     def setup_module(self, module: Module) -> Module:
-        module = self._federated_wrap(module, self._fsdp_kwargs, super().setup_module)
+        module = self._federated_wrap(module, super().setup_module)
         self.runtime.start(self.runtime.step)
         return module
 
@@ -59,7 +54,7 @@ class _FederatedFabricStrategy(FederatedArguments, FSDPStrategy):
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
-        return self._enable_wrap(self._fsdp_kwargs)
+        return self._enable_wrap()
 
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
@@ -154,9 +149,10 @@ class _FederatedFabricStrategy(FederatedArguments, FSDPStrategy):
         return modules[0], [k for k, v in state.items() if isinstance(v, Optimizer)]
 
     @classmethod
-    def _register(cls, strategy_registry: _StrategyRegistry, description: str) -> None:
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         if dist.is_available() and cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description=description)
+            strategy_registry.register(cls.strategy_name, cls, description=cls.description)
 
 
 @document_federation_args
@@ -169,27 +165,20 @@ class FLFSDPStrategy(_FederatedFabricStrategy):
     """
 
     strategy_name = "fl_fsdp"
+    description = "FL+FSDP: FSDP inside federation groups, outer steps between"
     hybrid = False
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        cls._register(strategy_registry, "FL+FSDP: FSDP inside federation groups, outer steps between")
 
 
 @document_federation_args
 class FLHSDPStrategy(_FederatedFabricStrategy):
     """FL+HSDP for Fabric: HSDP (HYBRID_SHARD) inside federation groups, an outer step every ``sync_every`` steps.
 
-    The Fabric twin of :class:`lightning_fedshard.FLHSDPStrategy`. The outer step runs inside every
-    ``sync_every``-th ``optimizer.step()``; call :meth:`finish` after the loop. Every argument of Fabric's
-    ``FSDPStrategy`` not listed below is accepted too (``state_dict_type`` defaults to ``"sharded"`` there).
+    The Fabric twin of :class:`lightning_fedshard.FLHSDPStrategy`: inside a group the model is sharded over
+    ``shard_size`` ranks and replicated across the group's nodes. As with :class:`FLFSDPStrategy`, the outer step
+    runs inside ``optimizer.step()`` and :meth:`finish` closes the last round; Fabric's other ``FSDPStrategy``
+    arguments are accepted too.
     """
 
     strategy_name = "fl_hsdp"
+    description = "FL+HSDP: HSDP inside federation groups, outer steps between"
     hybrid = True
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        cls._register(strategy_registry, "FL+HSDP: HSDP inside federation groups, outer steps between")

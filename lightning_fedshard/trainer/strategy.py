@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed as dist
+
+# Private names: Lightning types its own strategy hooks with them and exports no public alias.
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
@@ -31,27 +33,19 @@ log = logging.getLogger(__name__)
 class _FederatedFSDPStrategy(FederatedArguments, FSDPStrategy):
     """What :class:`FLFSDPStrategy` and :class:`FLHSDPStrategy` share: Lightning's hooks routed to the runtime."""
 
-    @override
-    def _configure_launcher(self) -> None:
-        # Private hook, but the only one that runs in the launching process once nodes and devices are known:
-        # a topology that does not fit fails here, before any rank starts.
-        super()._configure_launcher()
-        self.runtime.validate(self.num_nodes, self.num_processes)
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self._federated_setup(self.num_nodes, self.num_processes, self.kwargs)
+    @property
+    def _fsdp_options(self) -> dict[str, Any]:
+        return self.kwargs
 
     @override
     def _setup_model(self, model: Module) -> Module:
         # Private hook: Lightning's only place where the model is wrapped by FSDP (and the CPU device_id is needed).
-        return self._federated_wrap(model, self.kwargs, super()._setup_model)
+        return self._federated_wrap(model, super()._setup_model)
 
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        with self._enable_wrap(self.kwargs):
+        with self._enable_wrap():
             yield
 
     @override
@@ -114,11 +108,12 @@ class _FederatedFSDPStrategy(FederatedArguments, FSDPStrategy):
                 exception.add_note(message)
 
     @classmethod
-    def _register(cls, strategy_registry: _StrategyRegistry, description: str) -> None:
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         if not dist.is_available():
             return
         if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description=description)
+            strategy_registry.register(cls.strategy_name, cls, description=cls.description)
         # Lightning refuses FSDP on CPU for the names in FSDPStrategy's own `_registered_strategies` (a private list
         # with no public accessor); each concrete class keeps a list of its own so that CPU runs are allowed.
         if cls.strategy_name not in cls._registered_strategies:
@@ -138,13 +133,9 @@ class FLFSDPStrategy(_FederatedFSDPStrategy):
     """
 
     strategy_name = "fl_fsdp"
+    description = "FL+FSDP: FSDP inside federation groups, outer steps between"
     hybrid = False
     _registered_strategies: list[str] = []
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        cls._register(strategy_registry, "FL+FSDP: FSDP inside federation groups, outer steps between")
 
 
 @document_federation_args
@@ -159,13 +150,9 @@ class FLHSDPStrategy(_FederatedFSDPStrategy):
     """
 
     strategy_name = "fl_hsdp"
+    description = "FL+HSDP: HSDP inside federation groups, outer steps between"
     hybrid = True
     _registered_strategies: list[str] = []
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        cls._register(strategy_registry, "FL+HSDP: HSDP inside federation groups, outer steps between")
 
 
 def place_outer_sync_first(trainer: Trainer) -> None:

@@ -138,3 +138,16 @@ def test_outer_sync_refuses_another_strategy():
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
     with pytest.raises(TypeError, match="`OuterSync` needs the 'fl_fsdp' or 'fl_hsdp' strategy"):
         OuterSync().on_train_start(trainer, L.LightningModule())
+
+
+def test_every_federation_option_is_a_strategy_argument_with_the_same_default():
+    import dataclasses
+    import inspect
+
+    from lightning_fedshard.core.config import FederationConfig
+
+    for cls in (FLFSDPStrategy, FLHSDPStrategy, lightning_fedshard.fabric.FLFSDPStrategy):
+        parameters = inspect.signature(cls).parameters
+        for field in dataclasses.fields(FederationConfig):
+            assert parameters[field.name].default == field.default, (cls.__name__, field.name)
+            assert f"        {field.name}: " in cls.__doc__, (cls.__name__, field.name)  # the one description
