@@ -76,7 +76,8 @@ class FederationConfig:
             module order, are cut into ``P`` contiguous fragments balanced by size, each with its own outer
             optimizer; one fragment lands every ``sync_every / P`` optimizer steps, in turn, so every fragment still
             syncs every ``sync_every`` steps but one sync moves about ``1 / P`` of the model. ``sync_every`` must be
-            divisible by it, and the model needs at least ``P`` FSDP units. torchft calls fragments the same.
+            divisible by it, and the model needs at least ``P`` FSDP units (torchft's DiLoCo takes a list of
+            model fragments instead).
         sync_delay: Optimizer steps that a fragment's sum over the groups may overlap with training (default 0):
             the pseudo-gradient is taken after step ``s - sync_delay``, summed in the background, and applied after
             step ``s``. ``0 <= sync_delay < sync_every / fragments``. torchft's ``fragment_sync_delay``.
@@ -88,7 +89,8 @@ class FederationConfig:
         ValueError: For a non-positive ``num_groups``, ``shard_size`` or ``sync_every``, an unknown outer
             optimizer name, an outer optimizer factory that does not return an optimizer, an unknown reduce dtype,
             anchor device or ``on_nonfinite`` policy, ``sync_every`` not divisible by ``fragments``, ``sync_delay``
-            outside ``[0, sync_every / fragments)`` or ``merge_alpha`` outside ``[0, 1]``.
+            outside ``[0, sync_every / fragments)``, ``merge_alpha`` outside ``[0, 1]``, ``quant_block_size < 1``, or
+            ``error_feedback=True`` with a float ``reduce_dtype``.
     """
 
     num_groups: int | None = None
@@ -171,7 +173,7 @@ class FederationConfig:
     @property
     def compressed(self) -> bool:
         """Whether the outer traffic is quantized (``"int8"`` / ``"int4"``)."""
-        return str(self.reduce_dtype) in COMPRESSED_REDUCE_DTYPES
+        return str(self.reduce_dtype).removeprefix("torch.") in COMPRESSED_REDUCE_DTYPES
 
     def reducer(self) -> Reducer | None:
         """A new quantized reducer for one fragment, or ``None`` for a float all-reduce."""

@@ -142,16 +142,16 @@ class Federation:
             return None
         self._drop(self._pending)
         self._pending = None
-        stats = None
+        synced = []
         for fragment in range(self.config.fragments):
             if self.landed_at[fragment] == step:
                 if self.config.merge_alpha > 0:
                     self.outer.copy_anchor_to_shards(fragment)
                     self._on_write()
                 continue
-            stats = replace(self.sync(step, fragment), num_fragments=self.config.fragments)
+            synced.append(self.sync(step, fragment))
         self.last_step = max(self.last_step, step)
-        return stats
+        return _combined(synced, self.config.fragments)
 
     def sync(self, step: int, fragment: int = 0) -> SyncStats:
         """Run one fragment's outer step now, synchronously (the new anchor replaces the shards); collective.
@@ -201,7 +201,12 @@ class Federation:
         }
 
     def group_state_dict(self) -> dict[str, Any]:
-        """This rank's state that differs between groups (error-feedback residuals); see :class:`OuterStep`."""
+        """This rank's state that differs between groups (error-feedback residuals); see :class:`OuterStep`.
+
+        A sum in flight updates the residuals from its background thread, so it is completed first.
+        """
+        if self._pending is not None:
+            self._pending.result()
         return self.outer.group_state_dict() if self._outer else {}
 
     def load_group_state_dict(self, state: dict[str, Any]) -> None:
@@ -222,6 +227,19 @@ class Federation:
         self._pending = None
         if pending is not None:
             self._pending = PendingSync.from_state_dict(pending, self.outer.shards[0].device)
+
+
+def _combined(stats: list[SyncStats], num_fragments: int) -> SyncStats | None:
+    """One record for the final syncs of several fragments: the last one's norms, everyone's bytes and seconds."""
+    if not stats:
+        return None
+    return replace(
+        stats[-1],
+        bytes_sent=sum(s.bytes_sent for s in stats),
+        seconds=sum(s.seconds for s in stats),
+        exposed_seconds=sum(s.exposed_seconds for s in stats),
+        num_fragments=num_fragments,
+    )
 
 
 def _nothing() -> None:

@@ -127,6 +127,13 @@ class _SlowComm:
     def sum_across_model(self, tensor: Tensor) -> None:
         self._inner.sum_across_model(tensor)
 
+    def all_to_all(self, output: Tensor, input: Tensor) -> None:
+        time.sleep(self._delay)
+        self._inner.all_to_all(output, input)
+
+    def all_gather(self, output: Tensor, input: Tensor) -> None:
+        self._inner.all_gather(output, input)
+
 
 def test_the_sum_really_runs_while_training_goes_on():
     config = FederationConfig(sync_every=4, sync_delay=2, outer_optimizer="fedavg")
@@ -197,3 +204,24 @@ def test_quantized_syncs_stay_within_the_bound_of_float32(reduce_dtype, qmax):
     bound = sum(drifts[:, s : s + 2].sum(1).abs().max() for s in (0, 2, 4)) / qmax
     error = (quantized[0] - exact[0]).abs().max()
     assert 0 < error <= bound, f"{reduce_dtype}: error {error:.2e}, bound {bound:.2e}"
+
+
+def test_a_checkpoint_taken_while_a_quantized_sum_travels_holds_the_residuals_it_leaves():
+    """Error feedback updates the residuals from the background thread: the group state must wait for the sum."""
+    config = FederationConfig(sync_every=4, sync_delay=2, reduce_dtype="int8", error_feedback=True)
+
+    def work(g: int, comm: Any) -> tuple[Any, Any]:
+        shards = [torch.zeros(300)]
+        fed = Federation(config, _SlowComm(comm, 0.3, []))
+        fed.start(shards, step=0)
+        for step in (1, 2):
+            shards[0].add_(torch.randn(300, generator=torch.Generator().manual_seed(10 * g + step)))
+            fed.maybe_sync(step)  # the sum of the fragment landing at step 4 starts after step 2
+        saved = fed.group_state_dict()["reducers"][0]
+        assert fed.pending is not None
+        fed.pending.result()
+        return saved, fed.outer.reducers[0].state_dict()
+
+    for saved, after in ThreadGroups(2).run(work):
+        assert saved["residual"] is not None, "the residuals were read before the sum in flight finished"
+        assert torch.equal(saved["residual"], after["residual"])
