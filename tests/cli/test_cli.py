@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from lightning.pytorch.callbacks import ModelSummary
 
 from lightning_fedshard import FLFSDPStrategy, FLHSDPStrategy
 from lightning_fedshard.cli import cli
@@ -22,6 +23,31 @@ def test_shakespeare_configs_instantiate(config):
     expected = FLHSDPStrategy if "hsdp" in config.stem else FLFSDPStrategy
     assert type(run.trainer.strategy) is expected
     assert run.trainer.strategy.topology.world_size == 8
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
+def test_shakespeare_configs_show_a_correct_console(config):
+    trainer = cli(args=["--config", str(config)], run=False).trainer
+    # A max_steps run with no max_epochs makes the progress bar read "Epoch 0/-2".
+    assert trainer.max_epochs == 1 and trainer.max_steps == -1
+    # Lightning's summary, taken after FSDP wrapped the model, would count one rank's shard.
+    assert not any(isinstance(callback, ModelSummary) for callback in trainer.callbacks)
+
+
+def test_examples_load_lazily_and_by_class_path():
+    # `lightning_fedshard.examples` defers its imports; configs still name its classes as `class_path`.
+    code = (
+        "import sys, lightning_fedshard.examples as ex; "
+        "loaded = 'lightning_fedshard.examples.llama' in sys.modules; "
+        "from lightning_fedshard.examples import LlamaLM; "
+        "print(loaded, LlamaLM.__module__, 'LlamaLM' in dir(ex))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.split() == ["False", "lightning_fedshard.examples.llama", "True"]
+    with pytest.raises(AttributeError, match="NoSuchModel"):
+        import lightning_fedshard.examples
+
+        _ = lightning_fedshard.examples.NoSuchModel
 
 
 def test_registered_name_works_in_yaml(tmp_path):

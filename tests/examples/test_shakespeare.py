@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,8 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from torch.utils.data import DistributedSampler, Subset
 
+from lightning_fedshard.examples import LlamaLM
 from lightning_fedshard.examples.shakespeare import (
     GENRES,
     ShakespeareDataModule,
@@ -27,9 +30,7 @@ SEQ_LEN = 64
 
 def _offline_env(mp: pytest.MonkeyPatch, root: Path) -> None:
     mp.setenv("HF_HOME", str(root / "hf_home"))
-    mp.setenv("HF_DATASETS_CACHE", str(root / "hf_datasets"))
     mp.setenv("HF_HUB_OFFLINE", "1")
-    mp.setenv("HF_DATASETS_OFFLINE", "1")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def datamodule(cache_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
 
 
 def _records(cache_dir: Path, split: str) -> list[dict[str, str]]:
-    lines = (cache_dir / "v1" / "text" / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()
+    lines = (cache_dir / "v2" / "text" / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()
     return [json.loads(line) for line in lines]
 
 
@@ -233,3 +234,69 @@ def test_setup_before_prepare_data_fails_loudly(tmp_path: Path) -> None:
         dm.setup("fit")
     with pytest.raises(RuntimeError, match="setup"):
         _ = dm.val_bytes_per_token
+
+
+def test_cache_loads_without_datasets(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every rank runs setup(): the token ids load with torch alone, not through the `datasets` library.
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now raises ImportError
+    dm = ShakespeareDataModule(cache_dir=str(cache_dir))
+    dm.prepare_data()
+    dm.setup("fit")
+    assert len(dm.train_set) > 0
+
+
+def test_saved_tokenizer_loads_with_auto_tokenizer(datamodule: ShakespeareDataModule, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    datamodule.save_tokenizer(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert datamodule.tokenizer is not None
+    text = "ROMEO:\nBut, soft! what light through yonder window breaks?\n"
+    ids = tokenizer(text)["input_ids"]
+    assert ids == datamodule.tokenizer(text)["input_ids"]
+    assert tokenizer.decode(ids) == text
+
+
+def test_save_tokenizer_before_setup_fails_loudly(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="setup"):
+        ShakespeareDataModule(cache_dir=str(tmp_path)).save_tokenizer(tmp_path / "out")
+
+
+def test_model_and_tokenizer_folder_generates_with_plain_transformers(
+    datamodule: ShakespeareDataModule, tmp_path: Path
+) -> None:
+    """What train_shakespeare.py writes, loaded as in the README (a tiny model: only the plumbing is checked)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    lm = LlamaLM(size="xs", vocab_size=4096, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+    lm.save_pretrained(tmp_path)
+    datamodule.save_tokenizer(tmp_path)
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    inputs = tokenizer("ROMEO:\n", return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=5, do_sample=True, top_k=50)
+    assert out.shape == (1, inputs["input_ids"].shape[1] + 5)
+    assert tokenizer.decode(out[0]).startswith("ROMEO:\n")
+
+
+CONFIGS = sorted((Path(__file__).parents[2] / "configs" / "shakespeare").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda path: path.stem)
+def test_example_configs_run_within_one_epoch(config: Path, cache_dir: Path) -> None:
+    """The configs run one epoch cut to `limit_train_batches`: the progress bar then counts the run exactly."""
+    cfg = yaml.safe_load(config.read_text())
+    trainer, data_args = cfg["trainer"], cfg["data"]["init_args"]
+    assert trainer["max_epochs"] == 1 and "max_steps" not in trainer
+    world_size = trainer["devices"] * trainer["num_nodes"]
+    num_groups = trainer["strategy"]["init_args"]["num_groups"]
+    dm = ShakespeareDataModule(cache_dir=str(cache_dir), **data_args)
+    dm.setup("fit")
+    if dm.split == "genre":
+        topology = FakeTopology(num_groups, world_size // num_groups)
+        _attach(dm, rank=0, world_size=world_size, topology=topology)
+        batches_per_epoch = len(dm.train_dataloader())
+    else:  # Lightning's DistributedSampler deals the windows over all ranks
+        batches_per_epoch = len(dm.train_set) // world_size // dm.batch_size
+    assert batches_per_epoch >= trainer["limit_train_batches"]
