@@ -34,7 +34,7 @@ class Summary:
     nosync_tokens_per_s: float
     """The same over steps without an outer step (in-run compute-only rate of the federated runs)."""
     link_bytes_per_step: float
-    """Bytes sent into all inter-node links per optimizer step (validation excluded)."""
+    """Bytes sent into all inter-node links per optimizer step (validation and end-of-fit syncs excluded)."""
     sync_bytes: float
     """Mean bytes sent into all links per outer step (NaN without syncs)."""
     sync_bytes_bound: float
@@ -92,7 +92,8 @@ def summarize(run: dict[str, Any]) -> Summary:
         outer_optimizer=cfg["outer_optimizer"],
         tokens_per_s=len(timed) * tokens_per_step / elapsed,
         nosync_tokens_per_s=tokens_per_step / (sum(durations) / len(durations)) if durations else math.nan,
-        link_bytes_per_step=(run["link_tx_train"] - run["link_tx_val"]) / cfg["max_steps"],
+        link_bytes_per_step=(run["link_tx_train"] - run["link_tx_val"] - run.get("link_tx_finish", 0))
+        / cfg["max_steps"],
         sync_bytes=sum(s["tx_bytes"] for s in syncs) / len(syncs) if syncs else math.nan,
         sync_bytes_bound=sync_bytes_bound(run) if syncs else math.nan,
         sync_seconds=sum(s["seconds"] for s in syncs),

@@ -10,6 +10,11 @@ Presets:
     4 nodes x 2 ranks (8 ranks). FSDP, HSDP, FL+FSDP (group = node, 4 groups) and FL+HSDP (2 groups of 2 nodes,
     shard inside a node, 2 replicas per group) at every link bandwidth; then ``sync_every`` and the outer
     optimizer (fedavg vs nesterov) for the federated strategies at the slowest link.
+``sync_options``
+    Issue 8's targets: FL+FSDP (4 nodes x 2 ranks, 4 groups, ``sync_every=8``) on a 50 Mbit/s link, without syncs
+    (``sync_every`` > ``max_steps``: the no-sync pace) and with each sync option (reduce dtype, error feedback,
+    streaming fragments, overlap), :data:`SYNC_OPTIONS_REPEATS` times, round robin over the configurations within each
+    repeat. ``python -m benchmarks.sync_report`` turns the results into the tables of docs/benchmarks.md.
 ``smoke``
     2 nodes x 1 rank, a tiny model, a few FL+FSDP steps on a throttled link: keeps the harness working (tests).
 
@@ -21,12 +26,14 @@ and draws the plots. The cluster is removed at the end, also after a failure or 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -97,6 +104,50 @@ def _full(work: Path, cache: Path) -> Preset:
     return Preset(nodes, devices, jobs, timeout=900.0)
 
 
+#: The configurations of the ``sync_options`` preset: name -> changes to its base RunConfig.
+SYNC_OPTIONS: dict[str, dict[str, Any]] = {
+    "nosync": {"sync_every": 1024},  # no outer step during training: the no-sync pace
+    "float32": {},
+    "bfloat16": {"reduce_dtype": "bfloat16"},
+    "int8": {"reduce_dtype": "int8"},
+    "int4_ef": {"reduce_dtype": "int4", "error_feedback": True},
+    "frag4": {"fragments": 4},
+    "frag4_d1": {"fragments": 4, "sync_delay": 1},
+    "int8_frag4_d1": {"reduce_dtype": "int8", "fragments": 4, "sync_delay": 1},
+    "int4_ef_frag4_d1": {"reduce_dtype": "int4", "error_feedback": True, "fragments": 4, "sync_delay": 1},
+}
+SYNC_OPTIONS_REPEATS = 3
+SYNC_OPTIONS_LINK_MBIT = 50.0
+
+
+def _sync_options(work: Path, cache: Path, repeats: int = SYNC_OPTIONS_REPEATS) -> Preset:
+    nodes, devices = 4, 2
+    base = RunConfig(
+        strategy="fl_fsdp",
+        num_nodes=nodes,
+        devices=devices,
+        out="",
+        cache_dir=str(cache),
+        sync_every=8,
+        outer_optimizer="fedavg",  # the package default
+        # 40 steps: the pace is measured over steps 9-40, i.e. four whole rounds of 8 steps after the first sync
+        # (see benchmarks/sync_report.py); one validation, at the end.
+        max_steps=40,
+        val_every=40,
+        size="xs",
+        seq_len=128,
+        batch_size=4,
+        max_val_windows=32,
+    )
+    jobs = []
+    for repeat in range(repeats):
+        for option, changes in SYNC_OPTIONS.items():
+            name = f"{option}-r{repeat}"
+            cfg = replace(base, out=str(work / name), **changes)
+            jobs.append(Job(name, SYNC_OPTIONS_LINK_MBIT, cfg, sweep="sync_options"))
+    return Preset(nodes, devices, jobs, timeout=900.0)
+
+
 def _smoke(work: Path, cache: Path) -> Preset:
     cfg = RunConfig(
         strategy="fl_fsdp",
@@ -117,7 +168,7 @@ def _smoke(work: Path, cache: Path) -> Preset:
     return Preset(2, 1, [Job("fl_fsdp-smoke", 20.0, cfg)], timeout=120.0)
 
 
-PRESETS = {"full": _full, "smoke": _smoke}
+PRESETS: dict[str, Callable[..., Preset]] = {"full": _full, "smoke": _smoke, "sync_options": _sync_options}
 
 
 def prepare_data(cfg: RunConfig, env: dict[str, str]) -> None:
@@ -134,18 +185,38 @@ def machine() -> dict[str, Any]:
     import lightning
     import torch
 
-    return {
+    info: dict[str, Any] = {
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "cpu_model": _cpu_model(),
         "torch": torch.__version__,
         "lightning": lightning.__version__,
-        "git_commit": subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),
         "command": " ".join(["python -m benchmarks.run", *sys.argv[1:]]),
     }
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    # Read-only (no index refresh): which tracked files differ from the commit, and untracked ones.
+    status = subprocess.run(
+        ["git", "--no-optional-locks", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True
+    )
+    git_ok = commit.returncode == 0 and status.returncode == 0  # None below: not a git checkout (e.g. a copy)
+    info["git_commit"] = commit.stdout.strip() if git_ok else None
+    info["git_status"] = status.stdout.splitlines() if git_ok else None
+    info["git_dirty"] = bool(status.stdout.strip()) if git_ok else None
+    info["source_sha256"] = source_digest(REPO)
+    info["source_root"] = str(REPO)
+    return info
+
+
+def source_digest(root: Path) -> str:
+    """SHA-256 over the Python sources of the package and the harness under ``root`` (paths and contents).
+
+    The commit does not say which code ran when the working tree is dirty; this does.
+    """
+    digest = hashlib.sha256()
+    for path in sorted([*root.glob("lightning_fedshard/**/*.py"), *root.glob("benchmarks/*.py")]):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def _cpu_model() -> str:
@@ -159,13 +230,18 @@ def _cpu_model() -> str:
 
 
 def run_preset(
-    name: str, work: Path, results_file: Path, only: list[str] | None = None, prefix: str | None = None
+    name: str,
+    work: Path,
+    results_file: Path,
+    only: list[str] | None = None,
+    prefix: str | None = None,
+    repeats: int | None = None,
 ) -> dict[str, Any]:
     """Build the cluster, run every job of preset ``name`` and return (and keep writing) the results."""
     if (reason := namespaces_available()) is not None:
         raise SystemExit(f"Cannot emulate a cluster: {reason}.")
     cache = work / "data"
-    preset = PRESETS[name](work, cache)
+    preset = PRESETS[name](work, cache) if repeats is None else PRESETS[name](work, cache, repeats=repeats)
     jobs = [job for job in preset.jobs if not only or job.name in only]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HOME": str(work / "hf_home"), "HF_DATASETS_OFFLINE": "1"}
     prepare_data(jobs[0].config, env)
@@ -176,6 +252,7 @@ def run_preset(
             cluster.set_bandwidth(job.link_mbit)
             print(f"[{index + 1}/{len(jobs)}] {job.name}", flush=True)
             load = os.getloadavg()[0]
+            loadavg_before = list(os.getloadavg())
             try:
                 run = launch(cluster, job.config, port=29500 + index, timeout=preset.timeout)
             except RunFailed as error:
@@ -183,6 +260,7 @@ def run_preset(
                 results["failed"].append({"name": job.name, "error": str(error)[-2000:]})
                 continue
             run.update(name=job.name, sweep=job.sweep, load_before=load, load_after=os.getloadavg()[0])
+            run.update(loadavg_before=loadavg_before, loadavg_after=list(os.getloadavg()), ended=time.time())
             results["runs"].append(run)
             print(f"  {_summary(run)}", flush=True)
             results["finished"] = time.time()
@@ -221,10 +299,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", nargs="*", help="run only these job names")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--prefix", help="name prefix of the namespaces (default: fsb<pid>)")
+    parser.add_argument("--repeats", type=int, help="repeats of a preset that has them (sync_options; default 3)")
     args = parser.parse_args(argv)
     results_file = args.results or RESULTS / f"{args.preset}.json"
     args.work.mkdir(parents=True, exist_ok=True)
-    run_preset(args.preset, args.work, results_file, args.only, args.prefix)
+    run_preset(args.preset, args.work, results_file, args.only, args.prefix, args.repeats)
     if not args.no_plots:
         from benchmarks.plot import plot_all
 

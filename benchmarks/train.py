@@ -67,6 +67,16 @@ class RunConfig:
     max_train_windows: int | None = None
     max_val_windows: int = 64
     model_overrides: dict[str, int] = field(default_factory=dict)
+    seed: int = 0
+    """``seed_everything``: the data order (the initial weights depend on ``LlamaLM``'s ``init_seed`` only)."""
+    # Sync options of the federated strategies (see `FederationConfig`); the baselines ignore them.
+    fragments: int = 1
+    sync_delay: int = 0
+    merge_alpha: float = 0.0
+    reduce_dtype: str = "float32"
+    quant_block_size: int | None = None
+    """None: the package's default block size."""
+    error_feedback: bool = False
 
     @property
     def federated(self) -> bool:
@@ -87,44 +97,25 @@ def make_strategy(cfg: RunConfig) -> FLFSDPStrategy | FLHSDPStrategy:
         "auto_wrap_policy": LlamaLM.wrap_policy(),
         "use_orig_params": True,
         "sync_every": cfg.sync_every,
-        "outer_optimizer": cfg.outer_optimizer,
+        # One group averaging with itself never runs an outer step (see `FederatedRuntime.syncs_are_identity`): the
+        # baselines are exactly FSDP / HSDP.
+        "outer_optimizer": cfg.outer_optimizer if cfg.federated else "fedavg",
     }
+    if cfg.federated:
+        common.update(
+            fragments=cfg.fragments,
+            sync_delay=cfg.sync_delay,
+            merge_alpha=cfg.merge_alpha,
+            reduce_dtype=cfg.reduce_dtype,
+            error_feedback=cfg.error_feedback,
+        )
+        if cfg.quant_block_size is not None:
+            common["quant_block_size"] = cfg.quant_block_size
     if cfg.strategy in ("fsdp", "fl_fsdp"):
         return FLFSDPStrategy(num_groups=cfg.groups, **common)
     if cfg.strategy in ("hsdp", "fl_hsdp"):
         return FLHSDPStrategy(num_groups=cfg.groups, shard_size=cfg.devices, **common)
     raise ValueError(f"`strategy` must be one of {STRATEGIES}, got {cfg.strategy!r}.")
-
-
-class NoOuterSync(OuterSync):
-    """Stands in for the automatically attached :class:`OuterSync` in the FSDP / HSDP baselines.
-
-    With one federation group an outer step has nothing to merge, but it would still copy the shards every sync and,
-    with a momentum outer optimizer, change the weights; the baselines must be plain FSDP / HSDP, so every hook does
-    nothing.
-    """
-
-    @override
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        pass
-
-    @override
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        pass
-
-    @override
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        pass
-
-    @override
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        pass
-
-    @override
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        pass
 
 
 def _link_tx_bytes(trainer: L.Trainer) -> int | None:
@@ -159,10 +150,18 @@ class _Window:
 class BenchRecorder(L.Callback):
     """Measures a run: a training clock that stops during validation, link bytes, syncs, validation, memory.
 
-    Must come *before* :class:`OuterSync` in the callback list; :class:`AfterSync` comes after it. Link counters
-    are read by local rank 0 of each node between world barriers (a barrier moves a few hundred bytes), so no
-    rank has started the measured collective before the first reading or still has bytes of it in flight at the
-    last.
+    The strategy runs :class:`MeasuredOuterSync` before every other callback, so each step this recorder sees has
+    its outer step done. Link counters are read by local rank 0 of each node between world barriers (a barrier
+    moves a few hundred bytes), so no rank has started the measured collective before the first reading or still
+    has bytes of it in flight at the last.
+
+    Windows: ``train`` (from the start of training to its end, validation and the end-of-fit syncs included: the
+    latter two are also counted separately), ``val`` (every validation), ``sync`` (around each landing of an outer
+    step) and ``finish`` (the syncs that ``fit`` runs at its end, so that every group holds the consensus). With
+    ``sync_delay > 0`` the sum of a fragment travels during the ``sync_delay`` training steps before it lands, so a
+    ``sync`` window sees only the landing: its bytes are then in the ``train`` window, and the strategy's own
+    figures (``runtime.last_sync_stats``: bytes, exposed seconds, compute utilization) are recorded per sync and per
+    rank. The training clock stops during validation and during the end-of-fit syncs.
     """
 
     def __init__(self, cfg: RunConfig) -> None:
@@ -170,6 +169,10 @@ class BenchRecorder(L.Callback):
         self.train = _Window()
         self.val = _Window()
         self.sync = _Window()
+        self.finish = _Window()
+        self.finish_seconds = 0.0
+        self.strategy_syncs: list[dict[str, Any]] = []
+        self._last_stats: Any = None
         self.t0 = 0.0
         self.paused = 0.0
         self.pause_start = 0.0
@@ -187,26 +190,58 @@ class BenchRecorder(L.Callback):
         self.train.open(trainer)
         self.t0 = time.perf_counter()
 
+    def open_sync(self, trainer: L.Trainer) -> None:
+        """Called by :class:`MeasuredOuterSync` right before an outer step."""
+        self.sync.open(trainer)
+        self._sync_clock = self.clock()
+        self._sync_due = True
+
     @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        strategy = trainer.strategy
-        self._sync_due = self.cfg.federated and strategy.federation.is_due(trainer.global_step)  # type: ignore[attr-defined]
-        if self._sync_due:
-            self.sync.open(trainer)
-            self._sync_clock = self.clock()
-
-    def after_sync(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Called by :class:`AfterSync` once the outer step of this batch (if any) has run."""
         step = trainer.global_step
         if self._sync_due:
             seconds = self.clock() - self._sync_clock
             tx = self.sync.close(trainer)
             self.syncs.append({"step": step, "seconds": seconds, "tx_bytes": tx})
+            self._sync_due = False
+        self._record_strategy_sync(trainer, step)
         self.steps.append({"step": step, "clock": self.clock()})
         pl_module.log("bench/clock", self.clock(), on_step=True, rank_zero_only=True)
         pl_module.log("bench/tokens", float(step * self.tokens_per_step(trainer)), on_step=True, rank_zero_only=True)
+
+    def _record_strategy_sync(self, trainer: L.Trainer, step: int, when: str = "train") -> None:
+        """What the strategy reports about the sync that just landed (this rank's view), if one did."""
+        runtime = getattr(trainer.strategy, "runtime", None)
+        stats = getattr(runtime, "last_sync_stats", None)
+        if stats is None or stats is self._last_stats:
+            return
+        self._last_stats = stats
+        self.strategy_syncs.append(
+            {
+                "step": step,
+                "when": when,
+                "fragment": stats.fragment,
+                "num_syncs": stats.num_syncs,
+                "sync_bytes": stats.bytes_sent,
+                "sync_seconds": stats.seconds,
+                "sync_exposed_seconds": stats.exposed_seconds,
+                "compute_utilization": stats.compute_utilization,
+            }
+        )
+
+    def open_finish(self, trainer: L.Trainer) -> None:
+        """Called by :class:`MeasuredOuterSync` before the end-of-fit syncs: stop the clock, open a link window."""
+        self._finish_start = time.perf_counter()
+        self.finish.open(trainer)
+
+    def close_finish(self, trainer: L.Trainer) -> None:
+        """Called by :class:`MeasuredOuterSync` after the end-of-fit syncs."""
+        self.finish.close(trainer)
+        self.finish_seconds = time.perf_counter() - self._finish_start
+        self.paused += self.finish_seconds
+        self._record_strategy_sync(trainer, trainer.global_step, when="finish")
 
     def tokens_per_step(self, trainer: L.Trainer) -> int:
         """Tokens all ranks together train on per optimizer step."""
@@ -239,7 +274,8 @@ class BenchRecorder(L.Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # OuterSync's final sync (if training stopped mid-round) runs after this hook; runs here end on a sync.
+        # OuterSync's `on_train_end` (the end-of-fit syncs) ran before this hook, inside the `finish` window, with the
+        # clock stopped. Runs with one fragment end on a sync step, so it has nothing left to do there.
         train_seconds = self.clock()
         self.train.close(trainer)
         mine = {
@@ -250,6 +286,8 @@ class BenchRecorder(L.Callback):
             "train_tx": self.train.tx_bytes,
             "val_tx": self.val.tx_bytes,
             "syncs": self.syncs,
+            "finish_tx": self.finish.tx_bytes,
+            "strategy_syncs": self.strategy_syncs,
         }
         every: list[dict[str, Any]] = [{} for _ in range(trainer.world_size)]
         dist.all_gather_object(every, mine)
@@ -277,29 +315,46 @@ class BenchRecorder(L.Callback):
             "link_tx_train": sum(r["train_tx"] for r in readers),
             "link_tx_val": sum(r["val_tx"] for r in readers),
             "link_tx_per_node": [r["train_tx"] - r["val_tx"] for r in readers],
+            "link_tx_finish": sum(r["finish_tx"] for r in readers),
+            "finish_seconds": self.finish_seconds,
+            "strategy_syncs": [r["strategy_syncs"] for r in ranks],
             "maxrss_mib": [r["maxrss_mib"] for r in ranks],
             "versions": {"torch": torch.__version__, "lightning": L.__version__},
         }
         Path(self.cfg.out, "run.json").write_text(json.dumps(result, indent=1))
 
 
-class AfterSync(L.Callback):
-    """Placed after :class:`OuterSync` so that :class:`BenchRecorder` sees each step with its outer step done."""
+class MeasuredOuterSync(OuterSync):
+    """:class:`OuterSync` that opens :class:`BenchRecorder`'s sync window (link bytes, clock) before each outer step.
+
+    It also wraps the end-of-fit syncs in the recorder's ``finish`` window. With ``sync_delay > 0`` a window opened
+    here covers the landing only (waiting for the sum, the outer step); the sum itself started ``sync_delay`` steps
+    earlier.
+    """
 
     def __init__(self, recorder: BenchRecorder) -> None:
+        super().__init__()
         self.recorder = recorder
 
     @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self.recorder.after_sync(trainer, pl_module)
+        if trainer.strategy.runtime.is_due(trainer.global_step):  # type: ignore[attr-defined]
+            self.recorder.open_sync(trainer)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.recorder.open_finish(trainer)
+        super().on_train_end(trainer, pl_module)
+        self.recorder.close_finish(trainer)
 
 
 def run(cfg: RunConfig) -> None:
     """Train once; every rank of every node calls this."""
     torch.set_num_threads(1)
-    L.seed_everything(0, workers=True, verbose=False)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
     model = LlamaLM(size=cfg.size, vocab_size=cfg.vocab_size, max_seq_len=cfg.seq_len, lr=cfg.lr, **cfg.model_overrides)  # type: ignore[arg-type]
     data = ShakespeareDataModule(
         cache_dir=cfg.cache_dir,
@@ -311,7 +366,6 @@ def run(cfg: RunConfig) -> None:
         max_val_windows=cfg.max_val_windows,
     )
     recorder = BenchRecorder(cfg)
-    outer = OuterSync() if cfg.federated else NoOuterSync()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=cfg.devices,
@@ -322,7 +376,7 @@ def run(cfg: RunConfig) -> None:
         val_check_interval=cfg.val_every,
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
-        callbacks=[recorder, outer, AfterSync(recorder)],
+        callbacks=[recorder, MeasuredOuterSync(recorder)],  # the strategy runs the OuterSync first
         logger=CSVLogger(cfg.out, name="csv", version=""),
         log_every_n_steps=1,
         enable_checkpointing=False,
