@@ -30,6 +30,8 @@ class FederationMesh:
     topology: FederationTopology
     device_mesh: DeviceMesh
     rank: int
+    #: This rank's "fed" ring as a process group of its own (see :func:`build_federation_mesh`).
+    outer_group: ProcessGroup | None = None
 
     @property
     def coords(self) -> tuple[int, int, int]:
@@ -76,7 +78,7 @@ class FederationMesh:
 
     def communicator(self) -> ProcessGroupCommunicator:
         """Collectives for :class:`~lightning_fedshard.core.outer.OuterStep` on this mesh."""
-        return ProcessGroupCommunicator(self.topology, self.group(Axis.FED))
+        return ProcessGroupCommunicator(self.topology, self.outer_group or self.group(Axis.FED))
 
     @torch.no_grad()
     def broadcast_shards(self, shards: Iterable[Tensor]) -> None:
@@ -167,4 +169,23 @@ def build_federation_mesh(topology: FederationTopology, device_type: str) -> Fed
     if world != topology.world_size:
         raise ValueError(f"The topology {topology} does not match the process group's world size {world}.")
     mesh = init_device_mesh(device_type, topology.mesh_shape, mesh_dim_names=AXES)
-    return FederationMesh(topology=topology, device_mesh=mesh, rank=dist.get_rank())
+    rank = dist.get_rank()
+    return FederationMesh(topology=topology, device_mesh=mesh, rank=rank, outer_group=_outer_group(topology, rank))
+
+
+def _outer_group(topology: FederationTopology, rank: int) -> ProcessGroup:
+    """A process group of this rank's "fed" ring that nothing else uses (collective: every rank builds every ring).
+
+    The outer sum may run in a background thread (``sync_delay > 0``) while Lightning runs collectives on the default
+    group. When the ring spans the whole world (one-rank groups) the device mesh hands back the default group itself,
+    and the two would meet on one group and deadlock; a group of its own keeps them apart.
+    """
+    mine = None
+    for replica in range(topology.num_replicas):
+        for shard in range(topology.shard_size):
+            ranks = topology.fed_ranks(replica, shard)
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
+    assert mine is not None
+    return mine
