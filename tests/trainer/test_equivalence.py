@@ -106,6 +106,10 @@ SCENARIOS_4 = [
         error_feedback=True,
         max_steps=6,
     ),
+    # one-rank groups: the fed ring spans the world, where Lightning's own collectives run (it deadlocked once)
+    dict(
+        BASE, name="stream_one_rank_groups", strategy="fl_fsdp", num_groups=4, sync_every=2, sync_delay=1, max_steps=5
+    ),
     # a user callback and ModelCheckpoint (every sync step) in either order, stopping mid-round
     *(
         dict(
@@ -362,7 +366,13 @@ def test_every_sync_goes_through_the_runtime_entry_points(four, eight):
 
 
 @pytest.mark.parametrize(
-    ("name", "groups", "shard"), [("stream_f2_d1_a05", 2, 2), ("stream_f1_d1", 2, 2), ("stream_f2_a05_hsdp", 2, 1)]
+    ("name", "groups", "shard"),
+    [
+        ("stream_f2_d1_a05", 2, 2),
+        ("stream_f1_d1", 2, 2),
+        ("stream_f2_a05_hsdp", 2, 1),
+        ("stream_one_rank_groups", 4, 1),
+    ],
 )
 def test_streaming_syncs_match_the_reference(four, name, groups, shard):
     ranks = four[name]
