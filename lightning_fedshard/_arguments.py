@@ -1,16 +1,17 @@
-"""The constructor the Trainer and Fabric strategies share: the federation arguments, validated once.
+"""The constructors the Trainer and Fabric strategies share: the federation arguments, validated once.
 
-Lightning's two ``FSDPStrategy`` classes (``lightning.pytorch`` and ``lightning.fabric``) take different arguments;
-:class:`FederatedArguments` sits in front of either, takes the federation arguments, checks the FSDP arguments that
-the federation fixes, builds the :class:`~lightning_fedshard.runtime.FederatedRuntime` and hands everything else to
-the ``FSDPStrategy`` behind it. jsonargparse (LightningCLI) follows the ``**kwargs`` to that class' signature.
+Lightning keeps two strategy hierarchies (``lightning.pytorch`` and ``lightning.fabric``) and two ways to shard:
+``FSDPStrategy`` (FSDP1) and ``ModelParallelStrategy`` (FSDP2). :class:`FederatedArguments` takes the federation
+arguments and builds the :class:`~lightning_fedshard.runtime.FederatedRuntime`; :class:`FSDP1Arguments` and
+:class:`FSDP2Arguments` take the arguments of one sharding backend; whatever remains goes to the Lightning strategy
+behind them. jsonargparse (LightningCLI) follows the ``**kwargs`` down that chain.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
@@ -21,14 +22,23 @@ from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setu
 from torch.nn import Module
 
 from lightning_fedshard.core.config import FederationConfig, OuterOptimizerSpec, federation_args_doc
-from lightning_fedshard.core.fsdp import fsdp_device_id
+from lightning_fedshard.core.fsdp import FSDP1, fsdp_device_id
+from lightning_fedshard.core.fsdp2 import (
+    FSDP2,
+    apply_activation_checkpointing,
+    check_group_mesh,
+    is_fully_sharded,
+    mixed_precision_policy,
+    shard_model,
+)
+from lightning_fedshard.core.sharding import ShardingBackend
 from lightning_fedshard.runtime import FederatedRuntime
 
 #: How a strategy's ``state_dict_type`` may be set.
 STATE_DICT_TYPES = ("full", "sharded")
 
-#: The ``Args:`` entries of the FSDP arguments the federated strategies handle themselves (shared by both adapters).
-_FSDP_ARGS_DOC = """\
+#: The ``Args:`` entries of the FSDP1 arguments the federated strategies handle themselves (shared by both adapters).
+FSDP1_ARGS_DOC = """\
         auto_wrap_policy: As for Lightning's ``FSDPStrategy``; layer classes may also be given by import path, e.g.
             ``["transformers.models.llama.modeling_llama.LlamaDecoderLayer"]``.
         activation_checkpointing_policy: As for Lightning's ``FSDPStrategy``; layer classes may also be given by
@@ -39,24 +49,44 @@ _FSDP_ARGS_DOC = """\
         **kwargs: Passed on to Lightning's ``FSDPStrategy`` and torch FSDP, except ``device_mesh`` and
             ``process_group``, which the federation builds itself."""
 
+#: The ``Args:`` entries of the FSDP2 arguments (shared by both adapters).
+FSDP2_ARGS_DOC = """\
+        fsdp_modules: Module classes (or import paths, like ``auto_wrap_policy``) that each get a ``fully_shard``
+            unit of their own, e.g. the decoder layers; the model's top modules always get one. Ignored when
+            the model was sharded already (``configure_model`` applied ``fully_shard`` on ``self.device_mesh``).
+        activation_checkpointing_policy: Module classes (or import paths) to recompute in the backward pass.
+        mixed_precision: FSDP2's ``MixedPrecisionPolicy``, or a dict of its fields with dtype names, e.g.
+            ``{"param_dtype": "bfloat16", "reduce_dtype": "float32"}``; ``None``: full precision.
+        reshard_after_forward: FSDP2's option for the ``fsdp_modules`` units (``False`` keeps their gathered
+            parameters from forward to backward: faster, more memory).
+        state_dict_type: ``"full"`` or ``"sharded"`` checkpoints; both resume exactly (see docs/checkpoints.md).
+        **kwargs: Passed on to Lightning's ``ModelParallelStrategy`` (``process_group_backend``, ``timeout``);
+            its mesh sizes and ``save_distributed_checkpoint`` are set by the federation and refused here."""
+
 
 def _from_runtime(name: str, doc: str) -> Any:
     """A read-only property that reads ``self.runtime.<name>``."""
     return property(lambda self: getattr(self.runtime, name), doc=doc)
 
 
-def document_federation_args(cls: type) -> type:
-    """Complete a strategy's docstring with the one description of its arguments (class decorator)."""
-    cls.__doc__ = (
-        (cls.__doc__ or "").rstrip() + "\n\n    Args:\n" + federation_args_doc() + "\n" + _FSDP_ARGS_DOC + "\n"
-    )
-    return cls
+def document_federation_args(backend_args_doc: str) -> Callable[[type], type]:
+    """Class decorator: complete a strategy's docstring with the one description of its arguments."""
+
+    def document(cls: type) -> type:
+        cls.__doc__ = (
+            (cls.__doc__ or "").rstrip() + "\n\n    Args:\n" + federation_args_doc() + "\n" + backend_args_doc + "\n"
+        )
+        return cls
+
+    return document
 
 
 class FederatedArguments:
-    """Constructor of a federated strategy, placed before one of Lightning's ``FSDPStrategy`` classes.
+    """Constructor of a federated strategy, placed before the Lightning strategy that shards the model.
 
-    Subclasses set :attr:`hybrid` and :attr:`strategy_name`; everything federated then lives in :attr:`runtime`.
+    Subclasses set :attr:`hybrid`, :attr:`strategy_name` and :attr:`backend`; everything federated then lives in
+    :attr:`runtime`. The arguments of the sharding backend are taken by :class:`FSDP1Arguments` or
+    :class:`FSDP2Arguments`, the rest is passed on to the Lightning strategy.
     """
 
     #: HYBRID_SHARD inside a group (FL+HSDP) instead of FULL_SHARD (FL+FSDP).
@@ -65,14 +95,13 @@ class FederatedArguments:
     strategy_name: str = ""
     #: One line describing the strategy in Lightning's registries.
     description: str = ""
-    # Provided by Lightning's FSDPStrategy classes.
+    #: How the model is sharded inside a group.
+    backend: ClassVar[ShardingBackend] = FSDP1
+    # Provided by Lightning's strategy classes.
     num_nodes: int
     num_processes: int
     root_device: torch.device
-    sharding_strategy: Any
-    cpu_offload: Any
-    mixed_precision_config: Any
-    _activation_checkpointing_kwargs: dict[str, Any]  # private in Lightning; needed to wrap on CPU as it does
+    _state_dict_type: str
 
     def __init__(
         self,
@@ -88,32 +117,21 @@ class FederatedArguments:
         error_feedback: bool = False,
         sync_delay: int = 0,
         merge_alpha: float = 0.0,
-        auto_wrap_policy: Any | None = None,
-        activation_checkpointing_policy: Any | None = None,
-        sharding_strategy: Any | None = None,
         **kwargs: Any,
     ) -> None:
-        _check_fsdp_arguments(self.hybrid, shard_size, sharding_strategy, kwargs)
+        if not self.hybrid and shard_size is not None:
+            raise ValueError(
+                f"`shard_size={shard_size}` is only for FL+HSDP; FL+FSDP shards over the whole group."
+                f" Use `strategy='{self.strategy_name.replace('fsdp', 'hsdp')}'` to replicate inside a group."
+            )
         # Every FederationConfig field is an argument of this constructor, with the same default (a test checks it).
         arguments = locals()
         config = FederationConfig(**{f.name: arguments[f.name] for f in dataclasses.fields(FederationConfig)})
-        self.runtime = FederatedRuntime(config, self.hybrid, self.strategy_name)
-        # Lightning's FSDPStrategy refuses HYBRID_SHARD this early (no process group exists yet): the in-group
-        # sharding is set once the mesh is built.
-        super().__init__(  # type: ignore[call-arg]  # the FSDPStrategy next in the MRO takes these
-            auto_wrap_policy=resolve_module_classes(auto_wrap_policy, "auto_wrap_policy"),
-            activation_checkpointing_policy=resolve_module_classes(
-                activation_checkpointing_policy, "activation_checkpointing_policy"
-            ),
-            sharding_strategy="FULL_SHARD",
-            **kwargs,
-        )
+        self.runtime = FederatedRuntime(config, self.hybrid, self.strategy_name, self.backend)
+        super().__init__(**kwargs)
         state_dict_type = getattr(self, "_state_dict_type", None)  # private in Lightning, which does not validate it
         if state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(f"`state_dict_type={state_dict_type!r}` is not supported; choose 'full' or 'sharded'.")
-        from torch.distributed.fsdp import ShardingStrategy
-
-        self.sharding_strategy = ShardingStrategy["HYBRID_SHARD" if self.hybrid else "FULL_SHARD"]
 
     federation_config = _from_runtime("config", "The validated federation options.")
     topology = _from_runtime(
@@ -125,7 +143,7 @@ class FederatedArguments:
         "fragment_parameter_names", "The model's parameter names in each streaming fragment, once it is set up."
     )
 
-    # -- Lightning hooks of the FSDPStrategy behind this class (no @override: this class has no such base) ----------
+    # -- Lightning hooks of the strategy behind this class (no @override: this class has no such base) --------------
 
     def _configure_launcher(self) -> None:
         # Private hook, but the only one that runs in the launching process once nodes and devices are known: a
@@ -135,9 +153,52 @@ class FederatedArguments:
 
     def setup_environment(self) -> None:
         super().setup_environment()  # type: ignore[misc]
+        self.runtime.setup(self.num_nodes, self.num_processes, self.root_device)
+        self._use_federation_mesh()
+
+    def _use_federation_mesh(self) -> None:
+        """Point the sharding backend at this rank's group, once the federation mesh exists."""
+        raise NotImplementedError
+
+    def local_shards(self) -> list[torch.Tensor]:
+        """This rank's local parameter shards of the federated model."""
+        return self.runtime.local_shards()
+
+
+class FSDP1Arguments(FederatedArguments):
+    """The FSDP1 arguments in front of one of Lightning's ``FSDPStrategy`` classes (``FullyShardedDataParallel``)."""
+
+    # Provided by Lightning's FSDPStrategy classes.
+    sharding_strategy: Any
+    cpu_offload: Any
+    mixed_precision_config: Any
+    _activation_checkpointing_kwargs: dict[str, Any]  # private in Lightning; needed to wrap on CPU as it does
+
+    def __init__(
+        self,
+        auto_wrap_policy: Any | None = None,
+        activation_checkpointing_policy: Any | None = None,
+        sharding_strategy: Any | None = None,
+        **kwargs: Any,
+    ) -> None:
+        _check_fsdp_arguments(self.hybrid, sharding_strategy, kwargs)
+        # Lightning's FSDPStrategy refuses HYBRID_SHARD this early (no process group exists yet): the in-group
+        # sharding is set once the mesh is built.
+        super().__init__(
+            auto_wrap_policy=resolve_module_classes(auto_wrap_policy, "auto_wrap_policy"),
+            activation_checkpointing_policy=resolve_module_classes(
+                activation_checkpointing_policy, "activation_checkpointing_policy"
+            ),
+            sharding_strategy="FULL_SHARD",
+            **kwargs,
+        )
         from torch.distributed.fsdp import ShardingStrategy
 
-        self.runtime.setup(self.num_nodes, self.num_processes, self.root_device)
+        self.sharding_strategy = ShardingStrategy["HYBRID_SHARD" if self.hybrid else "FULL_SHARD"]
+
+    def _use_federation_mesh(self) -> None:
+        from torch.distributed.fsdp import ShardingStrategy
+
         self._fsdp_options["process_group"] = self.runtime.fsdp_process_group
         self.sharding_strategy = ShardingStrategy[self.runtime.fsdp_sharding]
 
@@ -145,10 +206,6 @@ class FederatedArguments:
     def _fsdp_options(self) -> dict[str, Any]:
         """The dict of FSDP arguments that the Lightning strategy behind this class passes to every FSDP unit."""
         raise NotImplementedError
-
-    def local_shards(self) -> list[torch.Tensor]:
-        """This rank's flat parameter shards of the federated model."""
-        return self.runtime.local_shards()
 
     def _federated_wrap(self, module: Module, lightning_wrap: Callable[[Module], Module]) -> Module:
         """Shard ``module`` inside this rank's group (on CPU with the ``device_id`` FSDP needs) and start all equal."""
@@ -184,12 +241,72 @@ class FederatedArguments:
         return enable_wrap(wrapper_cls=FullyShardedDataParallel, **self._fsdp_wrap_kwargs())
 
 
-def _check_fsdp_arguments(hybrid: bool, shard_size: int | None, sharding_strategy: Any, kwargs: dict[str, Any]) -> None:
-    """Refuse FSDP arguments that contradict the federation, naming the value.
+#: ModelParallelStrategy arguments that the federation decides.
+_MODEL_PARALLEL_FIXED = ("data_parallel_size", "tensor_parallel_size", "save_distributed_checkpoint")
+
+
+class FSDP2Arguments(FederatedArguments):
+    """The FSDP2 arguments in front of one of Lightning's ``ModelParallelStrategy`` classes (``fully_shard``).
+
+    The strategy's ``device_mesh`` is this rank's group: ``mesh["shard"]`` for FL+FSDP, ``mesh["replicate",
+    "shard"]`` for FL+HSDP, so a ``configure_model`` written for Lightning's ``ModelParallelStrategy`` shards with
+    ``fully_shard(layer, mesh=self.device_mesh)``.
+    """
+
+    backend = FSDP2
+    _device_mesh: Any  # Lightning's ModelParallelStrategy reads its mesh from this attribute
+
+    def __init__(
+        self,
+        fsdp_modules: Any | None = None,
+        activation_checkpointing_policy: Any | None = None,
+        mixed_precision: Any | None = None,
+        reshard_after_forward: bool = True,
+        state_dict_type: str = "full",
+        **kwargs: Any,
+    ) -> None:
+        for key in (*_MODEL_PARALLEL_FIXED, "device_mesh", "process_group", "sharding_strategy", "auto_wrap_policy"):
+            if key in kwargs:
+                hint = " (FSDP2 strategies take `fsdp_modules`)" if key == "auto_wrap_policy" else ""
+                raise ValueError(
+                    f"`{key}={kwargs[key]!r}` cannot be set on `{self.strategy_name}`: the federation builds the mesh"
+                    f" from `num_groups` and `shard_size`, and `state_dict_type` chooses the checkpoint{hint}."
+                )
+        self._fsdp_modules = resolve_module_classes(fsdp_modules, "fsdp_modules")
+        self._checkpointed_modules = resolve_module_classes(
+            activation_checkpointing_policy, "activation_checkpointing_policy"
+        )
+        self._mp_policy = mixed_precision_policy(mixed_precision)
+        self._reshard_after_forward = reshard_after_forward
+        self._state_dict_type = state_dict_type
+        super().__init__(**kwargs)
+
+    def _use_federation_mesh(self) -> None:
+        self._device_mesh = self.runtime.group_mesh
+        module = getattr(self, "lightning_module", None)  # the Trainer's; `configure_model` reads `self.device_mesh`
+        if module is not None:
+            module._device_mesh = self._device_mesh
+
+    def _shard(self, module: Module, roots: Sequence[Module]) -> None:
+        """Apply activation checkpointing and ``fully_shard`` unless ``configure_model`` sharded the model already.
+
+        Raises:
+            ValueError: If the model was sharded on another mesh than this rank's group, or left parameters unsharded.
+        """
+        if is_fully_sharded(module):
+            check_group_mesh(module, self.runtime.group_mesh)
+            return
+        if self._checkpointed_modules:
+            apply_activation_checkpointing(module, self._checkpointed_modules)
+        shard_model(roots, self.runtime.group_mesh, self._fsdp_modules, self._mp_policy, self._reshard_after_forward)
+
+
+def _check_fsdp_arguments(hybrid: bool, sharding_strategy: Any, kwargs: dict[str, Any]) -> None:
+    """Refuse FSDP1 arguments that contradict the federation, naming the value.
 
     Raises:
-        ValueError: For ``device_mesh`` or ``process_group`` (the federation builds its own), ``shard_size`` with
-            FL+FSDP, or a ``sharding_strategy`` other than the strategy's own.
+        ValueError: For ``device_mesh`` or ``process_group`` (the federation builds its own), or a
+            ``sharding_strategy`` other than the strategy's own.
     """
     for key in ("device_mesh", "process_group"):
         if kwargs.get(key) is not None:
@@ -199,11 +316,6 @@ def _check_fsdp_arguments(hybrid: bool, shard_size: int | None, sharding_strateg
             )
     kwargs.pop("device_mesh", None)
     kwargs.pop("process_group", None)
-    if not hybrid and shard_size is not None:
-        raise ValueError(
-            f"`shard_size={shard_size}` is only for FL+HSDP; FL+FSDP shards over the whole group."
-            " Use `strategy='fl_hsdp'` to replicate inside a group."
-        )
     own = "HYBRID_SHARD" if hybrid else "FULL_SHARD"
     name = getattr(sharding_strategy, "name", sharding_strategy)
     if sharding_strategy is not None and name != own:

@@ -20,16 +20,18 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fedshard.checkpoint import FederationCheckpointer
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.fsdp import free_unsharded_params, local_shards, unit_parameter_names
+from lightning_fedshard.core.fsdp import FSDP1
 from lightning_fedshard.core.lazy import required
 from lightning_fedshard.core.mesh import FederationMesh, build_federation_mesh
 from lightning_fedshard.core.outer import SyncStats
+from lightning_fedshard.core.sharding import ShardingBackend
 from lightning_fedshard.core.topology import FederationTopology
 
 log = logging.getLogger(__name__)
@@ -50,12 +52,14 @@ class FederatedRuntime:
         config: The validated federation options.
         hybrid: FL+HSDP (HYBRID_SHARD inside a group) instead of FL+FSDP (FULL_SHARD).
         name: The strategy's registered name, for messages.
+        backend: How the model is sharded: FSDP1 (default) or FSDP2 (see :mod:`lightning_fedshard.core.sharding`).
     """
 
-    def __init__(self, config: FederationConfig, hybrid: bool, name: str) -> None:
+    def __init__(self, config: FederationConfig, hybrid: bool, name: str, backend: ShardingBackend = FSDP1) -> None:
         self.config = config
         self.hybrid = hybrid
         self.name = name
+        self.backend = backend
         self.step = 0
         self.last_sync_stats: SyncStats | None = None
         self._topology: FederationTopology | None = None
@@ -127,6 +131,11 @@ class FederatedRuntime:
         return self.mesh.fsdp_process_group(self.hybrid)
 
     @property
+    def group_mesh(self) -> DeviceMesh:
+        """This rank's federation group as the device mesh FSDP2's ``fully_shard`` takes."""
+        return self.mesh.group_mesh(self.hybrid)
+
+    @property
     def fsdp_sharding(self) -> str:
         """The FSDP ``ShardingStrategy`` name that goes with :attr:`fsdp_process_group`."""
         return self.mesh.fsdp_sharding(self.hybrid)
@@ -152,7 +161,7 @@ class FederatedRuntime:
     @torch.no_grad()
     def _synchronize_initial_weights(self, module: Module) -> None:
         """All groups and replicas start from the same weights and buffers, whatever each process initialized."""
-        self.mesh.broadcast_shards(local_shards(module))
+        self.mesh.broadcast_shards(self.backend.local_shards(module))
         for buffer in module.buffers():
             dist.broadcast(buffer, src=0)
 
@@ -162,13 +171,13 @@ class FederatedRuntime:
         return required(self._module, "The model has not been set up by the federated strategy yet.")
 
     def local_shards(self) -> list[Tensor]:
-        """This rank's flat parameter shards of the wrapped model."""
-        return local_shards(self.module)
+        """This rank's local parameter shards of the wrapped model (written in place by the outer step)."""
+        return self.backend.local_shards(self.module)
 
     def free_unsharded_params(self) -> None:
         """Make the next forward gather the (just rewritten) shards instead of reusing gathered weights."""
         if self._module is not None:
-            free_unsharded_params(self._module)
+            self.backend.free_unsharded(self._module)
 
     def set_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """The inner optimizers of the model; a group that a sync skipped restarts them with an empty state."""
@@ -251,7 +260,7 @@ class FederatedRuntime:
     @property
     def fragment_parameter_names(self) -> list[list[str]]:
         """The model's parameter names in each streaming fragment, in order (known once the federation started)."""
-        names = unit_parameter_names(self.module)
+        names = self.backend.unit_parameter_names(self.module)
         return [[n for unit in fragment for n in names[unit]] for fragment in self.federation.outer.fragments]
 
     def _fragment_summary(self) -> str:
@@ -301,4 +310,5 @@ class FederatedRuntime:
             self.federation,
             self.module,
             self.free_unsharded_params,
+            self.backend,
         )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +13,7 @@ import torch.distributed.checkpoint as dcp
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import StateDictType as FSDPStateDictType
-from torch.distributed.fsdp.api import (
-    FullOptimStateDictConfig,
-    FullStateDictConfig,
-    ShardedOptimStateDictConfig,
-    ShardedStateDictConfig,
-)
+from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -45,7 +37,9 @@ from lightning_fedshard.checkpoint.format import (
     section,
 )
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.fsdp import local_shards
+from lightning_fedshard.core.fsdp import FSDP1, fsdp_state_dict_type
+from lightning_fedshard.core.fsdp2 import restore_dtensor_state
+from lightning_fedshard.core.sharding import ShardingBackend
 from lightning_fedshard.core.topology import FederationTopology
 
 ReadEntry = Callable[[str], Any]
@@ -84,6 +78,7 @@ class FederationCheckpointer:
         federation: This rank's federation (anchor, outer optimizer, schedule).
         module: The FSDP-wrapped root module.
         on_write: Called after the local shards were overwritten in place (drops FSDP's gathered copies).
+        backend: How ``module`` is sharded (FSDP1 or FSDP2).
     """
 
     def __init__(
@@ -94,9 +89,11 @@ class FederationCheckpointer:
         federation: Federation,
         module: Module,
         on_write: Callable[[], None],
+        backend: ShardingBackend = FSDP1,
     ) -> None:
         self.topology, self.hybrid, self.rank = topology, hybrid, rank
         self.federation, self.module, self.on_write = federation, module, on_write
+        self.backend = backend
         self.group, self.replica, self.shard = topology.coords(rank)
 
     # -- saving -------------------------------------------------------------------------------------------------
@@ -138,7 +135,7 @@ class FederationCheckpointer:
         entries: dict[str, Any] = {rng_entry(self.rank): RNGState().state_dict()}
         if not self.federation.started or self.replica != 0:
             return entries
-        weights = [s.detach().to("cpu", copy=True) for s in local_shards(self.module)]
+        weights = [s.detach().to("cpu", copy=True) for s in self.backend.local_shards(self.module)]
         optimizers = _to_cpu(list(optimizer_states))
         entries[group_entry(self.group, self.shard)] = {
             "weights": weights,
@@ -155,7 +152,9 @@ class FederationCheckpointer:
         return section(self._layout(), federation.started, federation.last_synced_step, num_syncs)
 
     def _layout(self) -> dict[str, Any]:
-        return layout(self.topology, self.hybrid, local_shards(self.module), self.federation.config.fragments)
+        return layout(
+            self.topology, self.hybrid, self.backend.local_shards(self.module), self.federation.config.fragments
+        )
 
     def _save_full(self, checkpoint: dict[str, Any], path: Path, entries: dict[str, Any]) -> None:
         # Every group's state must reach the one file: rank 0 receives every rank's entries (about G copies of a
@@ -239,22 +238,20 @@ class FederationCheckpointer:
         Collective. ``"full"``: the whole state dict on global rank 0, an empty one elsewhere. ``"sharded"``: FSDP's
         sharded state dict on every rank.
         """
-        with self.federation.consensus_weights(), fsdp_state_dict_type(self.module, state_dict_type):
-            return self.module.state_dict()
+        with self.federation.consensus_weights():
+            return self.backend.state_dict(self.module, state_dict_type)
 
     def _load_full(self, path: Path, strict: bool, weights_only: bool | None) -> tuple[dict[str, Any], ReadEntry]:
         checkpoint = read_full(path, weights_only)  # memory-mapped: other groups' entries are never read
         state_dict = pop_state_dict(checkpoint, path)
-        with fsdp_state_dict_type(self.module, "full", rank0_only=False):
-            self.module.load_state_dict(state_dict, strict=strict)
+        self.backend.load_state_dict(self.module, state_dict, "full", strict=strict)
         entries = (checkpoint.get(FEDSHARD_KEY) or {}).pop("entries", {})
         return in_memory(checkpoint), lambda name: in_memory(entries.get(name))
 
     def _load_sharded(self, path: Path, strict: bool, weights_only: bool | None) -> tuple[dict[str, Any], ReadEntry]:
-        with fsdp_state_dict_type(self.module, "sharded"):
-            module_state = {"model": self.module.state_dict()}
-            dcp.load(module_state, checkpoint_id=path)
-            self.module.load_state_dict(module_state["model"], strict=strict)
+        module_state = {"model": self.backend.state_dict(self.module, "sharded")}
+        dcp.load(module_state, checkpoint_id=path)
+        self.backend.load_state_dict(self.module, module_state["model"], "sharded", strict=strict)
         metadata = torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=weights_only)
 
         def read(name: str) -> Any:
@@ -276,7 +273,9 @@ class FederationCheckpointer:
             return
         check_version(path, fedshard)
         schedule = fedshard["schedule"]
-        self.federation.start(local_shards(self.module), step=int(schedule["last_synced_step"]), on_write=self.on_write)
+        self.federation.start(
+            self.backend.local_shards(self.module), step=int(schedule["last_synced_step"]), on_write=self.on_write
+        )
         if not fedshard["started"]:
             return  # saved before training started: the weights are all there is
         differences = layout_differences(fedshard["layout"], self._layout())
@@ -300,10 +299,11 @@ class FederationCheckpointer:
         self.federation.load_state_dict(outer)
         self.federation.load_group_state_dict(group.get("federation", {}))
         with torch.no_grad():
-            for shard, saved in zip(local_shards(self.module), group["weights"]):
+            for shard, saved in zip(self.backend.local_shards(self.module), group["weights"]):
                 shard.copy_(saved)
         for optimizer, state in zip(optimizers, group["optimizers"]):
             optimizer.load_state_dict(state)
+            restore_dtensor_state(optimizer)  # FSDP2: the saved local shards become DTensors again
         rng = read(rng_entry(self.rank))
         if rng is not None:
             RNGState().load_state_dict(rng)
@@ -323,35 +323,12 @@ def _topology_message(path: Path, differences: list[str]) -> str:
 
 
 def _to_cpu(obj: Any) -> Any:
-    return apply_to_collection(obj, Tensor, lambda t: t.detach().to("cpu"))
+    """Tensors moved to the CPU; ``DTensor`` (FSDP2 optimizer state) reduced to this rank's local shard."""
+    return apply_to_collection(obj, Tensor, lambda t: _local(t).detach().to("cpu"))
 
 
-def fsdp_state_dict_type(
-    module: Module, state_dict_type: StateDictType, rank0_only: bool = True
-) -> AbstractContextManager[Any]:
-    """FSDP's state-dict context with the settings Lightning's ``FSDPStrategy`` uses, safe for models on the CPU.
-
-    ``"sharded"``: the sharded state dict, offloaded to the CPU. ``"full"``: the full state dict, on global rank 0 only
-    unless ``rank0_only=False``, offloaded to the CPU on accelerators; on the CPU offloading would segfault (pytorch
-    issue 188989), so it is not asked for. A root module that FSDP does not wrap needs no context.
-    """
-    if not isinstance(module, FSDP):
-        return nullcontext()
-    if state_dict_type == "sharded":
-        return FSDP.state_dict_type(
-            module,
-            FSDPStateDictType.SHARDED_STATE_DICT,
-            ShardedStateDictConfig(offload_to_cpu=True),
-            ShardedOptimStateDictConfig(offload_to_cpu=True),
-        )
-    offload = _device_of(module).type != "cpu"
-    return FSDP.state_dict_type(
-        module,
-        FSDPStateDictType.FULL_STATE_DICT,
-        FullStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only),
-        FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only),
-    )
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _device_of(module: Module) -> torch.device:
-    return next(iter(local_shards(module))).device
+__all__ = ["CheckpointTopologyWarning", "FederationCheckpointer", "RNGState", "fsdp_state_dict_type"]

@@ -247,4 +247,15 @@ def _nothing() -> None:
 
 
 def _same_tensors(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+    """The same tensors, or views of the same memory (FSDP2 hands out a new ``to_local()`` view on every call)."""
+    return len(a) == len(b) and all(x is y or _same_view(x, y) for x, y in zip(a, b))
+
+
+def _same_view(x: Tensor, y: Tensor) -> bool:
+    return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device) == (
+        y.data_ptr(),
+        y.shape,
+        y.stride(),
+        y.dtype,
+        y.device,
+    )

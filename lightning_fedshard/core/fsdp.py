@@ -1,11 +1,23 @@
-"""Helpers that find the local shards of a model wrapped by FSDP (torch's ``FullyShardedDataParallel``)."""
+"""The FSDP1 backend: local shards and state dicts of a model wrapped by torch's ``FullyShardedDataParallel``."""
 
 from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.fsdp import StateDictType as FSDPStateDictType
+from torch.distributed.fsdp.api import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+)
 from torch.nn import Module
+
+from lightning_fedshard.core.sharding import StateDictType
 
 
 def local_shards(module: Module) -> list[Tensor]:
@@ -76,3 +88,64 @@ def _clean_name(name: str) -> str:
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
+
+
+def fsdp_state_dict_type(
+    module: Module, state_dict_type: StateDictType, rank0_only: bool = True
+) -> AbstractContextManager[Any]:
+    """FSDP's state-dict context with the settings Lightning's ``FSDPStrategy`` uses, safe for models on the CPU.
+
+    ``"sharded"``: the sharded state dict, offloaded to the CPU. ``"full"``: the full state dict, on global rank 0 only
+    unless ``rank0_only=False``, offloaded to the CPU on accelerators; on the CPU offloading would segfault (pytorch
+    issue 188989), so it is not asked for. A root module that FSDP does not wrap needs no context.
+    """
+    if not isinstance(module, FullyShardedDataParallel):
+        return nullcontext()
+    if state_dict_type == "sharded":
+        return FullyShardedDataParallel.state_dict_type(
+            module,
+            FSDPStateDictType.SHARDED_STATE_DICT,
+            ShardedStateDictConfig(offload_to_cpu=True),
+            ShardedOptimStateDictConfig(offload_to_cpu=True),
+        )
+    offload = local_shards(module)[0].device.type != "cpu"
+    return FullyShardedDataParallel.state_dict_type(
+        module,
+        FSDPStateDictType.FULL_STATE_DICT,
+        FullStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only),
+        FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only),
+    )
+
+
+class FSDP1Backend:
+    """:class:`~lightning_fedshard.core.sharding.ShardingBackend` of FSDP1: one flat shard per FSDP unit."""
+
+    name = "fsdp1"
+
+    def local_shards(self, module: Module) -> list[Tensor]:
+        """See :func:`local_shards`."""
+        return local_shards(module)
+
+    def free_unsharded(self, module: Module) -> None:
+        """See :func:`free_unsharded_params`."""
+        free_unsharded_params(module)
+
+    def unit_parameter_names(self, module: Module) -> list[list[str]]:
+        """See :func:`unit_parameter_names`."""
+        return unit_parameter_names(module)
+
+    def state_dict(self, module: Module, state_dict_type: StateDictType) -> dict[str, Any]:
+        """FSDP's full (rank 0 only) or sharded state dict."""
+        with fsdp_state_dict_type(module, state_dict_type):
+            return module.state_dict()
+
+    def load_state_dict(
+        self, module: Module, state_dict: dict[str, Any], state_dict_type: StateDictType, strict: bool = True
+    ) -> None:
+        """Load a full state dict given on every rank, or a sharded one of :meth:`state_dict`'s layout."""
+        with fsdp_state_dict_type(module, state_dict_type, rank0_only=False):
+            module.load_state_dict(state_dict, strict=strict)
+
+
+#: The FSDP1 backend (stateless).
+FSDP1 = FSDP1Backend()

@@ -76,6 +76,18 @@ class FederationMesh:
             return "NO_SHARD"
         return "HYBRID_SHARD" if hybrid else "FULL_SHARD"
 
+    def group_mesh(self, hybrid: bool) -> DeviceMesh:
+        """This rank's federation group as a device mesh for FSDP2's ``fully_shard``.
+
+        FL+FSDP: the 1-D ``"shard"`` slice; FL+HSDP: the 2-D ``("replicate", "shard")`` slice, which FSDP2 turns into
+        ``(Replicate(), Shard(0))`` parameters (also with ``shard_size == 1``).
+        """
+        if hybrid:
+            return self.device_mesh["replicate", "shard"]
+        if self.topology.num_replicas != 1:
+            raise ValueError(f"FL+FSDP needs one replica per group, got topology {self.topology}.")
+        return self.device_mesh["shard"]
+
     def communicator(self) -> ProcessGroupCommunicator:
         """Collectives for :class:`~lightning_fedshard.core.outer.OuterStep` on this mesh."""
         return ProcessGroupCommunicator(self.topology, self.outer_group or self.group(Axis.FED))

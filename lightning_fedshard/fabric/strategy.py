@@ -1,4 +1,4 @@
-"""FL+FSDP and FL+HSDP strategies for Lightning Fabric."""
+"""FL+FSDP and FL+HSDP strategies for Lightning Fabric, on FSDP1 (``fl_fsdp``) and FSDP2 (``fl_fsdp2``)."""
 
 from __future__ import annotations
 
@@ -9,22 +9,29 @@ from typing import Any
 import torch.distributed as dist
 
 # Private names: Lightning types its own strategy hooks with them and exports no public alias.
-from lightning.fabric.strategies import FSDPStrategy, _StrategyRegistry
+from lightning.fabric.strategies import FSDPStrategy, ModelParallelStrategy, _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH, Optimizable
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fedshard._arguments import FederatedArguments, document_federation_args
+from lightning_fedshard._arguments import (
+    FSDP1_ARGS_DOC,
+    FSDP2_ARGS_DOC,
+    FederatedArguments,
+    FSDP1Arguments,
+    FSDP2Arguments,
+    document_federation_args,
+)
 from lightning_fedshard.core.outer import SyncStats
 
 #: Key of the Fabric strategy's own counters in a checkpoint.
 _FABRIC_KEY = "fedshard_fabric"
 
 
-class _FederatedFabricStrategy(FederatedArguments, FSDPStrategy):
-    """What the Fabric :class:`FLFSDPStrategy` and :class:`FLHSDPStrategy` share: Fabric's hooks routed to the runtime.
+class _FabricHooks(FederatedArguments):
+    """Fabric's hooks routed to the runtime, whatever shards the model (no @override: no such base here).
 
     The outer step runs inside every ``sync_every``-th ``optimizer.step()``. After the training loop, call
     :meth:`finish` once so that every group holds the consensus (it syncs if the loop stopped between two syncs).
@@ -32,17 +39,10 @@ class _FederatedFabricStrategy(FederatedArguments, FSDPStrategy):
     Only one optimizer is supported: every ``optimizer.step()`` counts as one step.
     """
 
-    @property
-    def _fsdp_options(self) -> dict[str, Any]:
-        return self._fsdp_kwargs  # private: Fabric's FSDPStrategy keeps the FSDP arguments only here
+    # Provided by Lightning's strategy classes.
+    _state_dict_type: str
+    broadcast: Any
 
-    @override
-    def setup_module(self, module: Module) -> Module:
-        module = self._federated_wrap(module, super().setup_module)
-        self.runtime.start(self.runtime.step)
-        return module
-
-    @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         # Every optimizer.step() counts as one step of the sync schedule, so a second optimizer would double it.
         if self.runtime.optimizers and self.runtime.optimizers[0] is not optimizer:
@@ -52,11 +52,6 @@ class _FederatedFabricStrategy(FederatedArguments, FSDPStrategy):
         self.runtime.set_optimizers([optimizer])
         return super().setup_optimizer(optimizer)
 
-    @override
-    def module_sharded_context(self) -> AbstractContextManager:
-        return self._enable_wrap()
-
-    @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, **kwargs)
         self.runtime.after_optimizer_step()
@@ -86,7 +81,6 @@ class _FederatedFabricStrategy(FederatedArguments, FSDPStrategy):
 
     # -- checkpoints: the consensus as the model, every group's own state beside it (lightning_fedshard/checkpoint/) ---
 
-    @override
     def save_checkpoint(
         self,
         path: _PATH,
@@ -109,7 +103,6 @@ class _FederatedFabricStrategy(FederatedArguments, FSDPStrategy):
         optimizer_states = [state[k].state_dict() for k in optimizer_keys]
         self.runtime.checkpointer.save(checkpoint, self.broadcast(path), self._state_dict_type, optimizer_states)
 
-    @override
     def load_checkpoint(
         self,
         path: _PATH,
@@ -149,13 +142,65 @@ class _FederatedFabricStrategy(FederatedArguments, FSDPStrategy):
         return modules[0], [k for k, v in state.items() if isinstance(v, Optimizer)]
 
     @classmethod
-    @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register the strategy under its name with Fabric's registry."""
         if dist.is_available() and cls.strategy_name not in strategy_registry:
             strategy_registry.register(cls.strategy_name, cls, description=cls.description)
 
 
-@document_federation_args
+class _FederatedFabricStrategy(_FabricHooks, FSDP1Arguments, FSDPStrategy):
+    """What the Fabric :class:`FLFSDPStrategy` and :class:`FLHSDPStrategy` share: Fabric's FSDP1 strategy, federated."""
+
+    @property
+    def _fsdp_options(self) -> dict[str, Any]:
+        return self._fsdp_kwargs  # private: Fabric's FSDPStrategy keeps the FSDP arguments only here
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        module = self._federated_wrap(module, super().setup_module)
+        self.runtime.start(self.runtime.step)
+        return module
+
+    @override
+    def module_sharded_context(self) -> AbstractContextManager:
+        return self._enable_wrap()
+
+
+class _FederatedFabricFSDP2Strategy(_FabricHooks, FSDP2Arguments, ModelParallelStrategy):
+    """What the Fabric :class:`FLFSDP2Strategy` and :class:`FLHSDP2Strategy` share: Fabric's FSDP2 strategy, federated.
+
+    ``parallelize_fn(module, device_mesh)``, if given, runs first with this rank's group as the mesh (as for Fabric's
+    ``ModelParallelStrategy``); whatever it leaves unsharded is sharded by the ``fsdp_modules`` policy, with the
+    module itself as the root unit.
+    """
+
+    def __init__(
+        self,
+        parallelize_fn: Callable[[Module, Any], Module] | None = None,
+        state_dict_type: str = "sharded",
+        **kwargs: Any,
+    ) -> None:
+        self._user_parallelize = parallelize_fn
+        super().__init__(parallelize_fn=self._parallelize, state_dict_type=state_dict_type, **kwargs)
+
+    def _parallelize(self, module: Module, device_mesh: Any) -> Module:
+        if self._user_parallelize is not None:
+            module = self._user_parallelize(module, device_mesh)
+        self._shard(module, [module])
+        return module
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        module = self.runtime.wrap(module, self._shard_and_materialize)
+        self.runtime.start(self.runtime.step)
+        return module
+
+    def _shard_and_materialize(self, module: Module) -> Module:
+        module = super().setup_module(module)  # ModelParallelStrategy: parallelize, then materialize meta tensors
+        return module.to(self.root_device)
+
+
+@document_federation_args(FSDP1_ARGS_DOC)
 class FLFSDPStrategy(_FederatedFabricStrategy):
     """FL+FSDP for Fabric: FSDP (FULL_SHARD) inside federation groups, an outer step every ``sync_every`` steps.
 
@@ -169,7 +214,7 @@ class FLFSDPStrategy(_FederatedFabricStrategy):
     hybrid = False
 
 
-@document_federation_args
+@document_federation_args(FSDP1_ARGS_DOC)
 class FLHSDPStrategy(_FederatedFabricStrategy):
     """FL+HSDP for Fabric: HSDP (HYBRID_SHARD) inside federation groups, an outer step every ``sync_every`` steps.
 
@@ -181,4 +226,30 @@ class FLHSDPStrategy(_FederatedFabricStrategy):
 
     strategy_name = "fl_hsdp"
     description = "FL+HSDP: HSDP inside federation groups, outer steps between"
+    hybrid = True
+
+
+@document_federation_args(FSDP2_ARGS_DOC)
+class FLFSDP2Strategy(_FederatedFabricFSDP2Strategy):
+    """FL+FSDP for Fabric on FSDP2 (``fully_shard``): the Fabric twin of :class:`lightning_fedshard.FLFSDP2Strategy`.
+
+    Used like the Fabric :class:`FLFSDPStrategy` (the outer step inside ``optimizer.step()``, :meth:`finish` after the
+    loop); ``parallelize_fn`` and ``process_group_backend``/``timeout`` of Fabric's ``ModelParallelStrategy`` are
+    accepted too (``state_dict_type`` defaults to ``"sharded"``).
+    """
+
+    strategy_name = "fl_fsdp2"
+    description = "FL+FSDP on FSDP2 (fully_shard): FSDP inside federation groups, outer steps between"
+    hybrid = False
+
+
+@document_federation_args(FSDP2_ARGS_DOC)
+class FLHSDP2Strategy(_FederatedFabricFSDP2Strategy):
+    """FL+HSDP for Fabric on FSDP2 (``fully_shard`` on each group's ``("replicate", "shard")`` mesh).
+
+    The Fabric twin of :class:`lightning_fedshard.FLHSDP2Strategy`, used like :class:`FLFSDP2Strategy`.
+    """
+
+    strategy_name = "fl_hsdp2"
+    description = "FL+HSDP on FSDP2 (fully_shard): HSDP inside federation groups, outer steps between"
     hybrid = True

@@ -1,4 +1,4 @@
-"""FL+FSDP and FL+HSDP strategies for the Lightning ``Trainer``."""
+"""FL+FSDP and FL+HSDP strategies for the Lightning ``Trainer``, on FSDP1 (``fl_fsdp``) and FSDP2 (``fl_fsdp2``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -23,15 +23,81 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fedshard._arguments import FederatedArguments, document_federation_args
+from lightning_fedshard._arguments import (
+    FSDP1_ARGS_DOC,
+    FSDP2_ARGS_DOC,
+    FederatedArguments,
+    FSDP1Arguments,
+    FSDP2Arguments,
+    document_federation_args,
+)
 from lightning_fedshard.checkpoint import is_peer_failure, peer_failure_message, unsafe_to_save
+from lightning_fedshard.core.fsdp2 import parameter_roots
 from lightning_fedshard.trainer.callback import OuterSync
 
 log = logging.getLogger(__name__)
 
 
-class _FederatedFSDPStrategy(FederatedArguments, FSDPStrategy):
-    """What :class:`FLFSDPStrategy` and :class:`FLHSDPStrategy` share: Lightning's hooks routed to the runtime."""
+class _TrainerHooks(FederatedArguments):
+    """The Trainer's hooks routed to the runtime, whatever shards the model (no @override: no such base here)."""
+
+    # Provided by Lightning's strategy classes.
+    lightning_module: Any
+    optimizers: list[Optimizer]
+    global_rank: int
+    broadcast: Any
+
+    # -- checkpoints: the consensus as the model, every group's own state beside it (lightning_fedshard/checkpoint/) ---
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state dict holding the consensus (the anchor of the last sync), in Lightning's key layout."""
+        if unsafe_to_save(sys.exc_info()[1]) is not None:
+            return {}  # `save_checkpoint` will skip this save; gathering now could only fail or store broken weights
+        return self.runtime.checkpointer.consensus_state_dict(self._state_dict_type)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        """This rank's own inner optimizer state; :meth:`save_checkpoint` files it under the rank's group."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        return optimizer.state_dict()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
+        # `sys.exc_info()` is set while Lightning runs `on_exception` hooks such as `OnExceptionCheckpoint`.
+        reason = unsafe_to_save(sys.exc_info()[1])
+        if reason is not None:
+            rank_zero_warn(f"Not saving checkpoint {str(filepath)!r}: {reason}")
+            return
+        optimizer_states = checkpoint.pop("optimizer_states", [])
+        self.runtime.checkpointer.save(checkpoint, self.broadcast(filepath), self._state_dict_type, optimizer_states)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        return self.runtime.checkpointer.load(
+            self.broadcast(checkpoint_path),
+            optimizers=self.optimizers if fitting else None,
+            strict=self.lightning_module.strict_loading,
+            weights_only=weights_only,
+        )
+
+    def barrier(self, name: str | None = None) -> None:
+        if is_peer_failure(sys.exc_info()[1]):
+            return  # handling a failed collective (e.g. the barrier after `OnExceptionCheckpoint`): it would fail too
+        super().barrier(name)
+
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        if is_peer_failure(exception):
+            message = peer_failure_message(exception, self.global_rank)
+            log.error(message)
+            if hasattr(exception, "add_note"):  # Python >= 3.11: shown under the traceback
+                exception.add_note(message)
+
+
+class _FederatedFSDPStrategy(_TrainerHooks, FSDP1Arguments, FSDPStrategy):
+    """What :class:`FLFSDPStrategy` and :class:`FLHSDPStrategy` share: Lightning's FSDP1 strategy, federated."""
 
     @property
     def _fsdp_options(self) -> dict[str, Any]:
@@ -53,74 +119,82 @@ class _FederatedFSDPStrategy(FederatedArguments, FSDPStrategy):
         place_outer_sync_first(trainer)
         super().setup(trainer)
 
-    # -- checkpoints: the consensus as the model, every group's own state beside it (lightning_fedshard/checkpoint/) ---
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The model's state dict holding the consensus (the anchor of the last sync), in Lightning's key layout."""
-        if unsafe_to_save(sys.exc_info()[1]) is not None:
-            return {}  # `save_checkpoint` will skip this save; gathering now could only fail or store broken weights
-        return self.runtime.checkpointer.consensus_state_dict(self._state_dict_type)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        """This rank's own inner optimizer state; :meth:`save_checkpoint` files it under the rank's group."""
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer.optimizer
-        return optimizer.state_dict()
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
-        # `sys.exc_info()` is set while Lightning runs `on_exception` hooks such as `OnExceptionCheckpoint`.
-        reason = unsafe_to_save(sys.exc_info()[1])
-        if reason is not None:
-            rank_zero_warn(f"Not saving checkpoint {str(filepath)!r}: {reason}")
-            return
-        optimizer_states = checkpoint.pop("optimizer_states", [])
-        self.runtime.checkpointer.save(checkpoint, self.broadcast(filepath), self._state_dict_type, optimizer_states)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        return self.runtime.checkpointer.load(
-            self.broadcast(checkpoint_path),
-            optimizers=self.optimizers if fitting else None,
-            strict=self.lightning_module.strict_loading,
-            weights_only=weights_only,
-        )
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if is_peer_failure(sys.exc_info()[1]):
-            return  # handling a failed collective (e.g. the barrier after `OnExceptionCheckpoint`): it would fail too
-        super().barrier(name)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
-        if is_peer_failure(exception):
-            message = peer_failure_message(exception, self.global_rank)
-            log.error(message)
-            if hasattr(exception, "add_note"):  # Python >= 3.11: shown under the traceback
-                exception.add_note(message)
-
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         if not dist.is_available():
             return
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description=cls.description)
+        _register(cls, strategy_registry)
         # Lightning refuses FSDP on CPU for the names in FSDPStrategy's own `_registered_strategies` (a private list
         # with no public accessor); each concrete class keeps a list of its own so that CPU runs are allowed.
         if cls.strategy_name not in cls._registered_strategies:
             cls._registered_strategies.append(cls.strategy_name)
 
 
-@document_federation_args
+class _FederatedFSDP2Strategy(_TrainerHooks, FSDP2Arguments, ModelParallelStrategy):
+    """What :class:`FLFSDP2Strategy` and :class:`FLHSDP2Strategy` share: Lightning's FSDP2 strategy, federated.
+
+    Unlike Lightning's ``ModelParallelStrategy`` it needs no ``configure_model``: a model that is not sharded yet is
+    sharded here, one ``fully_shard`` unit per ``fsdp_modules`` module and per child of the LightningModule that
+    holds parameters (the LightningModule's own forward is never called by the Trainer).
+    """
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        # Replaces ModelParallelStrategy.setup, which insists on an overridden `configure_model`; the steps are its own.
+        from lightning.fabric.utilities.optimizer import _optimizers_to_device  # private: Lightning's own helper
+
+        place_outer_sync_first(trainer)
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        _refuse_fsdp1(self.model)
+        self.model = self.runtime.wrap(self.model, self._shard_and_materialize)
+        self.barrier()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard_and_materialize(self, model: Module) -> Module:
+        # Private: Lightning's meta-device materialization (`to_empty` + `reset_parameters`), as ModelParallel uses it.
+        from lightning.fabric.utilities.init import _materialize_distributed_module
+
+        self._shard(model, parameter_roots(model))
+        _materialize_distributed_module(model, self.root_device)
+        model = self.precision_plugin.convert_module(model)
+        return model.to(self.root_device)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank reads its own data: replicas and groups are data parallel, shards of one replica too (FSDP).
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if dist.is_available():
+            _register(cls, strategy_registry)
+
+
+def _register(cls: type[FederatedArguments], strategy_registry: _StrategyRegistry) -> None:
+    if cls.strategy_name not in strategy_registry:
+        strategy_registry.register(cls.strategy_name, cls, description=cls.description)
+
+
+def _refuse_fsdp1(model: Module) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise TypeError(
+            "The model holds FSDP1 `FullyShardedDataParallel` modules; the FSDP2 strategies ('fl_fsdp2', 'fl_hsdp2')"
+            " shard with `fully_shard`. Use 'fl_fsdp' / 'fl_hsdp' for FSDP1 models."
+        )
+
+
+@document_federation_args(FSDP1_ARGS_DOC)
 class FLFSDPStrategy(_FederatedFSDPStrategy):
     """FL+FSDP: FSDP (FULL_SHARD) inside federation groups, periodic outer steps between them.
 
@@ -138,7 +212,7 @@ class FLFSDPStrategy(_FederatedFSDPStrategy):
     _registered_strategies: list[str] = []
 
 
-@document_federation_args
+@document_federation_args(FSDP1_ARGS_DOC)
 class FLHSDPStrategy(_FederatedFSDPStrategy):
     """FL+HSDP: HSDP (HYBRID_SHARD) inside federation groups, periodic outer steps between them.
 
@@ -153,6 +227,34 @@ class FLHSDPStrategy(_FederatedFSDPStrategy):
     description = "FL+HSDP: HSDP inside federation groups, outer steps between"
     hybrid = True
     _registered_strategies: list[str] = []
+
+
+@document_federation_args(FSDP2_ARGS_DOC)
+class FLFSDP2Strategy(_FederatedFSDP2Strategy):
+    """FL+FSDP on FSDP2: ``fully_shard`` inside federation groups, periodic outer steps between them.
+
+    The algorithm, the federation arguments and the checkpoints of :class:`FLFSDPStrategy`, built on Lightning's
+    ``ModelParallelStrategy`` and torch's ``fully_shard`` instead of ``FullyShardedDataParallel``. Parameters are
+    ``DTensor`` shards on the group's ``"shard"`` axis; the outer step runs on their local shards. A
+    ``configure_model`` may shard the model itself with ``fully_shard(module, mesh=self.device_mesh)``.
+    """
+
+    strategy_name = "fl_fsdp2"
+    description = "FL+FSDP on FSDP2 (fully_shard): FSDP inside federation groups, outer steps between"
+    hybrid = False
+
+
+@document_federation_args(FSDP2_ARGS_DOC)
+class FLHSDP2Strategy(_FederatedFSDP2Strategy):
+    """FL+HSDP on FSDP2: HSDP (``fully_shard`` on a 2-D mesh) inside federation groups, outer steps between them.
+
+    Like :class:`FLHSDPStrategy`, on FSDP2: parameters are ``(Replicate(), Shard(0))`` ``DTensor`` shards on the
+    group's ``("replicate", "shard")`` mesh, which is also the strategy's ``device_mesh``.
+    """
+
+    strategy_name = "fl_hsdp2"
+    description = "FL+HSDP on FSDP2 (fully_shard): HSDP inside federation groups, outer steps between"
+    hybrid = True
 
 
 def place_outer_sync_first(trainer: Trainer) -> None:
@@ -171,4 +273,4 @@ def place_outer_sync_first(trainer: Trainer) -> None:
     callbacks.insert(0, given[0] if given else OuterSync())
 
 
-__all__ = ["FLFSDPStrategy", "FLHSDPStrategy", "place_outer_sync_first"]
+__all__ = ["FLFSDP2Strategy", "FLFSDPStrategy", "FLHSDP2Strategy", "FLHSDPStrategy", "place_outer_sync_first"]

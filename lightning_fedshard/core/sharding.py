@@ -1,0 +1,52 @@
+"""What the federation needs from a sharding backend: torch FSDP1 (:mod:`.fsdp`) or FSDP2 (:mod:`.fsdp2`).
+
+The outer step, the schedule and the checkpoint files only ever see a list of local shards (tensors written in place)
+and a state dict; a :class:`ShardingBackend` supplies both for one kind of sharded model. Everything above it (the
+runtime, the checkpointer, the Lightning adapters) is written once for both backends.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol
+
+from torch import Tensor
+from torch.nn import Module
+
+#: How a model state dict is laid out: the whole model on one rank, or each rank's part for DCP.
+StateDictType = Literal["full", "sharded"]
+
+
+class ShardingBackend(Protocol):
+    """Reads and writes the local shards and the state dict of a model sharded by one FSDP implementation."""
+
+    #: Short name for messages and checkpoint layouts, e.g. ``"fsdp1"``.
+    name: str
+
+    def local_shards(self, module: Module) -> list[Tensor]:
+        """This rank's local parameter shards, in a fixed order; writing them in place updates the model.
+
+        Every rank at the same in-group position gets tensors of the same sizes, in the same order, in every group.
+        """
+        ...
+
+    def free_unsharded(self, module: Module) -> None:
+        """Drop gathered (unsharded) parameters, so that the next forward gathers the shards written in place."""
+        ...
+
+    def unit_parameter_names(self, module: Module) -> list[list[str]]:
+        """The model's parameter names behind each entry of :meth:`local_shards`, in the same order."""
+        ...
+
+    def state_dict(self, module: Module, state_dict_type: StateDictType) -> dict[str, Any]:
+        """The model's state dict under its plain parameter names (collective).
+
+        ``"full"``: the whole state dict on global rank 0 and an empty one elsewhere. ``"sharded"``: each rank's part,
+        ready for ``torch.distributed.checkpoint``.
+        """
+        ...
+
+    def load_state_dict(
+        self, module: Module, state_dict: dict[str, Any], state_dict_type: StateDictType, strict: bool = True
+    ) -> None:
+        """Load a state dict of :meth:`state_dict`'s kind; a ``"full"`` one must be given on every rank (collective)."""
+        ...
