@@ -31,7 +31,7 @@ from lightning_fedshard.core.fsdp2 import (
     mixed_precision_policy,
     shard_model,
 )
-from lightning_fedshard.core.sharding import ShardingBackend
+from lightning_fedshard.core.sharding import ShardingBackend, StateDictType
 from lightning_fedshard.runtime import FederatedRuntime
 
 #: How a strategy's ``state_dict_type`` may be set.
@@ -54,6 +54,8 @@ FSDP2_ARGS_DOC = """\
         fsdp_modules: Module classes (or import paths, like ``auto_wrap_policy``) that each get a ``fully_shard``
             unit of their own, e.g. the decoder layers; the model's top modules always get one. Ignored when
             the model was sharded already (``configure_model`` applied ``fully_shard`` on ``self.device_mesh``).
+        auto_wrap_policy: The same as ``fsdp_modules``, so that a config written for the FSDP1 strategies switches
+            backend by its class name alone.
         activation_checkpointing_policy: Module classes (or import paths) to recompute in the backward pass.
         mixed_precision: FSDP2's ``MixedPrecisionPolicy``, or a dict of its fields with dtype names, e.g.
             ``{"param_dtype": "bfloat16", "reduce_dtype": "float32"}``; ``None``: full precision.
@@ -101,7 +103,7 @@ class FederatedArguments:
     num_nodes: int
     num_processes: int
     root_device: torch.device
-    _state_dict_type: str
+    _state_dict_type: StateDictType
 
     def __init__(
         self,
@@ -163,6 +165,10 @@ class FederatedArguments:
     def local_shards(self) -> list[torch.Tensor]:
         """This rank's local parameter shards of the federated model."""
         return self.runtime.local_shards()
+
+
+# jsonargparse (LightningCLI's --help) reads each argument's description from the class that takes it.
+FederatedArguments.__doc__ = f"{(FederatedArguments.__doc__ or '').rstrip()}\n\n    Args:\n{federation_args_doc()}\n"
 
 
 class FSDP1Arguments(FederatedArguments):
@@ -241,8 +247,12 @@ class FSDP1Arguments(FederatedArguments):
         return enable_wrap(wrapper_cls=FullyShardedDataParallel, **self._fsdp_wrap_kwargs())
 
 
-#: ModelParallelStrategy arguments that the federation decides.
-_MODEL_PARALLEL_FIXED = ("data_parallel_size", "tensor_parallel_size", "save_distributed_checkpoint")
+#: ModelParallelStrategy arguments that the federation decides, with their defaults (which LightningCLI passes on).
+_MODEL_PARALLEL_FIXED = {
+    "data_parallel_size": "auto",
+    "tensor_parallel_size": "auto",
+    "save_distributed_checkpoint": True,
+}
 
 
 class FSDP2Arguments(FederatedArguments):
@@ -259,27 +269,40 @@ class FSDP2Arguments(FederatedArguments):
     def __init__(
         self,
         fsdp_modules: Any | None = None,
+        auto_wrap_policy: Any | None = None,
         activation_checkpointing_policy: Any | None = None,
         mixed_precision: Any | None = None,
         reshard_after_forward: bool = True,
         state_dict_type: str = "full",
         **kwargs: Any,
     ) -> None:
-        for key in (*_MODEL_PARALLEL_FIXED, "device_mesh", "process_group", "sharding_strategy", "auto_wrap_policy"):
-            if key in kwargs:
-                hint = " (FSDP2 strategies take `fsdp_modules`)" if key == "auto_wrap_policy" else ""
+        for key, default in (*_MODEL_PARALLEL_FIXED.items(), ("device_mesh", None), ("process_group", None)):
+            if kwargs.get(key, default) == default:
+                kwargs.pop(key, None)
+            else:
                 raise ValueError(
                     f"`{key}={kwargs[key]!r}` cannot be set on `{self.strategy_name}`: the federation builds the mesh"
-                    f" from `num_groups` and `shard_size`, and `state_dict_type` chooses the checkpoint{hint}."
+                    " from `num_groups` and `shard_size`, and `state_dict_type` chooses the checkpoint."
                 )
-        self._fsdp_modules = resolve_module_classes(fsdp_modules, "fsdp_modules")
+        if fsdp_modules is not None and auto_wrap_policy is not None:
+            raise ValueError(
+                f"`fsdp_modules={fsdp_modules!r}` and `auto_wrap_policy={auto_wrap_policy!r}` name the same thing; give"
+                " one of them."
+            )
+        policy = fsdp_modules if fsdp_modules is not None else auto_wrap_policy
+        self._fsdp_modules = resolve_module_classes(policy, "fsdp_modules")
         self._checkpointed_modules = resolve_module_classes(
             activation_checkpointing_policy, "activation_checkpointing_policy"
         )
         self._mp_policy = mixed_precision_policy(mixed_precision)
         self._reshard_after_forward = reshard_after_forward
-        self._state_dict_type = state_dict_type
+        self._state_dict_type = state_dict_type  # type: ignore[assignment]  # validated by FederatedArguments
         super().__init__(**kwargs)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every rank reads its own data: groups, replicas and the shards of one replica are all data parallel."""
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}  # type: ignore[attr-defined]
 
     def _use_federation_mesh(self) -> None:
         self._device_mesh = self.runtime.group_mesh

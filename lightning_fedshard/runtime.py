@@ -210,10 +210,15 @@ class FederatedRuntime:
         """
         self.step = step
         federation = self.federation
-        federation.start(self.local_shards(), step, on_write=self.free_unsharded_params)
+        federation.start(
+            self.local_shards(),
+            step,
+            on_write=self.free_unsharded_params,
+            unit_sizes=self.backend.unit_sizes(self.module),
+        )
         self._round_clock = time.perf_counter()
         if federation.config.fragments > 1:
-            rank_zero_info(f"{self.name}: streaming fragments (FSDP units in module order): {self._fragment_summary()}")
+            rank_zero_info(f"{self.name}: streaming fragments (in module order): {self._fragment_summary()}")
         return None if self.syncs_are_identity else self._synced(federation.maybe_sync(step))
 
     def after_optimizer_step(self, step: int | None = None) -> SyncStats | None:

@@ -36,16 +36,39 @@ class _FakeMesh:
         pass
 
 
+class _UnshardedBackend:
+    """A sharding backend for a plain module: its one weight is the local shard."""
+
+    name = "unsharded"
+
+    def local_shards(self, module: nn.Module) -> list[torch.Tensor]:
+        return [module.weight.data.view(-1)]
+
+    def unit_sizes(self, module: nn.Module) -> list[int]:
+        return [module.weight.numel()]
+
+    def free_unsharded(self, module: nn.Module) -> None:
+        pass
+
+    def unit_parameter_names(self, module: nn.Module) -> list[list[str]]:
+        return [["weight"]]
+
+    def state_dict(self, module: nn.Module, state_dict_type: str) -> dict[str, Any]:
+        return module.state_dict()
+
+    def load_state_dict(self, module: nn.Module, state_dict: dict[str, Any], state_dict_type: str, strict: bool = True):
+        module.load_state_dict(state_dict, strict=strict)
+
+
 @pytest.fixture(autouse=True)
 def _stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runtime_module, "build_federation_mesh", lambda topology, device: _THREAD.mesh)
-    monkeypatch.setattr(runtime_module, "local_shards", lambda module: [module.weight.data.view(-1)])
-    monkeypatch.setattr(runtime_module, "free_unsharded_params", lambda module: None)
 
 
 def _runtime(group: int, communicator: Any, num_groups: int = 2, **options: Any) -> tuple[FederatedRuntime, nn.Linear]:
     _THREAD.mesh = _FakeMesh(communicator, group)
-    runtime = FederatedRuntime(FederationConfig(num_groups=num_groups, **options), hybrid=False, name="fl_fsdp")
+    config = FederationConfig(num_groups=num_groups, **options)
+    runtime = FederatedRuntime(config, hybrid=False, name="fl_fsdp", backend=_UnshardedBackend())
     runtime.setup(num_nodes=num_groups, devices_per_node=1, device=torch.device("cpu"))
     module = runtime.wrap(nn.Linear(2, 1, bias=False), lambda m: m)
     with torch.no_grad():

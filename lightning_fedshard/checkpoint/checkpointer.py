@@ -143,7 +143,8 @@ class FederationCheckpointer:
             "federation": _to_cpu(self.federation.group_state_dict()),  # e.g. error-feedback residuals
         }
         if self.group == 0:
-            entries[outer_entry(self.shard)] = _to_cpu(self.federation.state_dict())
+            # The local shard sizes of this in-group position: with FSDP2 they differ between positions.
+            entries[outer_entry(self.shard)] = {**_to_cpu(self.federation.state_dict()), "layout": self._layout()}
         return entries
 
     def _section(self) -> dict[str, Any]:
@@ -274,16 +275,40 @@ class FederationCheckpointer:
         check_version(path, fedshard)
         schedule = fedshard["schedule"]
         self.federation.start(
-            self.backend.local_shards(self.module), step=int(schedule["last_synced_step"]), on_write=self.on_write
+            self.backend.local_shards(self.module),
+            step=int(schedule["last_synced_step"]),
+            on_write=self.on_write,
+            unit_sizes=self.backend.unit_sizes(self.module),
         )
         if not fedshard["started"]:
             return  # saved before training started: the weights are all there is
-        differences = layout_differences(fedshard["layout"], self._layout())
+        differences = self._layout_differences(fedshard["layout"], read)
         if differences:
             self.federation.outer.num_syncs = int(schedule["num_syncs"])
             self._warn(_topology_message(path, differences))
             return
         self._restore_exactly(path, read, optimizers)
+
+    def _layout_differences(self, saved: dict[str, Any], read: ReadEntry) -> list[str]:
+        """How the checkpoint's layout differs from this run's, agreed by all ranks (collective).
+
+        The section holds rank 0's layout; each in-group position compares its own local shard sizes with those its
+        position saved in the ``outer`` entry (FSDP2's shards are uneven), and if any rank differs, all of them resume
+        from the consensus.
+        """
+        current = self._layout()
+        differences = layout_differences(saved, current)
+        if differences and all(d.startswith("shard_") for d in differences):  # maybe just another position's sizes
+            own = (read(outer_entry(self.shard)) or {}).get("layout")
+            # older checkpoints hold no layout of their own: their (FSDP1) shards are equal at every position
+            differences = differences if own is None else layout_differences(own, current)
+        anywhere = torch.tensor([float(bool(differences))])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            with collective_failures("agreement on the checkpoint layout"):
+                dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+        if anywhere.item() and not differences:
+            differences = ["local shard sizes at another in-group position"]
+        return differences
 
     def _restore_exactly(self, path: Path, read: ReadEntry, optimizers: Sequence[Optimizer]) -> None:
         outer_name, group_name = outer_entry(self.shard), group_entry(self.group, self.shard)

@@ -53,23 +53,36 @@ class Federation:
         """The fragment sync in flight (started, not landed yet), if any."""
         return self._pending
 
-    def start(self, shards: Sequence[Tensor], step: int, on_write: Callable[[], None] | None = None) -> None:
+    def start(
+        self,
+        shards: Sequence[Tensor],
+        step: int,
+        on_write: Callable[[], None] | None = None,
+        unit_sizes: Sequence[int] | None = None,
+    ) -> None:
         """Take the current shards as the anchor (all groups must hold the same weights) at optimizer step ``step``.
 
-        Calling it again with the same shards keeps everything (anchor, outer optimizer state, schedule), e.g. after
-        :meth:`load_state_dict` restored them from a checkpoint; only ``on_write`` is replaced. The shards (FSDP
+        Calling it again with shards of the same layout (the same model's) keeps everything (anchor, outer optimizer
+        state, schedule), e.g. after :meth:`load_state_dict` restored them from a checkpoint; only the tensors written
+        by later syncs and ``on_write`` are replaced. The shards (FSDP
         units, in module order) are cut into ``config.fragments`` fragments (see :func:`cut_fragments`).
 
         Args:
             shards: This rank's local shards, updated in place by training.
             step: The optimizer step training starts from.
             on_write: Called after the shards were overwritten in place, e.g. to drop caches of gathered weights.
+            unit_sizes: What the fragments are balanced by, one size per shard; default: the shards' numels. Give the
+                whole parameters' sizes when local shards are uneven (FSDP2), so that every in-group position cuts
+                the model at the same parameters.
 
         Raises:
             ValueError: If the model has fewer FSDP units than ``config.fragments``.
         """
         self._on_write = on_write or _nothing
-        if self._outer is not None and _same_tensors(self._outer.shards, shards):
+        if self._outer is not None and _same_layout(self._outer.shards, shards):
+            # The same parameters: FSDP2 hands out new `to_local()` views, and loading a state dict may move its
+            # shards to new memory, so the outer step writes to the tensors given last.
+            self._outer.shards = list(shards)
             return
         anchor_device = "cpu" if self.config.anchor_device == "cpu" else None
         self._outer = OuterStep(
@@ -79,7 +92,7 @@ class Federation:
             reduce_dtype=self.config.reduce_torch_dtype,
             anchor_device=anchor_device,
             on_nonfinite=self.config.on_nonfinite,
-            fragments=cut_fragments([s.numel() for s in shards], self.config.fragments),
+            fragments=cut_fragments(unit_sizes or [s.numel() for s in shards], self.config.fragments),
             reducer=self.config.reducer,
         )
         self.last_synced_step = self.last_step = step
@@ -246,16 +259,10 @@ def _nothing() -> None:
     pass
 
 
-def _same_tensors(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:
-    """The same tensors, or views of the same memory (FSDP2 hands out a new ``to_local()`` view on every call)."""
-    return len(a) == len(b) and all(x is y or _same_view(x, y) for x, y in zip(a, b))
+def _same_layout(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:
+    """As many tensors, pairwise of the same shape, dtype and device (the local shards of the same model)."""
 
+    def key(t: Tensor) -> tuple:
+        return t.shape, t.dtype, t.device
 
-def _same_view(x: Tensor, y: Tensor) -> bool:
-    return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device) == (
-        y.data_ptr(),
-        y.shape,
-        y.stride(),
-        y.dtype,
-        y.device,
-    )
+    return len(a) == len(b) and all(key(x) == key(y) for x, y in zip(a, b))

@@ -126,6 +126,10 @@ class FSDP1Backend:
         """See :func:`local_shards`."""
         return local_shards(module)
 
+    def unit_sizes(self, module: Module) -> list[int]:
+        """The flat shards' numels: FSDP1 pads every unit's shards to equal sizes."""
+        return [s.numel() for s in local_shards(module)]
+
     def free_unsharded(self, module: Module) -> None:
         """See :func:`free_unsharded_params`."""
         free_unsharded_params(module)

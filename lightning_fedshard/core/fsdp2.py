@@ -217,6 +217,10 @@ class FSDP2Backend:
         """See :func:`local_shards`."""
         return local_shards(module)
 
+    def unit_sizes(self, module: Module) -> list[int]:
+        """The whole parameters' numels (the local rows of a parameter differ between in-group positions)."""
+        return [p.numel() for _, p in sharded_parameters(module)]
+
     def free_unsharded(self, module: Module) -> None:
         """See :func:`free_unsharded`."""
         free_unsharded(module)

@@ -29,6 +29,13 @@ class ShardingBackend(Protocol):
         """
         ...
 
+    def unit_sizes(self, module: Module) -> list[int]:
+        """The size of each entry of :meth:`local_shards` that streaming fragments are balanced by.
+
+        Equal at every in-group position, so that all positions cut the model at the same places.
+        """
+        ...
+
     def free_unsharded(self, module: Module) -> None:
         """Drop gathered (unsharded) parameters, so that the next forward gathers the shards written in place."""
         ...

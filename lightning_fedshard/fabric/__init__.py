@@ -1,4 +1,4 @@
-"""Adapters for Lightning Fabric: ``Fabric(strategy="fl_fsdp")`` / ``"fl_hsdp"``, and on FSDP2 ``"fl_fsdp2"`` / ``"fl_hsdp2"``."""
+"""Adapters for Lightning Fabric: ``"fl_fsdp"`` / ``"fl_hsdp"`` and, on FSDP2, ``"fl_fsdp2"`` / ``"fl_hsdp2"``."""
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 

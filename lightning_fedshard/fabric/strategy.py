@@ -40,7 +40,6 @@ class _FabricHooks(FederatedArguments):
     """
 
     # Provided by Lightning's strategy classes.
-    _state_dict_type: str
     broadcast: Any
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -50,10 +49,10 @@ class _FabricHooks(FederatedArguments):
                 f"`{type(self).__name__}` supports one optimizer; use parameter groups instead of a second optimizer."
             )
         self.runtime.set_optimizers([optimizer])
-        return super().setup_optimizer(optimizer)
+        return super().setup_optimizer(optimizer)  # type: ignore[misc]
 
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, **kwargs)
+        output = super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
         self.runtime.after_optimizer_step()
         return output
 

@@ -85,10 +85,10 @@ class _TrainerHooks(FederatedArguments):
     def barrier(self, name: str | None = None) -> None:
         if is_peer_failure(sys.exc_info()[1]):
             return  # handling a failed collective (e.g. the barrier after `OnExceptionCheckpoint`): it would fail too
-        super().barrier(name)
+        super().barrier(name)  # type: ignore[misc]
 
     def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
+        super().on_exception(exception)  # type: ignore[misc]
         if is_peer_failure(exception):
             message = peer_failure_message(exception, self.global_rank)
             log.error(message)
@@ -165,12 +165,6 @@ class _FederatedFSDP2Strategy(_TrainerHooks, FSDP2Arguments, ModelParallelStrate
         _materialize_distributed_module(model, self.root_device)
         model = self.precision_plugin.convert_module(model)
         return model.to(self.root_device)
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank reads its own data: replicas and groups are data parallel, shards of one replica too (FSDP).
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @classmethod
     @override

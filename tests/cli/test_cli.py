@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.callbacks import ModelSummary
 
-from lightning_fedshard import FLFSDPStrategy, FLHSDPStrategy
+from lightning_fedshard import FLFSDP2Strategy, FLFSDPStrategy, FLHSDP2Strategy, FLHSDPStrategy
 from lightning_fedshard.cli import cli
 
 ROOT = Path(__file__).parents[2]
@@ -20,7 +20,11 @@ CONFIGS = sorted((ROOT / "configs" / "shakespeare").glob("*.yaml"))
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
 def test_shakespeare_configs_instantiate(config):
     run = cli(args=["--config", str(config)], run=False)
-    expected = FLHSDPStrategy if "hsdp" in config.stem else FLFSDPStrategy
+    fsdp2 = config.stem.endswith("2")
+    expected = {
+        (True, False): FLHSDPStrategy, (False, False): FLFSDPStrategy, (True, True): FLHSDP2Strategy,
+        (False, True): FLFSDP2Strategy,
+    }[("hsdp" in config.stem, fsdp2)]  # fmt: skip
     assert type(run.trainer.strategy) is expected
     assert run.trainer.strategy.topology.world_size == 8
 
@@ -61,22 +65,22 @@ def test_registered_name_works_in_yaml(tmp_path):
     assert run.trainer.strategy.topology.mesh_shape == (2, 1, 2)
 
 
-def test_strategy_help_lists_federation_arguments():
+@pytest.mark.parametrize(
+    ("cls", "own"),
+    [
+        ("FLHSDPStrategy", ("auto_wrap_policy", "sharding_strategy")),
+        ("FLHSDP2Strategy", ("fsdp_modules", "mixed_precision")),
+    ],
+)
+def test_strategy_help_lists_federation_arguments(cls, own):
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lightning_fedshard",
-            "fit",
-            "--trainer.strategy.help",
-            "lightning_fedshard.FLHSDPStrategy",
-        ],
+        [sys.executable, "-m", "lightning_fedshard", "fit", "--trainer.strategy.help", f"lightning_fedshard.{cls}"],
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
     ).stdout
-    for arg in ("num_groups", "shard_size", "sync_every", "outer_optimizer", "reduce_dtype", "anchor_device"):
+    for arg in ("num_groups", "shard_size", "sync_every", "outer_optimizer", "reduce_dtype", "anchor_device", *own):
         assert f"--trainer.strategy.{arg}" in out
     assert "Optimizer steps between two outer steps" in " ".join(out.split())
 

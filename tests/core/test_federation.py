@@ -75,3 +75,20 @@ def test_a_single_group_is_its_own_consensus():
     shard.fill_(5.0)  # trained since the last sync
     with fed.consensus_weights():
         assert_close(shard, torch.full((2,), 5.0))
+
+
+def test_starting_again_with_new_tensors_of_the_same_layout_keeps_the_state_and_writes_to_the_new_ones():
+    """FSDP2 hands out new `to_local()` views (and a state-dict load may move them): the federation follows them."""
+    fed = Federation(FederationConfig(sync_every=1, outer_optimizer="nesterov"), ThreadGroups(1).run(lambda g, c: c)[0])
+    first = torch.ones(3)
+    fed.start([first], step=0)
+    first.add_(1.0)
+    fed.maybe_sync(1)  # one Nesterov step: the outer optimizer now holds momentum
+    state = fed.state_dict()
+    second = first.clone()
+    fed.start([second], step=1)
+    assert fed.outer.shards[0] is second
+    torch.testing.assert_close(fed.state_dict()["outer"]["anchor"][0], state["outer"]["anchor"][0])
+    second.add_(1.0)
+    fed.maybe_sync(2)
+    assert not torch.equal(second, first), "the sync wrote to the old tensor"

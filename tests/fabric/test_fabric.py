@@ -41,11 +41,15 @@ RESUME = [
     dict(name="resume_full", resume=True, state_dict_type="full"),
     dict(name="resume_sharded", resume=True, state_dict_type="sharded"),
 ]
+# FSDP2 (issue 12): every scenario again on fl_fsdp2 / fl_hsdp2, in the same launch, named "<name>@fsdp2"
+SCENARIOS += [dict(s, name=f"{s['name']}@fsdp2", strategy=f"{s['strategy']}2") for s in SCENARIOS]
+RESUME += [dict(s, name=f"{s['name']}@fsdp2", strategy="fl_fsdp2") for s in RESUME]
 TOPOLOGY = {
     "fsdp": FederationTopology(4, 2, 2),
     "hsdp": FederationTopology(4, 2, 1),
     "stream": FederationTopology(4, 2, 2),
 }
+BOTH = [name for base in ("fsdp", "hsdp", "stream") for name in (base, f"{base}@fsdp2")]
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +59,11 @@ def results(tmp_path_factory):
     return {s["name"]: [torch.load(root / s["name"] / f"rank{r}.pt") for r in range(4)] for s in SCENARIOS + RESUME}
 
 
-@pytest.mark.parametrize("name", ["fsdp", "hsdp", "stream"])
+@pytest.mark.parametrize("name", BOTH)
 def test_fabric_loop_matches_reference(results, name):
     spec = next(s for s in SCENARIOS if s["name"] == name)
     ranks = results[name]
-    topology = TOPOLOGY[name]
+    topology = TOPOLOGY[name.split("@")[0]]
     ref = reference_run(
         ranks[0]["initial"],
         [r["micro_batches"] for r in ranks],
@@ -84,17 +88,18 @@ def test_fabric_loop_matches_reference(results, name):
     assert max((ref["final"][k] - ranks[0]["initial"][f"net.{k}"]).abs().max() for k in ref["final"]) > 1e-2
 
 
-def test_syncs_happen_inside_optimizer_step_and_finish_closes_the_round(results):
-    fsdp = results["fsdp"][0]
+@pytest.mark.parametrize("backend", ["", "@fsdp2"])
+def test_syncs_happen_inside_optimizer_step_and_finish_closes_the_round(results, backend):
+    fsdp = results[f"fsdp{backend}"][0]
     assert fsdp["syncs_seen"] == [1, 2, 3] and fsdp["final_sync"] == 4  # steps 2, 4, 6, then finish() at 7
-    hsdp = results["hsdp"][0]
+    hsdp = results[f"hsdp{backend}"][0]
     assert hsdp["syncs_seen"] == [1] and hsdp["final_sync"] == 2  # step 8, then finish() at 10
-    assert hsdp["strategy_type"] == "FLHSDPStrategy"
+    assert hsdp["strategy_type"] == ("FLHSDP2Strategy" if backend else "FLHSDPStrategy")
 
 
 def test_every_sync_goes_through_the_runtime_entry_points(results):
     """The Fabric path: `optimizer_step` calls `FederatedRuntime.after_optimizer_step`, never the core itself."""
-    for name in ("fsdp", "hsdp", "stream"):
+    for name in BOTH:
         spec = next(s for s in SCENARIOS if s["name"] == name)
         for r in results[name]:
             calls = r["runtime_calls"]
@@ -127,14 +132,14 @@ def test_one_model_and_one_optimizer(monkeypatch):
         strategy.setup_optimizer(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1))
 
 
-@pytest.mark.parametrize("name", ["resume_full", "resume_sharded"])
+@pytest.mark.parametrize("name", ["resume_full", "resume_sharded", "resume_full@fsdp2", "resume_sharded@fsdp2"])
 def test_fabric_save_and_load_resume_exactly(results, name):
     """Saved between two syncs (step 3 of sync_every=2), loaded into a fresh setup: the same weights to the bit."""
     for rank in results[name]:
         assert torch.equal(rank["resumed"], rank["straight"])
         for k, v in rank["straight_full"].items():
             assert torch.equal(rank["resumed_full"][k], v)
-    if name == "resume_full":  # the file's plain state dict is the consensus in the model's own key layout
+    if name.startswith("resume_full"):  # the file's plain state dict is the consensus in the model's own key layout
         assert results[name][0]["consensus_keys"] == sorted(
             k.removeprefix("net.") for k in results[name][0]["straight_full"]
         )

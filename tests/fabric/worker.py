@@ -10,7 +10,8 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.utils.data import DataLoader
 
@@ -21,7 +22,19 @@ from tests.toy import IndexedRegression, loss_fn, make_net
 runtime_spy.install()
 
 
+STRATEGIES = {
+    "fl_fsdp": lightning_fedshard.fabric.FLFSDPStrategy,
+    "fl_hsdp": lightning_fedshard.fabric.FLHSDPStrategy,
+    "fl_fsdp2": lightning_fedshard.fabric.FLFSDP2Strategy,
+    "fl_hsdp2": lightning_fedshard.fabric.FLHSDP2Strategy,
+}
+
+
 def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model on every rank (FSDP1 or FSDP2)."""
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        state_dict = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+        return {f"net.{k}": v.clone() for k, v in state_dict.items()}
     config = FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
     with FSDP.state_dict_type(module, StateDictType.FULL_STATE_DICT, config):
         return {f"net.{k}": v.clone() for k, v in module.state_dict().items()}
@@ -31,15 +44,11 @@ def run(spec: dict[str, Any], root: Path) -> None:
     out = root / spec["name"]
     out.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ["RANK"])
-    cls = (
-        lightning_fedshard.fabric.FLHSDPStrategy
-        if spec["strategy"] == "fl_hsdp"
-        else lightning_fedshard.fabric.FLFSDPStrategy
-    )
+    cls = STRATEGIES[spec["strategy"]]
     keys = ("num_groups", "shard_size", "sync_every", "outer_optimizer", "fragments", "sync_delay", "merge_alpha")
     kwargs = {k: spec[k] for k in keys if k in spec}
     if spec.get("wrap_linear"):  # one FSDP unit per Linear layer, so the model can be cut into fragments
-        kwargs["auto_wrap_policy"] = {torch.nn.Linear}
+        kwargs["fsdp_modules" if spec["strategy"].endswith("2") else "auto_wrap_policy"] = {torch.nn.Linear}
     strategy = spec["strategy"] if spec.get("by_name") else cls(**kwargs)
     runtime_spy.take()
     fabric = L.Fabric(
@@ -85,7 +94,7 @@ def run(spec: dict[str, Any], root: Path) -> None:
 def _train(spec: dict[str, Any], steps: range, resume_from: Path | None = None, save_at: Path | None = None):
     """Fresh Fabric, model and optimizer; batches chosen from (step, rank) so a resumed run sees the same data."""
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    strategy = lightning_fedshard.fabric.FLFSDPStrategy(
+    strategy = STRATEGIES[spec.get("strategy", "fl_fsdp")](
         num_groups=2, sync_every=2, outer_optimizer="nesterov", state_dict_type=spec["state_dict_type"]
     )
     fabric = L.Fabric(

@@ -22,11 +22,11 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-import lightning_fedshard
-from lightning_fedshard.core.fsdp import local_shards
 from tests.toy import HIDDEN, IN, OUT, IndexedRegression, loss_fn
+from tests.trainer.worker import STRATEGIES
 
 BATCH_SIZE = 4
 
@@ -71,7 +71,8 @@ class Module(L.LightningModule):
 
 
 def _flat(tensors) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).clone().float() for t in tensors])
+    local = (t.to_local() if isinstance(t, DTensor) else t for t in tensors)  # FSDP2 optimizer state
+    return torch.cat([t.detach().reshape(-1).clone().float() for t in local])
 
 
 def _optimizer_flat(trainer: L.Trainer) -> torch.Tensor:
@@ -95,7 +96,7 @@ class Recorder(L.Callback):
         self.pending_at_save: dict[int, bool] = {}
 
     def on_train_start(self, trainer, pl_module):
-        self.initial = _flat(local_shards(trainer.strategy.model))
+        self.initial = _flat(trainer.strategy.local_shards())
         pl_module.after_optimizer_step = self.after_optimizer_step
 
     def after_optimizer_step(self, trainer):
@@ -108,15 +109,15 @@ class Recorder(L.Callback):
             strategy = trainer.strategy
             self.before_nan = {
                 "anchor": _flat(strategy.federation.outer.anchor),
-                "shards": _flat(local_shards(strategy.model)),
+                "shards": _flat(strategy.local_shards()),
                 "ckpt_sha": _sha(self.out / "ckpts" / "step=2.ckpt"),
             }
             if strategy.mesh.group_index == 1:
                 with torch.no_grad():
-                    local_shards(strategy.model)[0][0] = float("nan")
+                    strategy.local_shards()[0][0] = float("nan")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.shards_at[trainer.global_step] = _flat(local_shards(trainer.strategy.model))
+        self.shards_at[trainer.global_step] = _flat(trainer.strategy.local_shards())
         if self.spec.get("boundary_ckpt_step") == trainer.global_step:  # right after the sync of the previous step
             trainer.save_checkpoint(self.out / f"boundary{trainer.global_step}.ckpt")
         if self.spec.get("raise_at_step") == trainer.global_step:
@@ -130,12 +131,12 @@ class Recorder(L.Callback):
 
 
 def _strategy(spec: dict[str, Any]) -> Any:
-    cls = lightning_fedshard.FLHSDPStrategy if spec["strategy"] == "fl_hsdp" else lightning_fedshard.FLFSDPStrategy
+    cls = STRATEGIES[spec["strategy"]]
     keys = ("num_groups", "shard_size", "on_nonfinite", "state_dict_type", "fragments", "sync_delay", "merge_alpha",
             "reduce_dtype", "error_feedback")  # fmt: skip
     kwargs = {k: spec[k] for k in keys if k in spec}
     if spec.get("fragments", 1) > 1:  # one FSDP unit per Linear layer, so the model can be cut into fragments
-        kwargs["auto_wrap_policy"] = {nn.Linear}
+        kwargs["fsdp_modules" if spec["strategy"].endswith("2") else "auto_wrap_policy"] = {nn.Linear}
     if "timeout_s" in spec:
         kwargs["timeout"] = timedelta(seconds=spec["timeout_s"])
     return cls(sync_every=spec.get("sync_every", 3), outer_optimizer="nesterov", **kwargs)
@@ -191,7 +192,7 @@ def run(spec: dict[str, Any], root: Path) -> None:
         "initial": recorder.initial,
         "shards_at": recorder.shards_at,
         "before_nan": recorder.before_nan,
-        "final_shards": _flat(local_shards(strategy.model)),
+        "final_shards": _flat(strategy.local_shards()),
         "final_anchor": _flat(strategy.federation.outer.anchor) if strategy.federation.started else None,
         "final_optimizer": _optimizer_flat(trainer),
         "global_step": trainer.global_step,

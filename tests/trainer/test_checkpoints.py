@@ -24,6 +24,8 @@ WORKER = Path(__file__).with_name("ckpt_worker.py")
 FSDP = dict(strategy="fl_fsdp")
 HSDP = dict(strategy="fl_hsdp", num_groups=2, shard_size=2)
 SHARDED = dict(state_dict_type="sharded")
+FSDP2 = dict(strategy="fl_fsdp2")
+HSDP2 = dict(strategy="fl_hsdp2", num_groups=2, shard_size=2)
 DEATH = dict(ckpt=True, die_at_save_step=5, timeout_s=20)
 STREAM = dict(sync_every=4, fragments=2, sync_delay=1, merge_alpha=0.5, reduce_dtype="int8", error_feedback=True)
 
@@ -55,6 +57,12 @@ SCENARIOS_4 = [
     dict(FSDP, **STREAM, name="stream_inflight", resume_from="stream/ckpts/step=3.ckpt"),
     dict(FSDP, **STREAM, **SHARDED, name="stream_sharded", ckpt=True),
     dict(FSDP, **STREAM, **SHARDED, name="stream_sharded_inflight", resume_from="stream_sharded/ckpts/step=5.ckpt"),
+    # FSDP2 (issue 12): the same checkpoints and resumes, sharing this launch
+    *_family("full2", FSDP2, "full2")[:4],
+    *_family("sharded2", {**FSDP2, **SHARDED}, "sharded2")[:2],
+    dict(FSDP2, name="nockpt2"),
+    dict(FSDP2, **STREAM, **SHARDED, name="stream2", ckpt=True),
+    dict(FSDP2, **STREAM, **SHARDED, name="stream2_inflight", resume_from="stream2/ckpts/step=5.ckpt"),
 ]
 SCENARIOS_8 = [
     *_family("hfull", HSDP, "hfull"),
@@ -65,6 +73,8 @@ SCENARIOS_8 = [
     dict(HSDP, name="htopology_sharded", **SHARDED, resume_from="../ranks4/sharded/ckpts/step=4.ckpt"),
     dict(HSDP, name="hnan_raise", ckpt=True, nan_at_step=3, expect_error=True),
     dict(HSDP, name="hnan_skip", on_nonfinite="skip_group", nan_at_step=3),
+    # FSDP2 (issue 12): FL+HSDP on fully_shard, 2 groups x 2 replicas x 2 shards
+    *_family("hsharded2", {**HSDP2, **SHARDED}, "hsharded2")[:2],
 ]
 # (world, resumed run, uninterrupted run, checkpoint step)
 RESUMES = [
@@ -73,6 +83,13 @@ RESUMES = [
     for prefix in prefixes
     for case, step in (("between", 4), ("boundary", 6), ("presync", 6), ("exception", 5))
 ] + [(4, "after_death", "full", 4), (8, "hafter_death", "hfull", 4)]
+RESUMES += [  # FSDP2
+    (4, "full2_between", "full2", 4),
+    (4, "full2_boundary", "full2", 6),
+    (4, "full2_presync", "full2", 6),
+    (4, "sharded2_between", "sharded2", 4),
+    (8, "hsharded2_between", "hsharded2", 4),
+]
 
 
 def _launch(base: Path, folder: str, specs: list[dict], nodes: int, devices: int) -> Path:
@@ -148,7 +165,10 @@ def test_resume_ends_with_exactly_the_weights_of_the_uninterrupted_run(four, eig
     print(f"{resumed}: max |resumed - uninterrupted| = {_max_diff(got, want, 'final_shards')}")
 
 
-@pytest.mark.parametrize(("world", "run", "sharded"), [(4, "full", False), (4, "sharded", True), (8, "hfull", False)])
+@pytest.mark.parametrize(
+    ("world", "run", "sharded"),
+    [(4, "full", False), (4, "sharded", True), (8, "hfull", False), (4, "full2", False), (8, "hsharded2", True)],
+)
 def test_checkpoint_between_syncs_holds_each_groups_own_state(four, eight, world, run, sharded):
     root = four if world == 4 else eight
     path = root / run / "ckpts" / "step=4.ckpt"
@@ -168,7 +188,8 @@ def test_checkpoint_between_syncs_holds_each_groups_own_state(four, eight, world
 
 
 @pytest.mark.parametrize(
-    ("world", "run", "plain"), [(4, "full", "nockpt"), (4, "sharded", "nockpt"), (8, "hfull", "hnockpt")]
+    ("world", "run", "plain"),
+    [(4, "full", "nockpt"), (4, "sharded", "nockpt"), (8, "hfull", "hnockpt"), (4, "full2", "nockpt2")],
 )
 def test_taking_checkpoints_does_not_change_training(four, eight, world, run, plain):
     root = four if world == 4 else eight
@@ -188,11 +209,12 @@ def test_same_seed_and_configuration_give_identical_weights(four):
 # -- item 2: the consensus as the ordinary state dict, and its export ----------------------------------------------
 
 
-def test_state_dict_is_the_consensus_in_the_plain_layout(four, tmp_path):
+@pytest.mark.parametrize(("full", "sharded"), [("full", "sharded"), ("full2", "sharded2")])
+def test_state_dict_is_the_consensus_in_the_plain_layout(four, tmp_path, full, sharded):
     from lightning_fedshard import export_consensus
     from tests.trainer.ckpt_worker import Module
 
-    path = four / "full" / "ckpts" / "step=4.ckpt"
+    path = four / full / "ckpts" / "step=4.ckpt"
     checkpoint = torch.load(path, weights_only=False)
     state_dict = checkpoint["state_dict"]
     assert list(state_dict) == list(Module().state_dict())
@@ -200,8 +222,8 @@ def test_state_dict_is_the_consensus_in_the_plain_layout(four, tmp_path):
     for k, v in state_dict.items():
         assert torch.equal(plain.state_dict()[k], v)
     # the sharded checkpoint of the same step holds the same consensus, and both export to the same file
-    sharded = four / "sharded" / "ckpts" / "step=4.ckpt"
-    for source, out in ((path, tmp_path / "a"), (sharded, tmp_path / "b")):
+    sharded_path = four / sharded / "ckpts" / "step=4.ckpt"
+    for source, out in ((path, tmp_path / "a"), (sharded_path, tmp_path / "b")):
         exported = torch.load(export_consensus(source, out))
         assert sorted(exported) == sorted(state_dict)  # DCP keeps its own key order
         for k, v in state_dict.items():
@@ -301,7 +323,11 @@ def test_user_error_with_the_words_of_a_collective_failure_still_saves_its_on_ex
 # -- streaming fragments (issue 8) ----------------------------------------------------------------------------------
 
 
-STREAM_RESUMES = [("stream_inflight", "stream", 3), ("stream_sharded_inflight", "stream_sharded", 5)]
+STREAM_RESUMES = [
+    ("stream_inflight", "stream", 3),
+    ("stream_sharded_inflight", "stream_sharded", 5),
+    ("stream2_inflight", "stream2", 5),
+]
 
 
 @pytest.mark.parametrize(("resumed", "straight", "step"), STREAM_RESUMES)

@@ -141,6 +141,42 @@ SCENARIOS_8 = [
 ]
 
 
+#: Scenarios that run on FSDP2 too (``fl_fsdp2`` / ``fl_hsdp2``), in the same launches, named ``<name>@fsdp2``.
+FSDP2_TWINS = {
+    "fedavg_h1",
+    "fsdp_nesterov",
+    "four_groups",
+    "hsdp_shard1",
+    "stream_f2_d1_a05",
+    "int8_ef",
+    "hsdp_nesterov",
+}
+
+
+def _on_fsdp2(spec: dict) -> dict:
+    return dict(spec, name=f"{spec['name']}@fsdp2", strategy=f"{spec['strategy']}2")
+
+
+SCENARIOS_4 += [_on_fsdp2(s) for s in SCENARIOS_4 if s["name"] in FSDP2_TWINS]
+SCENARIOS_4.append(  # a configure_model that shards the model itself on the strategy's device mesh
+    dict(
+        BASE,
+        name="own_sharding@fsdp2",
+        strategy="fl_fsdp2",
+        sync_every=2,
+        outer_optimizer="nesterov",
+        max_steps=5,
+        own_sharding=True,
+    )  # fmt: skip
+)
+SCENARIOS_8 += [_on_fsdp2(s) for s in SCENARIOS_8 if s["name"] in FSDP2_TWINS]
+
+
+def both(*cases: tuple) -> list[tuple]:
+    """Each case (a scenario name first), on FSDP1 and on FSDP2."""
+    return [c for case in cases for c in (case, (f"{case[0]}@fsdp2", *case[1:]))]
+
+
 def _run(tmp_path_factory: pytest.TempPathFactory, specs: list[dict], nodes: int, devices: int) -> dict[str, list]:
     root = tmp_path_factory.mktemp(f"ranks{nodes * devices}")
     launch(WORKER, [json.dumps(specs), str(root)], nodes, devices, root / "logs", timeout=400)
@@ -199,12 +235,13 @@ def _assert_state_close(actual: dict, expected: dict, atol: float) -> float:
 # -- degenerate case -----------------------------------------------------------------------------------------------
 
 
-def test_fedavg_every_step_with_sgd_equals_plain_fsdp(four):
-    fed, plain = four["fedavg_h1"][0]["final"], four["plain"][0]["final"]
-    assert four["fedavg_h1"][0]["micro_batches"] == four["plain"][0]["micro_batches"]
+@pytest.mark.parametrize("name", ["fedavg_h1", "fedavg_h1@fsdp2"])
+def test_fedavg_every_step_with_sgd_equals_plain_fsdp(four, name):
+    fed, plain = four[name][0]["final"], four["plain"][0]["final"]
+    assert four[name][0]["micro_batches"] == four["plain"][0]["micro_batches"]
     for k in plain:
         assert_close(fed[k], plain[k], atol=1e-5, rtol=0)
-    assert any((fed[k] - four["fedavg_h1"][0]["initial"][k]).abs().max() > 1e-3 for k in fed), "nothing trained"
+    assert any((fed[k] - four[name][0]["initial"][k]).abs().max() > 1e-3 for k in fed), "nothing trained"
 
 
 # -- against the independent reference --------------------------------------------------------------------------
@@ -213,13 +250,11 @@ def test_fedavg_every_step_with_sgd_equals_plain_fsdp(four):
 @pytest.mark.parametrize(
     ("name", "world", "groups", "shard"),
     [
-        ("fedavg_h1", 4, 2, 2),
-        ("fsdp_nesterov", 4, 2, 2),
+        *both(("fedavg_h1", 4, 2, 2), ("fsdp_nesterov", 4, 2, 2), ("four_groups", 4, 4, 1), ("hsdp_shard1", 4, 2, 1)),
         ("by_name", 4, 2, 2),
-        ("four_groups", 4, 4, 1),
-        ("hsdp_shard1", 4, 2, 1),
         ("one_group", 4, 1, 4),
-        ("hsdp_nesterov", 8, 2, 2),
+        *both(("hsdp_nesterov", 8, 2, 2)),
+        ("own_sharding@fsdp2", 4, 2, 2),
     ],
 )
 def test_matches_reference_implementation(four, eight, name, world, groups, shard):
@@ -232,7 +267,12 @@ def test_matches_reference_implementation(four, eight, name, world, groups, shar
 
 
 def test_every_rank_gets_its_own_data(four, eight):
-    for ranks in (four["fsdp_nesterov"], eight["hsdp_nesterov"]):
+    for ranks in (
+        four["fsdp_nesterov"],
+        eight["hsdp_nesterov"],
+        four["fsdp_nesterov@fsdp2"],
+        eight["hsdp_nesterov@fsdp2"],
+    ):
         seen = [set(i for mb in r["micro_batches"] for i in mb) for r in ranks]
         for a in range(len(seen)):
             for b in range(a + 1, len(seen)):
@@ -244,7 +284,7 @@ def test_every_rank_gets_its_own_data(four, eight):
 
 @pytest.mark.parametrize(
     ("name", "world", "groups", "shard"),
-    [("fsdp_nesterov", 4, 2, 2), ("four_groups", 4, 4, 1), ("hsdp_shard1", 4, 2, 1), ("hsdp_nesterov", 8, 2, 2)],
+    both(("fsdp_nesterov", 4, 2, 2), ("four_groups", 4, 4, 1), ("hsdp_shard1", 4, 2, 1), ("hsdp_nesterov", 8, 2, 2)),
 )
 def test_groups_identical_after_every_sync_and_replicas_at_every_step(four, eight, name, world, groups, shard):
     ranks = (four if world == 4 else eight)[name]
@@ -271,7 +311,7 @@ def test_groups_identical_after_every_sync_and_replicas_at_every_step(four, eigh
     assert differs_between_syncs, "groups never drifted apart: the test would not see a missing sync"
 
 
-@pytest.mark.parametrize(("name", "world"), [("fsdp_nesterov", 4), ("hsdp_nesterov", 8)])
+@pytest.mark.parametrize(("name", "world"), both(("fsdp_nesterov", 4), ("hsdp_nesterov", 8)))
 def test_validation_between_syncs_sees_the_consensus(four, eight, name, world):
     ranks = (four if world == 4 else eight)[name]
     for r in ranks:
@@ -284,7 +324,9 @@ def test_validation_between_syncs_sees_the_consensus(four, eight, name, world):
                 assert not torch.equal(shards, r["shards_at"][3]), "the group's own weights were validated"
 
 
-@pytest.mark.parametrize(("name", "world", "groups", "shard"), [("fsdp_nesterov", 4, 2, 2), ("hsdp_nesterov", 8, 2, 2)])
+@pytest.mark.parametrize(
+    ("name", "world", "groups", "shard"), both(("fsdp_nesterov", 4, 2, 2), ("hsdp_nesterov", 8, 2, 2))
+)
 def test_full_checkpoints_hold_the_consensus_and_load_into_the_plain_module(four, eight, name, world, groups, shard):
     ranks = (four if world == 4 else eight)[name]
     ref = _reference(ranks, _spec(name), FederationTopology(world, groups, shard))
@@ -368,7 +410,7 @@ def test_every_sync_goes_through_the_runtime_entry_points(four, eight):
 @pytest.mark.parametrize(
     ("name", "groups", "shard"),
     [
-        ("stream_f2_d1_a05", 2, 2),
+        *both(("stream_f2_d1_a05", 2, 2)),
         ("stream_f1_d1", 2, 2),
         ("stream_f2_a05_hsdp", 2, 1),
         ("stream_one_rank_groups", 4, 1),
@@ -388,10 +430,20 @@ def test_fragments_are_whole_units_in_module_order(four):
     assert names == [["net.0.weight", "net.0.bias"], ["net.2.weight", "net.2.bias", "net.4.weight", "net.4.bias"]]
     whole = [f"net.{i}.{p}" for i in (0, 2, 4) for p in ("weight", "bias")]
     assert four["fsdp_nesterov"][0]["fragment_names"] == [whole]
+    # FSDP2 shards every parameter on its own: fragments are whole parameters, in module order
+    fsdp2 = four["stream_f2_d1_a05@fsdp2"][0]["fragment_names"]
+    assert len(fsdp2) == 2 and all(fsdp2) and [n for f in fsdp2 for n in f] == whole
 
 
-def test_int8_outer_traffic_stays_close_to_the_float32_reference(four):
-    ranks = four["int8_ef"]
+def test_fsdp2_shards_a_module_without_configure_model_by_the_policy(four):
+    assert four["fsdp_nesterov@fsdp2"][0]["fsdp2_units"] == ["net"]  # no policy: the LightningModule's child
+    assert four["stream_f2_d1_a05@fsdp2"][0]["fsdp2_units"] == ["net", "net.0", "net.2", "net.4"]  # Linear policy
+    assert four["own_sharding@fsdp2"][0]["fsdp2_units"] == ["net", "net.0", "net.2", "net.4"]  # the user's own
+
+
+@pytest.mark.parametrize("name", ["int8_ef", "int8_ef@fsdp2"])
+def test_int8_outer_traffic_stays_close_to_the_float32_reference(four, name):
+    ranks = four[name]
     ref = _reference(ranks, _spec("int8_ef"), FederationTopology(4, 2, 2))
     errors = [(ranks[0]["final"][f"net.{k}"] - v).abs().max().item() for k, v in ref["final"].items()]
     moved = max((v - ranks[0]["initial"][f"net.{k}"]).abs().max().item() for k, v in ref["final"].items())

@@ -13,15 +13,23 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import FSDPStrategy
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
 
 import lightning_fedshard
 from lightning_fedshard.checkpoint.checkpointer import fsdp_state_dict_type
-from lightning_fedshard.core.fsdp import local_shards
+from lightning_fedshard.core import fsdp
 from tests import runtime_spy
 from tests.toy import IndexedRegression, loss_fn, make_net
 
 runtime_spy.install()
+
+STRATEGIES = {
+    "fl_fsdp": lightning_fedshard.FLFSDPStrategy,
+    "fl_hsdp": lightning_fedshard.FLHSDPStrategy,
+    "fl_fsdp2": lightning_fedshard.FLFSDP2Strategy,
+    "fl_hsdp2": lightning_fedshard.FLHSDP2Strategy,
+}
 
 
 class PlainCPUFSDP(FSDPStrategy):
@@ -31,6 +39,9 @@ class PlainCPUFSDP(FSDPStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         return FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+
+    def local_shards(self) -> list[torch.Tensor]:
+        return fsdp.local_shards(self.model)
 
     def lightning_module_state_dict(self):
         # Lightning asks FSDP to offload the full state dict to the CPU, which segfaults for a model on the CPU.
@@ -57,6 +68,15 @@ class Module(L.LightningModule):
         idx, x, y = batch
         self.log("val_loss", loss_fn(self.net, x, y), sync_dist=True)
 
+    def configure_model(self):
+        if self.spec.get("own_sharding"):  # FSDP2 sharding written by the user, on the strategy's mesh
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in self.net:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=self.device_mesh)
+            fully_shard(self.net, mesh=self.device_mesh)
+
     def configure_optimizers(self):
         if self.spec["inner"] == "sgd":
             return torch.optim.SGD(self.parameters(), lr=self.spec["lr"])
@@ -64,7 +84,7 @@ class Module(L.LightningModule):
 
 
 def _flat_shards(trainer: L.Trainer) -> torch.Tensor:
-    return torch.cat([s.detach().reshape(-1).clone() for s in local_shards(trainer.strategy.model)])
+    return torch.cat([s.detach().reshape(-1).clone() for s in trainer.strategy.local_shards()])
 
 
 def _full_state_dict(trainer: L.Trainer) -> dict[str, torch.Tensor]:
@@ -127,12 +147,12 @@ def run(spec: dict[str, Any], root: Path) -> None:
     if spec["strategy"] == "plain_fsdp":
         strategy: Any = PlainCPUFSDP()
     else:
-        cls = lightning_fedshard.FLHSDPStrategy if spec["strategy"] == "fl_hsdp" else lightning_fedshard.FLFSDPStrategy
+        cls = STRATEGIES[spec["strategy"]]
         keys = ("num_groups", "shard_size", "sync_every", "outer_optimizer", "fragments", "sync_delay", "merge_alpha",
                 "reduce_dtype", "error_feedback")  # fmt: skip
         kwargs = {k: spec[k] for k in keys if k in spec}
         if spec.get("wrap_linear"):  # one FSDP unit per Linear layer, so the model can be cut into fragments
-            kwargs["auto_wrap_policy"] = {torch.nn.Linear}
+            kwargs["fsdp_modules" if spec["strategy"].endswith("2") else "auto_wrap_policy"] = {torch.nn.Linear}
         strategy = spec["strategy"] if spec.get("by_name") else cls(**kwargs)
     recorder = Recorder(spec, out)
     callbacks: list[L.Callback] = [recorder]
@@ -162,7 +182,7 @@ def run(spec: dict[str, Any], root: Path) -> None:
         limit_val_batches=2,
     )
     if isinstance(strategy, str):  # the registered name must resolve to our class
-        assert type(trainer.strategy).__name__ == ("FLHSDPStrategy" if strategy == "fl_hsdp" else "FLFSDPStrategy")
+        assert type(trainer.strategy) is STRATEGIES[strategy]
     data = DataLoader(IndexedRegression(), batch_size=spec["batch_size"])
     val = DataLoader(IndexedRegression(64, seed=7), batch_size=8) if spec.get("val_check_interval") else None
     trainer.fit(module, data, val)
@@ -184,6 +204,7 @@ def run(spec: dict[str, Any], root: Path) -> None:
             "num_syncs": _num_syncs(trainer),
             "callback_order": [type(c).__name__ for c in trainer.callbacks],
             "fragment_names": getattr(trainer.strategy, "fragment_parameter_names", None),
+            "fsdp2_units": sorted(n for n, m in module.named_modules() if isinstance(m, FSDPModule)),
         },
         out / f"rank{rank}.pt",
     )
