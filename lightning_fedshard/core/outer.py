@@ -266,6 +266,7 @@ class OuterStep:
         self.reduce_dtype = reduce_dtype
         self.num_syncs = 0
         self.anchor = [_new_anchor(s, anchor_device) for s in self.shards]
+        self._flat_buffers: dict[int, Tensor] = {}  # one pseudo-gradient buffer per fragment, reused by every sync
         self.optimizers = [build_outer_optimizer(outer_optimizer, [self.anchor[i] for i in f]) for f in self.fragments]
         self.reducers = [reducer() if reducer is not None else None for _ in self.fragments]
         if any(r is not None for r in self.reducers):
@@ -445,22 +446,27 @@ class OuterStep:
     def _pseudogradient(self, fragment: int) -> tuple[Tensor, bool]:
         """``anchor - shard`` for a fragment's shards, in one flat buffer of ``reduce_dtype`` on the shards' device.
 
-        One shard (an FSDP unit) at a time, so the device holds the buffer plus one unit's temporaries, not a copy of
-        every shard in every dtype on the way. Also returns whether every value was finite, checked unit by unit.
+        One shard (an FSDP1 unit or an FSDP2 parameter) at a time, so the device holds the buffer plus one shard's
+        temporaries, not a copy of every shard in every dtype on the way. The buffer is allocated once per fragment and
+        reused by its later syncs (a fragment's next sync starts only after its previous one landed). Also returns
+        whether every value was finite, checked on the device and read back once.
         """
         indices = self.fragments[fragment]
         device = self.shards[indices[0]].device
-        flat = torch.empty(sum(self.shards[i].numel() for i in indices), dtype=self.reduce_dtype, device=device)
-        finite = True
+        numel = sum(self.shards[i].numel() for i in indices)
+        flat = self._flat_buffers.get(fragment)
+        if flat is None or (flat.numel(), flat.dtype, flat.device) != (numel, self.reduce_dtype, device):
+            flat = self._flat_buffers[fragment] = torch.empty(numel, dtype=self.reduce_dtype, device=device)
+        finite = torch.ones((), dtype=torch.bool, device=device)
         offset = 0
         for i in indices:
             anchor, shard = self.anchor[i], self.shards[i]
             n = shard.numel()
             part = flat[offset : offset + n]
             part.copy_((anchor.to(device, non_blocking=True) - shard).reshape(-1))
-            finite = finite and bool(torch.isfinite(part).all())  # after the cast: float16 may overflow
+            finite &= torch.isfinite(part).all()  # after the cast: float16 may overflow
             offset += n
-        return flat, finite
+        return flat, bool(finite)
 
     def _nonfinite_groups(self, finite: bool, device: torch.device) -> list[int]:
         """Groups whose pseudo-gradient holds NaN/Inf anywhere, known to every rank (one tiny all-reduce)."""

@@ -18,9 +18,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_fedshard
-from lightning_fedshard.core.fsdp import local_shards
 from lightning_fedshard.core.meta_init import materialized_bytes
 from lightning_fedshard.examples import LlamaLM
+
+STRATEGIES = {"fsdp1": lightning_fedshard.FLFSDPStrategy, "fsdp2": lightning_fedshard.FLFSDP2Strategy}
 
 
 class CountingLlamaLM(LlamaLM):
@@ -68,13 +69,13 @@ class Recorder(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.initial = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
         self.inv_freq = pl_module.model.model.rotary_emb.inv_freq.clone()
-        self.shard_bytes = sum(s.numel() * s.element_size() for s in local_shards(trainer.strategy.model))
+        self.shard_bytes = sum(s.numel() * s.element_size() for s in trainer.strategy.local_shards())
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
         self.losses.append(float(outputs["loss"]))
 
 
-def main(config: dict[str, Any], out: Path) -> None:
+def main(config: dict[str, Any], out: Path, backend: str) -> None:
     rank = int(os.environ["RANK"])
     torch.manual_seed(1000 + rank)  # the global RNG differs per rank: initialization must not depend on it
     model = CountingLlamaLM(**config, meta_init=True)
@@ -83,7 +84,7 @@ def main(config: dict[str, Any], out: Path) -> None:
         accelerator="cpu",
         devices=int(os.environ["DEVICES"]),
         num_nodes=int(os.environ["NUM_NODES"]),
-        strategy=lightning_fedshard.FLFSDPStrategy(num_groups=2, sync_every=2, auto_wrap_policy=LlamaLM.wrap_policy()),
+        strategy=STRATEGIES[backend](num_groups=2, sync_every=2, auto_wrap_policy=LlamaLM.wrap_policy()),
         max_steps=2,
         callbacks=[recorder],
         logger=False,
@@ -107,4 +108,4 @@ def main(config: dict[str, Any], out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]), Path(sys.argv[2]))
+    main(json.loads(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])

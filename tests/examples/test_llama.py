@@ -252,7 +252,7 @@ def test_meta_init_under_fl_fsdp_materializes_one_unit_at_a_time(tmp_path: Path)
     config["tie_word_embeddings"] = False
     launch(
         Path(__file__).with_name("meta_worker.py"),
-        [json.dumps(config), str(tmp_path)],
+        [json.dumps(config), str(tmp_path), "fsdp1"],
         num_nodes=2,
         devices=2,
         log_dir=tmp_path / "logs",
@@ -279,6 +279,41 @@ def test_meta_init_under_fl_fsdp_materializes_one_unit_at_a_time(tmp_path: Path)
             expected = {f"model.{k}": v for k, v in network.state_dict().items()}
             torch.testing.assert_close({k: seen["initial"][k] for k in expected}, expected, rtol=0, atol=0)
     assert full_states >= 2
+
+
+def test_meta_init_under_fl_fsdp2_materializes_only_local_shards(tmp_path: Path) -> None:
+    """FSDP2: `fully_shard` first, then `to_empty` + `reset_parameters` on the shards; groups start equal and learn.
+
+    FSDP2 materializes the sharded `DTensor` parameters, so a rank only ever allocates its own rows; random init on
+    `DTensor` shards draws other numbers than a single process does, so only the invariants are checked: every rank
+    of a group reports the same full weights, the same in both groups, the rotary buffer is recomputed, losses start
+    at log(vocab).
+    """
+    config = {**TINY, "vocab_size": 512, "hidden_size": 64, "num_layers": 3, "num_heads": 4, "intermediate_size": 128}
+    config["tie_word_embeddings"] = False
+    launch(
+        Path(__file__).with_name("meta_worker.py"),
+        [json.dumps(config), str(tmp_path), "fsdp2"],
+        num_nodes=2,
+        devices=2,
+        log_dir=tmp_path / "logs",
+    )
+    reference = LlamaLM(**config, meta_init=True)
+    reference.configure_model()
+    total = _bytes(reference.model)
+    seen = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(4)]
+    full = [s["initial"] for s in seen if s["initial"]]
+    assert full, "no rank gathered the full state dict"
+    for state in full[1:]:
+        for k, v in full[0].items():
+            assert torch.equal(state[k], v)
+    buffers = sum(b.numel() * b.element_size() for b in reference.model.buffers())
+    for s in seen:
+        torch.testing.assert_close(s["inv_freq"], reference.model.model.rotary_emb.inv_freq, rtol=0, atol=0)
+        assert all(abs(loss - math.log(config["vocab_size"])) < 0.2 for loss in s["losses"])
+        assert s["shard_bytes"] <= (total - buffers) / 2 + 4 * 64 * 4  # its rows only (a few uneven rows of slack)
+    stds = {k: float(v.std()) for k, v in full[0].items() if k.endswith("proj.weight")}
+    assert stds and all(0.016 < sd < 0.024 for sd in stds.values()), stds  # normal(0, initializer_range=0.02)
 
 
 def _bytes(module: torch.nn.Module) -> int:
