@@ -144,10 +144,44 @@ def test_every_federation_option_is_a_strategy_argument_with_the_same_default():
     import dataclasses
     import inspect
 
+    from lightning_fedshard._arguments import FederatedArguments
     from lightning_fedshard.core.config import FederationConfig
 
-    for cls in (FLFSDPStrategy, FLHSDPStrategy, lightning_fedshard.fabric.FLFSDPStrategy):
-        parameters = inspect.signature(cls).parameters
+    parameters = inspect.signature(FederatedArguments).parameters
+    classes = [
+        *(lightning_fedshard.FLFSDPStrategy, lightning_fedshard.FLHSDPStrategy),
+        *(lightning_fedshard.FLFSDP2Strategy, lightning_fedshard.FLHSDP2Strategy),
+        *(lightning_fedshard.fabric.FLFSDPStrategy, lightning_fedshard.fabric.FLHSDPStrategy),
+        *(lightning_fedshard.fabric.FLFSDP2Strategy, lightning_fedshard.fabric.FLHSDP2Strategy),
+    ]
+    for field in dataclasses.fields(FederationConfig):
+        assert parameters[field.name].default == field.default, field.name
+    for cls in classes:  # each backend's constructor passes its **kwargs on to the one federation constructor
+        assert issubclass(cls, FederatedArguments) and "kwargs" in inspect.signature(cls).parameters, cls
         for field in dataclasses.fields(FederationConfig):
-            assert parameters[field.name].default == field.default, (cls.__name__, field.name)
             assert f"        {field.name}: " in cls.__doc__, (cls.__name__, field.name)  # the one description
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"data_parallel_size": 2}, r"`data_parallel_size=2` cannot be set on `fl_fsdp2`"),
+        ({"save_distributed_checkpoint": False}, r"`save_distributed_checkpoint=False` cannot be set"),
+        ({"fsdp_modules": ["torch.nn.Linear"], "auto_wrap_policy": ["torch.nn.Linear"]}, r"name the same thing"),
+        ({"fsdp_modules": ["torch.nn.NoSuchLayer"]}, r"`fsdp_modules` entry 'torch.nn.NoSuchLayer' cannot be imported"),
+        ({"mixed_precision": {"param_dtype": "float33"}}, r"is not a torch dtype name"),
+        ({"shard_size": 2}, r"`shard_size=2` is only for FL\+HSDP.*'fl_hsdp2'"),
+        ({"state_dict_type": "FULL"}, r"`state_dict_type='FULL'` is not supported"),
+    ],
+)
+def test_fsdp2_strategy_rejects_bad_arguments_before_any_work(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        lightning_fedshard.FLFSDP2Strategy(**kwargs)
+
+
+def test_fsdp2_strategy_takes_the_fsdp1_config_unchanged():
+    """A config switches backend by class name: the FSDP1 strategy's arguments, defaults included, are accepted."""
+    args = dict(num_groups=2, shard_size=2, sync_every=4, auto_wrap_policy=["torch.nn.Linear"], state_dict_type="full")
+    fsdp2 = lightning_fedshard.FLHSDP2Strategy(**args, data_parallel_size="auto", save_distributed_checkpoint=True)
+    assert fsdp2._fsdp_modules == {torch.nn.Linear} and fsdp2.federation_config.sync_every == 4
+    assert L.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy="fl_hsdp2").strategy.topology.num_groups == 2
