@@ -184,11 +184,12 @@ class EmulatedCluster:
 
 
 def _tbf_args(rate_mbit: float) -> list[str]:
-    # The bucket must hold a few milliseconds of traffic (at least a few full-size packets) to reach the rate;
-    # the queue (`latency`) is deep enough that TCP backs off before packets are dropped, so retransmissions
-    # do not inflate the byte counters.
+    # The bucket must hold a few milliseconds of traffic and, above all, one whole GSO/TSO super-packet (up to
+    # 64 KiB plus headers on a veth): a smaller bucket drops such packets and TCP's retransmissions inflate the byte
+    # counters, more the slower the link. The queue (`latency`) is deep enough that TCP backs off before packets
+    # are dropped.
     rate_bytes = rate_mbit * 1e6 / 8
-    burst = max(32 * 1024, int(rate_bytes * 0.004))
+    burst = max(128 * 1024, int(rate_bytes * 0.004))
     return ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "400ms"]
 
 

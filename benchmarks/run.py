@@ -15,6 +15,15 @@ Presets:
     (``sync_every`` > ``max_steps``: the no-sync pace) and with each sync option (reduce dtype, error feedback,
     streaming fragments, overlap), :data:`SYNC_OPTIONS_REPEATS` times, round robin over the configurations within each
     repeat. ``python -m benchmarks.sync_report`` turns the results into the tables of docs/benchmarks.md.
+``throughput``
+    Issue 9's noise-robust throughput and byte counts: FSDP, HSDP, FL+FSDP (4 groups) and FL+HSDP (2 groups of 2
+    nodes) on links of :data:`THROUGHPUT_LINKS`, with the no-sync pace of the federated ones (FL+FSDP sends nothing
+    across nodes between syncs, so its no-sync pace is measured once per repeat, unthrottled) and the int8 and
+    int4 + error feedback + 4 fragments + ``sync_delay=1`` sync options on the slow links.
+    :data:`THROUGHPUT_REPEATS` repeats; within a repeat every configuration runs once (round robin, the order
+    reversed every other repeat), so machine load drifts over all of them alike.
+``quick``
+    A ~10 minute check of a change: the ``throughput`` configurations of FSDP and FL+FSDP at 50 Mbit/s, once.
 ``smoke``
     2 nodes x 1 rank, a tiny model, a few FL+FSDP steps on a throttled link: keeps the harness working (tests).
 
@@ -148,6 +157,78 @@ def _sync_options(work: Path, cache: Path, repeats: int = SYNC_OPTIONS_REPEATS) 
     return Preset(nodes, devices, jobs, timeout=900.0)
 
 
+#: Link rates of the ``throughput`` preset (Mbit/s; None: unthrottled).
+THROUGHPUT_LINKS: tuple[float | None, ...] = (None, 200.0, 50.0, 20.0)
+THROUGHPUT_REPEATS = 3
+#: Sync options measured beside the default on the slow links (name -> RunConfig changes).
+THROUGHPUT_OPTIONS: dict[str, dict[str, Any]] = {
+    "int8": {"reduce_dtype": "int8"},
+    "int4ef-f4-d1": {"reduce_dtype": "int4", "error_feedback": True, "fragments": 4, "sync_delay": 1},
+}
+NOSYNC = {"sync_every": 1024}  # longer than the run: no outer step during training
+
+
+def _throughput_base(work: Path, cache: Path) -> RunConfig:
+    return RunConfig(
+        strategy="fsdp",
+        num_nodes=4,
+        devices=2,
+        out="",
+        cache_dir=str(cache),
+        num_groups=2,
+        sync_every=8,
+        outer_optimizer="fedavg",
+        # 16 steps: the pace window is steps 9-16, one whole round after the first sync (see benchmarks/pace.py).
+        max_steps=16,
+        val_every=16,
+        size="xs",
+        seq_len=128,
+        batch_size=4,
+        max_val_windows=8,
+    )
+
+
+def _throughput_configs(
+    base: RunConfig,
+    links: tuple[float | None, ...],
+    strategies: tuple[str, ...] = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp"),
+    options: dict[str, dict[str, Any]] = THROUGHPUT_OPTIONS,
+) -> list[tuple[str, float | None, RunConfig]]:
+    """One repeat's configurations: ``(name, link, config)``."""
+    configs = []
+    for link in links:
+        label = "unthrottled" if link is None else f"{link:g}mbit"
+        for strategy in strategies:
+            configs.append((f"{strategy}-{label}", link, replace(base, strategy=strategy)))
+        if "fl_hsdp" in strategies:  # FL+HSDP's replicas talk across nodes every step: its no-sync pace needs the link
+            configs.append((f"fl_hsdp-nosync-{label}", link, replace(base, strategy="fl_hsdp", **NOSYNC)))
+        if "fl_fsdp" in strategies and link is None:
+            configs.append((f"fl_fsdp-nosync-{label}", link, replace(base, strategy="fl_fsdp", **NOSYNC)))
+        if "fl_fsdp" in strategies and link is not None and link <= 50:
+            for option, changes in options.items():
+                configs.append((f"fl_fsdp-{option}-{label}", link, replace(base, strategy="fl_fsdp", **changes)))
+    return configs
+
+
+def _round_robin(work: Path, configs: list[tuple[str, float | None, RunConfig]], repeats: int, sweep: str) -> list[Job]:
+    jobs = []
+    for repeat in range(repeats):
+        for name, link, cfg in configs if repeat % 2 == 0 else configs[::-1]:
+            run_name = f"{name}-r{repeat}"
+            jobs.append(Job(run_name, link, replace(cfg, out=str(work / run_name)), sweep=sweep))
+    return jobs
+
+
+def _throughput(work: Path, cache: Path, repeats: int = THROUGHPUT_REPEATS) -> Preset:
+    configs = _throughput_configs(_throughput_base(work, cache), THROUGHPUT_LINKS)
+    return Preset(4, 2, _round_robin(work, configs, repeats, "throughput"), timeout=900.0)
+
+
+def _quick(work: Path, cache: Path, repeats: int = 1) -> Preset:
+    configs = _throughput_configs(_throughput_base(work, cache), (50.0,), strategies=("fsdp", "fl_fsdp"), options={})
+    return Preset(4, 2, _round_robin(work, configs, repeats, "quick"), timeout=900.0)
+
+
 def _smoke(work: Path, cache: Path) -> Preset:
     cfg = RunConfig(
         strategy="fl_fsdp",
@@ -168,7 +249,13 @@ def _smoke(work: Path, cache: Path) -> Preset:
     return Preset(2, 1, [Job("fl_fsdp-smoke", 20.0, cfg)], timeout=120.0)
 
 
-PRESETS: dict[str, Callable[..., Preset]] = {"full": _full, "smoke": _smoke, "sync_options": _sync_options}
+PRESETS: dict[str, Callable[..., Preset]] = {
+    "full": _full,
+    "quick": _quick,
+    "smoke": _smoke,
+    "sync_options": _sync_options,
+    "throughput": _throughput,
+}
 
 
 def prepare_data(cfg: RunConfig, env: dict[str, str]) -> None:
@@ -299,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", nargs="*", help="run only these job names")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--prefix", help="name prefix of the namespaces (default: fsb<pid>)")
-    parser.add_argument("--repeats", type=int, help="repeats of a preset that has them (sync_options; default 3)")
+    parser.add_argument("--repeats", type=int, help="repeats of a preset that has them (sync_options, throughput)")
     args = parser.parse_args(argv)
     results_file = args.results or RESULTS / f"{args.preset}.json"
     args.work.mkdir(parents=True, exist_ok=True)

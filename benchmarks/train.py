@@ -180,6 +180,8 @@ class BenchRecorder(L.Callback):
         self.syncs: list[dict[str, float]] = []
         self.vals: list[dict[str, float]] = []
         self._sync_due = False
+        self.gradient_bytes = 0
+        self.cpu0 = 0.0
 
     def clock(self) -> float:
         """Seconds of training so far: wall time since training started, minus validation."""
@@ -189,6 +191,11 @@ class BenchRecorder(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.train.open(trainer)
         self.t0 = time.perf_counter()
+        self.cpu0 = _cpu_seconds()
+
+    @override
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.gradient_bytes = max(self.gradient_bytes, _tensor_bytes(p.grad for p in pl_module.parameters()))
 
     def open_sync(self, trainer: L.Trainer) -> None:
         """Called by :class:`MeasuredOuterSync` right before an outer step."""
@@ -277,8 +284,11 @@ class BenchRecorder(L.Callback):
         # OuterSync's `on_train_end` (the end-of-fit syncs) ran before this hook, inside the `finish` window, with the
         # clock stopped. Runs with one fragment end on a sync step, so it has nothing left to do there.
         train_seconds = self.clock()
+        cpu_seconds = _cpu_seconds() - self.cpu0  # this rank's process (threads included), validation included
         self.train.close(trainer)
         mine = {
+            "cpu_seconds": cpu_seconds,
+            "model_state_bytes": {**_model_state_bytes(trainer), "gradients": self.gradient_bytes},
             "rank": trainer.global_rank,
             "node": trainer.node_rank,
             "local_rank": trainer.local_rank,
@@ -319,9 +329,40 @@ class BenchRecorder(L.Callback):
             "finish_seconds": self.finish_seconds,
             "strategy_syncs": [r["strategy_syncs"] for r in ranks],
             "maxrss_mib": [r["maxrss_mib"] for r in ranks],
+            "cpu_seconds": [r["cpu_seconds"] for r in ranks],
+            "model_state_bytes": [r["model_state_bytes"] for r in ranks],
             "versions": {"torch": torch.__version__, "lightning": L.__version__},
         }
         Path(self.cfg.out, "run.json").write_text(json.dumps(result, indent=1))
+
+
+def _tensor_bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _model_state_bytes(trainer: L.Trainer) -> dict[str, int]:
+    """This rank's model state, from the tensors themselves: local parameter shards, inner optimizer state, anchor and
+    outer optimizer state (gradients are measured before each optimizer step, while they exist)."""
+    strategy: Any = trainer.strategy
+    inner = [v for opt in trainer.optimizers for state in opt.state.values() for v in state.values()]
+    federation = strategy.federation
+    anchor, outer = 0, 0
+    if federation.started:
+        anchor = _tensor_bytes(federation.outer.anchor)
+        outer = _tensor_bytes(
+            v for opt in federation.outer.optimizers for state in opt.state.values() for v in state.values()
+        )
+    return {
+        "parameters": _tensor_bytes(strategy.local_shards()),
+        "inner_optimizer": _tensor_bytes(inner),
+        "anchor": anchor,
+        "outer_optimizer": outer,
+    }
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 class MeasuredOuterSync(OuterSync):
