@@ -46,6 +46,11 @@ def test_smoke_run_measures_links_and_cleans_up(tmp_path: Path) -> None:
     assert run["world_size"] == 2 and run["driver"]["link_mbit"] == 20.0
     assert [s["step"] for s in run["syncs"]] == [2, 4]
     assert run["vals"] and run["vals"][-1]["val_ppl"] > 1
+    assert len(run["cpu_seconds"]) == 2 and all(c > 0 for c in run["cpu_seconds"])
+    state = run["model_state_bytes"][0]  # rank 0's tensors: its shard of the weights, gradients, AdamW, the anchor
+    assert state["parameters"] > 0 and state["gradients"] == state["parameters"] == state["anchor"]
+    assert state["inner_optimizer"] >= 2 * state["parameters"]  # AdamW: two moments (and a step count)
+    assert state["outer_optimizer"] == state["parameters"]  # the smoke run's Nesterov: one momentum buffer
     summary = summarize(run)
     # Everything an outer step sends crosses the link: the counters must see about the analytic minimum.
     assert 0.95 < summary.sync_ratio < 1.25, summary
