@@ -4,10 +4,13 @@
 imports :mod:`lightning_fedshard` before parsing, both ``trainer.strategy: fl_hsdp`` and the
 ``class_path: lightning_fedshard.FLHSDPStrategy`` / ``init_args:`` form are accepted, and
 ``fedshard fit --trainer.strategy.help lightning_fedshard.FLHSDPStrategy`` lists every strategy argument.
+``fedshard plan`` predicts throughput, traffic and memory of each strategy before a run (see
+:mod:`lightning_fedshard.plan`).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from lightning.pytorch.cli import ArgsType, LightningCLI
@@ -28,7 +31,12 @@ def cli(args: ArgsType = None, run: bool = True, **kwargs: Any) -> LightningCLI:
 
 
 def main() -> None:
-    """Console entry point ``fedshard``."""
+    """Console entry point ``fedshard``: ``fedshard plan ...`` runs the planner, anything else the LightningCLI."""
+    if sys.argv[1:2] == ["plan"]:
+        from lightning_fedshard.plan.command import main as plan_main
+
+        plan_main()
+        return
     cli()
 
 

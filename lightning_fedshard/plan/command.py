@@ -1,0 +1,208 @@
+"""``fedshard plan``: the planner on the command line (jsonargparse; ``fedshard plan --help`` lists every input)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Literal
+
+from lightning_fedshard.plan.predict import Prediction
+from lightning_fedshard.plan.specs import CLUSTERS, GIB, MODELS, ClusterSpec, ModelSpec, TrainSetup
+from lightning_fedshard.plan.sweep import compare, sweep
+
+
+def plan(
+    model: str = "llama-3.1-8b",
+    model_config: Path | None = None,
+    seq_len: int | None = None,
+    cluster: str = "leonardo-512",
+    nodes: int | None = None,
+    devices_per_node: int | None = None,
+    peak_tflops: float | None = None,
+    mfu: float | None = None,
+    step_seconds: float | None = None,
+    device_memory_gib: float | None = None,
+    intra_gbytes_per_s: float | None = None,
+    intra_latency_us: float | None = None,
+    inter_gbit_per_s: float | None = None,
+    inter_latency_us: float | None = None,
+    num_groups: int | None = None,
+    shard_size: int | None = None,
+    sync_every: int = 8,
+    fragments: int = 1,
+    sync_delay: int = 0,
+    reduce_dtype: Literal["float32", "bfloat16", "float16", "int8", "int4"] = "float32",
+    error_feedback: bool = False,
+    outer_optimizer: Literal["fedavg", "nesterov"] = "fedavg",
+    micro_batch: int = 2,
+    grad_accum: int = 1,
+    precision: Literal["bf16", "fp32"] = "bf16",
+    activation_checkpointing: bool = False,
+    sweep_configs: bool = False,
+    top: int = 10,
+    as_json: bool = False,
+) -> list[Prediction]:
+    """Predict throughput, traffic, memory and the bottleneck of FSDP, HSDP, FL+FSDP and FL+HSDP before a run.
+
+    Prints a table of the four strategies at the given settings, or with ``--sweep_configs true`` the fastest
+    federated configurations (groups x shard size x sync_every x fragments x dtype x delay) that fit in device
+    memory. The equations, their assumptions and the calibration against measured runs are in docs/plan.md.
+
+    Args:
+        model: Model preset: the example sizes ``xs``, ``s``, ``m``, ``l`` (vocabulary 4096, 128 tokens) or
+            ``llama-3.1-8b`` (2,048 tokens).
+        model_config: A transformers ``config.json`` of a Llama-like model instead of the preset.
+        seq_len: Tokens per sequence (default: the preset's).
+        cluster: Cluster preset: ``leonardo-512`` (the paper's 128 x 4 A100) or ``emulated-4x2`` (the benchmark).
+        nodes: Nodes (default: the preset's).
+        devices_per_node: Ranks per node.
+        peak_tflops: Peak TFLOP/s of one device at the training precision.
+        mfu: Assumed model FLOPs utilization (0-1) of the compute.
+        step_seconds: Measured compute seconds of one micro-batch on one rank; replaces ``peak_tflops * mfu``.
+        device_memory_gib: Memory per device (GiB).
+        intra_gbytes_per_s: Rank-to-rank bandwidth inside a node (GB/s).
+        intra_latency_us: Latency of a message inside a node (microseconds).
+        inter_gbit_per_s: Network bandwidth of one node (Gbit/s), shared by its ranks.
+        inter_latency_us: Latency of a message between nodes (microseconds).
+        num_groups: Federation groups (default: one per node for FL+FSDP, 2 for FL+HSDP).
+        shard_size: Ranks one replica is sharded over (HSDP, FL+HSDP; default: a node).
+        sync_every: Optimizer steps between two outer steps.
+        fragments: Streaming fragments.
+        sync_delay: Optimizer steps the outer sum travels while training goes on.
+        reduce_dtype: Outer traffic dtype.
+        error_feedback: int8/int4 residuals (host memory).
+        outer_optimizer: ``fedavg`` or ``nesterov`` (host memory of the momentum).
+        micro_batch: Sequences per rank per micro-batch.
+        grad_accum: Micro-batches per optimizer step.
+        precision: ``bf16`` (parameters gathered and gradients reduced in bf16, float32 master weights and AdamW) or
+            ``fp32``.
+        activation_checkpointing: Recompute each layer in the backward pass.
+        sweep_configs: Rank the federated configurations instead of comparing the four strategies.
+        top: Rows of the sweep.
+        as_json: Print JSON instead of a table.
+
+    Returns:
+        The predictions printed.
+    """
+    spec = _model(model, model_config, seq_len)
+    machine = _cluster(
+        cluster, nodes, devices_per_node, peak_tflops, mfu, step_seconds, device_memory_gib,
+        intra_gbytes_per_s, intra_latency_us, inter_gbit_per_s, inter_latency_us,
+    )  # fmt: skip
+    wide = 4 if precision == "fp32" else 2
+    base = TrainSetup(
+        strategy="fl_fsdp",
+        num_groups=num_groups,
+        shard_size=shard_size,
+        sync_every=sync_every,
+        fragments=fragments,
+        sync_delay=sync_delay,
+        reduce_dtype=reduce_dtype,
+        error_feedback=error_feedback,
+        outer_optimizer=outer_optimizer,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        param_bytes=wide,
+        grad_bytes=wide,
+        activation_checkpointing=activation_checkpointing,
+    )
+    predictions = sweep(spec, machine, base, top=top) if sweep_configs else compare(spec, machine, base)
+    print(to_json(predictions) if as_json else table(predictions))
+    return predictions
+
+
+def _model(name: str, config: Path | None, seq_len: int | None) -> ModelSpec:
+    if config is not None:
+        fields = SimpleNamespace(**json.loads(Path(config).read_text()))
+        return ModelSpec.from_transformers_config(fields, seq_len or 2048, name=Path(config).parent.name or "model")
+    if name not in MODELS:
+        raise ValueError(f"Unknown `model={name!r}`; choose one of {sorted(MODELS)} or give `model_config`.")
+    return MODELS[name] if seq_len is None else replace(MODELS[name], seq_len=seq_len)
+
+
+def _cluster(name: str, *overrides: float | None) -> ClusterSpec:
+    if name not in CLUSTERS:
+        raise ValueError(f"Unknown `cluster={name!r}`; choose one of {sorted(CLUSTERS)}.")
+    nodes, devices, tflops, mfu, step, memory, intra_bw, intra_lat, inter_bw, inter_lat = overrides
+    changes: dict[str, Any] = {
+        "num_nodes": nodes,
+        "devices_per_node": devices,
+        "peak_flops": None if tflops is None else tflops * 1e12,
+        "mfu": mfu,
+        "step_seconds": step,
+        "device_memory": None if memory is None else memory * GIB,
+        "intra_bandwidth": None if intra_bw is None else intra_bw * 1e9,
+        "intra_latency": None if intra_lat is None else intra_lat * 1e-6,
+        "inter_bandwidth": None if inter_bw is None else inter_bw * 1e9 / 8,
+        "inter_latency": None if inter_lat is None else inter_lat * 1e-6,
+    }
+    return replace(CLUSTERS[name], **{k: v for k, v in changes.items() if v is not None})
+
+
+def summary(p: Prediction) -> dict[str, Any]:
+    """One prediction as a flat dict (the JSON output and the table's rows)."""
+    s = p.setup
+    return {
+        "strategy": s.strategy,
+        "topology": str(p.topology),
+        "sync_every": s.sync_every if s.federated else None,
+        "fragments": s.fragments if s.federated else None,
+        "sync_delay": s.sync_delay if s.federated else None,
+        "reduce_dtype": s.reduce_dtype if s.federated else None,
+        "step_seconds": p.step_seconds,
+        "compute_seconds": p.compute_seconds,
+        "collective_seconds": p.collective_seconds,
+        "sync_seconds": p.sync_seconds,
+        "exposed_sync_seconds_per_step": p.exposed_sync_seconds,
+        "tokens_per_second": p.tokens_per_second,
+        "sequences_per_second": p.sequences_per_second,
+        "compute_utilization": p.compute_utilization,
+        "link_bytes_per_step": p.link_bytes_per_step,
+        "link_bytes_per_sync": p.link_bytes_per_sync,
+        "device_memory_bytes": p.memory.device,
+        "host_memory_bytes_per_rank": p.memory.host,
+        "memory": asdict(p.memory),
+        "fits": p.fits,
+        "batch_per_step": p.batch_per_step,
+        "bottleneck": p.bottleneck,
+        "collectives": [asdict(c) for c in (*p.step_collectives, *p.sync_collectives)],
+    }
+
+
+def to_json(predictions: list[Prediction]) -> str:
+    """The predictions as a JSON list."""
+    return json.dumps([summary(p) for p in predictions], indent=1)
+
+
+def table(predictions: list[Prediction]) -> str:
+    """The predictions as a Markdown table."""
+    if not predictions:
+        return "No configuration fits."
+    p0 = predictions[0]
+    head = (
+        f"{p0.model.name} ({p0.model.num_parameters / 1e9:.3g} B parameters, {p0.model.seq_len} tokens) on"
+        f" {p0.cluster.name} ({p0.cluster.num_nodes} x {p0.cluster.devices_per_node} ranks)\n\n"
+        "| strategy | groups x replicas x shards | H / frag / delay / dtype | step s | tokens/s | seq/s | compute util."
+        " | link GB/step | GiB/rank | fits | batch/step | bottleneck |\n" + "|---" * 12 + "|"
+    )
+    rows = []
+    for p in predictions:
+        s, t = p.setup, p.topology
+        fed = f"{s.sync_every} / {s.fragments} / {s.sync_delay} / {s.reduce_dtype}" if s.federated else "-"
+        rows.append(
+            f"| {s.strategy} | {t.num_groups} x {t.num_replicas} x {t.shard_size} | {fed} | {p.step_seconds:.3g} |"
+            f" {p.tokens_per_second:,.0f} | {p.sequences_per_second:,.1f} | {p.compute_utilization:.2f} |"
+            f" {p.link_bytes_per_step / 1e9:.3g} | {p.memory.device / GIB:.1f} | {'yes' if p.fits else 'no'} |"
+            f" {p.batch_per_step:,} | {p.bottleneck} |"
+        )
+    return "\n".join([head, *rows])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``fedshard plan`` (``argv`` without the ``plan`` word)."""
+    from jsonargparse import CLI
+
+    CLI(plan, args=sys.argv[2:] if argv is None else argv, as_positional=False)

@@ -1,0 +1,350 @@
+"""The analytic model: time, traffic and memory of one training setup on one cluster (docs/plan.md has the equations).
+
+Every collective is a ring over a known list of global ranks (rank ``r`` lives on node ``r // d``). A ring of ``n``
+ranks moving a tensor of ``V`` bytes sends ``(n-1)/n V`` per rank and per ring edge for an all-gather or a
+reduce-scatter, twice that for an all-reduce, in ``n - 1`` (all-reduce: ``2 (n - 1)``) latency-bound steps. Edges
+between ranks of one node use the rank's intra-node bandwidth; edges that leave a node share the node's network
+bandwidth with every other ring of the same collective running at the same time (all replicas, all in-group
+positions). A collective takes the longer of its slowest node's network time and its slowest rank's intra-node time,
+plus its latency. The outer sum uses the core's own byte count (:meth:`wire_bytes` of the reducer the strategy
+builds), so compressed traffic is counted exactly as it is sent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lightning_fedshard.core.compress import make_reducer
+from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.core.topology import FederationTopology
+from lightning_fedshard.plan.specs import ClusterSpec, ModelSpec, TrainSetup
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective of a step or a sync, over all the rings that run it at the same time.
+
+    Attributes:
+        name: What it moves, e.g. ``"all-gather (forward)"``.
+        seconds: Time of one call.
+        node_bytes: Bytes the busiest node sends into the network in one call.
+        link_bytes: Bytes all nodes together send into the network in one call (what link counters show).
+        rank_bytes: Bytes one rank sends in one call, over any link.
+        calls: Calls per optimizer step (per sync for outer collectives).
+        crosses_nodes: Whether any ring edge leaves a node.
+    """
+
+    name: str
+    seconds: float
+    node_bytes: float
+    link_bytes: float
+    rank_bytes: float
+    calls: float
+    crosses_nodes: bool
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per rank (device) and per node (host)."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    gathered: float
+    activations: float
+    host_anchor: float
+    host_outer: float
+
+    @property
+    def device(self) -> float:
+        """Everything on one device."""
+        return self.parameters + self.gradients + self.optimizer + self.gathered + self.activations
+
+    @property
+    def host(self) -> float:
+        """The federation's host memory per rank (anchor, outer optimizer state, residuals)."""
+        return self.host_anchor + self.host_outer
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What one setup does on one cluster, per optimizer step.
+
+    Attributes:
+        setup: The setup.
+        topology: Its groups, replicas and shards.
+        compute_seconds: Forward, backward and optimizer of one step on one rank.
+        step_collectives: In-group collectives (per step).
+        sync_collectives: The outer sum of one fragment (per landing).
+        collective_seconds: In-group collective time per step (exposed or not).
+        sync_seconds: Time of one fragment's outer sum.
+        exposed_sync_seconds: Outer-sum time per step that training waits for (amortized over ``sync_every``).
+        step_seconds: Wall time of one optimizer step, syncs amortized.
+        memory: Memory per rank.
+        fits: Whether the device memory holds it.
+        bottleneck: ``"compute"``, ``"intra-node collectives"``, ``"inter-node collectives"`` or ``"outer sync"``.
+    """
+
+    setup: TrainSetup
+    topology: FederationTopology
+    cluster: ClusterSpec
+    model: ModelSpec
+    compute_seconds: float
+    step_collectives: list[Collective]
+    sync_collectives: list[Collective]
+    collective_seconds: float
+    sync_seconds: float
+    exposed_sync_seconds: float
+    step_seconds: float
+    memory: Memory
+    fits: bool
+    bottleneck: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def sequences_per_step(self) -> int:
+        """Sequences all ranks process per optimizer step."""
+        return self.topology.world_size * self.setup.micro_batch * self.setup.grad_accum
+
+    @property
+    def batch_per_step(self) -> int:
+        """Sequences behind one optimizer step (averaged into one update): a group's, or the cluster's."""
+        ranks = self.topology.group_size if self.setup.federated else self.topology.world_size
+        return ranks * self.setup.micro_batch * self.setup.grad_accum
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Tokens all ranks process per second."""
+        return self.sequences_per_step * self.model.seq_len / self.step_seconds
+
+    @property
+    def sequences_per_second(self) -> float:
+        """Sequences all ranks process per second."""
+        return self.sequences_per_step / self.step_seconds
+
+    @property
+    def compute_utilization(self) -> float:
+        """Share of a step spent computing."""
+        return self.compute_seconds / self.step_seconds
+
+    @property
+    def link_bytes_per_step(self) -> float:
+        """Bytes all nodes send into the network per optimizer step, syncs amortized (the link counters' view)."""
+        step = sum(c.link_bytes * c.calls for c in self.step_collectives)
+        sync = sum(c.link_bytes * c.calls for c in self.sync_collectives)
+        return step + sync * self.setup.fragments / self.setup.sync_every
+
+    @property
+    def link_bytes_per_sync(self) -> float:
+        """Bytes all nodes send into the network per landing of one fragment."""
+        return sum(c.link_bytes * c.calls for c in self.sync_collectives)
+
+
+def topology_of(setup: TrainSetup, cluster: ClusterSpec) -> FederationTopology:
+    """Groups, replicas and shards of ``setup`` (the strategy's own validation and defaults).
+
+    Raises:
+        ValueError: If the ranks cannot be cut so, with the strategy's message.
+    """
+    num_groups = (
+        (setup.num_groups or (cluster.num_nodes if setup.strategy == "fl_fsdp" else 2)) if setup.federated else 1
+    )
+    config = FederationConfig(num_groups=num_groups, shard_size=setup.shard_size if setup.hybrid else None)
+    return config.topology(cluster.num_nodes, cluster.devices_per_node, setup.hybrid)
+
+
+def ring(
+    name: str,
+    rings: Sequence[Sequence[int]],
+    tensor_bytes: float,
+    factor: float,
+    calls: float,
+    cluster: ClusterSpec,
+    pieces: int = 1,
+) -> Collective:
+    """A ring collective run by several rings at once, each on ``tensor_bytes`` (its whole tensor).
+
+    Args:
+        name: Label.
+        rings: The global ranks of every ring, in ring order.
+        tensor_bytes: ``V``, the size of the whole tensor of one ring.
+        factor: 1 for all-gather / reduce-scatter, 2 for all-reduce.
+        calls: Calls per step.
+        cluster: Where the ranks live.
+        pieces: Separate calls the tensor is moved in (one per FSDP unit), each paying the ring's latency.
+    """
+    node_out: dict[int, float] = defaultdict(float)
+    rank_out = 0.0
+    crosses, steps = False, 0
+    for members in rings:
+        n = len(members)
+        if n < 2:
+            continue
+        per_edge = factor * (n - 1) / n * tensor_bytes
+        rank_out = max(rank_out, per_edge)
+        steps = max(steps, int(factor) * (n - 1))
+        for i, rank in enumerate(members):
+            nxt = members[(i + 1) % n]
+            node = rank // cluster.devices_per_node
+            if node != nxt // cluster.devices_per_node:
+                node_out[node] += per_edge
+                crosses = True
+    network = max(node_out.values(), default=0.0) / cluster.inter_bandwidth
+    intra = 0.0 if crosses and _all_edges_cross(rings, cluster) else rank_out / cluster.intra_bandwidth
+    latency = pieces * steps * (cluster.inter_latency if crosses else cluster.intra_latency)
+    return Collective(
+        name,
+        max(network, intra) + latency,
+        max(node_out.values(), default=0.0),
+        sum(node_out.values()),
+        rank_out,
+        calls,
+        crosses,
+    )
+
+
+def _all_edges_cross(rings: Sequence[Sequence[int]], cluster: ClusterSpec) -> bool:
+    d = cluster.devices_per_node
+    return all(r // d != m[(i + 1) % len(m)] // d for m in rings if len(m) > 1 for i, r in enumerate(m))
+
+
+def step_collectives(model: ModelSpec, setup: TrainSetup, t: FederationTopology, c: ClusterSpec) -> list[Collective]:
+    """The in-group collectives of one optimizer step (every micro-batch gathers and reduces again).
+
+    Sharded units are gathered in the forward and again in the backward pass; the root unit (embeddings, output)
+    stays gathered from forward to backward. Gradients are reduce-scattered over the shard ranks (gloo: an
+    all-reduce), then all-reduced over the replicas (HSDP).
+    """
+    shard_rings = [t.shard_ranks(g, r) for g in range(t.num_groups) for r in range(t.num_replicas)]
+    accum = setup.grad_accum
+    layers = model.num_parameters - model.root_parameters
+    gather = (2 * layers + model.root_parameters) * setup.param_bytes
+    scatter_factor = 2.0 if c.gloo_reduce_scatter else 1.0
+    collectives = []
+    units = model.num_layers + 1
+    if t.shard_size > 1:
+        collectives.append(ring("all-gather (parameters)", shard_rings, gather, 1.0, accum, c, 2 * units - 1))
+        name = "reduce-scatter (gradients)" + (", as all-reduce" if c.gloo_reduce_scatter else "")
+        grads = model.num_parameters * setup.grad_bytes
+        collectives.append(ring(name, shard_rings, grads, scatter_factor, accum, c, units))
+    if t.num_replicas > 1:
+        replica_rings = [t.replicate_ranks(g, s) for g in range(t.num_groups) for s in range(t.shard_size)]
+        shard_grads = model.num_parameters * setup.grad_bytes / t.shard_size
+        collectives.append(
+            ring("all-reduce (gradients over replicas)", replica_rings, shard_grads, 2.0, accum, c, units)
+        )
+    return collectives
+
+
+def sync_collectives(model: ModelSpec, setup: TrainSetup, t: FederationTopology, c: ClusterSpec) -> list[Collective]:
+    """The outer sum of one fragment over the ``"fed"`` axis, with the bytes the core's reducer sends."""
+    if not setup.federated or t.num_groups < 2:
+        return []
+    reducer = make_reducer(setup.reduce_dtype, setup.quant_block_size, setup.error_feedback)
+    numel = math.ceil(model.num_parameters / t.shard_size / setup.fragments)
+    per_rank = reducer.wire_bytes(numel, t.num_groups)
+    fed_rings = [t.fed_ranks(r, s) for r in range(t.num_replicas) for s in range(t.shard_size)]
+    # Express the reducer's bytes as a ring all-gather-like collective of the same per-rank volume.
+    tensor = per_rank * t.num_groups / (t.num_groups - 1)
+    return [ring(f"outer sum ({setup.reduce_dtype})", fed_rings, tensor, 1.0, 1.0, c)]
+
+
+def memory(model: ModelSpec, setup: TrainSetup, t: FederationTopology) -> Memory:
+    """Bytes per rank: sharded parameters, gradients and optimizer state, two gathered units and activations.
+
+    On the host: the anchor and the outer optimizer state (and int8/int4 residuals).
+    """
+    shard = model.num_parameters / t.shard_size
+    largest_unit = max(model.layer_parameters, model.root_parameters)
+    tokens = setup.micro_batch * model.seq_len
+    if setup.activation_checkpointing:  # each layer's input, plus one layer's full activations in the backward
+        per_layer = 2 * tokens * model.hidden_size
+        activations = model.num_layers * per_layer + _layer_activations(model, tokens, setup.flash_attention)
+    else:
+        activations = model.num_layers * _layer_activations(model, tokens, setup.flash_attention)
+    residuals = 2 if setup.error_feedback else 0
+    outer_state = (1 if setup.outer_optimizer == "nesterov" else 0) + residuals
+    federated = setup.federated and t.num_groups > 1
+    return Memory(
+        parameters=shard * setup.master_bytes,
+        gradients=shard * setup.master_bytes,
+        optimizer=shard * setup.optimizer_bytes,
+        gathered=2 * largest_unit * setup.param_bytes if t.shard_size > 1 else 0.0,
+        activations=activations,
+        host_anchor=shard * 4 if federated else 0.0,
+        host_outer=shard * 4 * outer_state if federated else 0.0,
+    )
+
+
+def _layer_activations(model: ModelSpec, tokens: int, flash_attention: bool) -> float:
+    # Korthikanti et al. (2022), 16-bit activations without recomputation: T b h (34 + 5 a T / h) bytes per layer;
+    # fused attention (flash / SDPA) keeps no T x T score matrix, which drops the second term.
+    scores = 0.0 if flash_attention else 5 * model.num_heads * model.seq_len / model.hidden_size
+    return tokens * model.hidden_size * (34 + scores)
+
+
+def compute_seconds(model: ModelSpec, setup: TrainSetup, cluster: ClusterSpec) -> float:
+    """One rank's compute per optimizer step: measured, or FLOPs at the assumed MFU."""
+    if cluster.step_seconds is not None:
+        return cluster.step_seconds * setup.grad_accum
+    tokens = setup.micro_batch * setup.grad_accum * model.seq_len
+    return tokens * model.flops_per_token / (cluster.peak_flops * cluster.mfu)
+
+
+def predict(model: ModelSpec, cluster: ClusterSpec, setup: TrainSetup) -> Prediction:
+    """Time, traffic, memory and the bottleneck of ``setup`` on ``cluster`` (see the module docstring).
+
+    Raises:
+        ValueError: If the topology does not fit the cluster, or an option is invalid (the strategy's own messages).
+    """
+    FederationConfig(
+        sync_every=setup.sync_every,
+        fragments=setup.fragments,
+        sync_delay=setup.sync_delay,
+        reduce_dtype=setup.reduce_dtype,
+        quant_block_size=setup.quant_block_size,
+        error_feedback=setup.error_feedback,
+        outer_optimizer=setup.outer_optimizer,
+    )  # the strategy's validation of the sync options, with its messages
+    t = topology_of(setup, cluster)
+    compute = compute_seconds(model, setup, cluster)
+    step = step_collectives(model, setup, t, cluster)
+    collective = sum(col.seconds * col.calls for col in step)
+    inner = max(compute, collective) if cluster.overlap_collectives else compute + collective
+    syncs = sync_collectives(model, setup, t, cluster)
+    sync = sum(col.seconds for col in syncs)
+    hidden = setup.sync_delay * inner  # the sum travels while `sync_delay` steps train
+    exposed = max(0.0, sync - hidden) * setup.fragments / setup.sync_every
+    step_seconds = inner + exposed
+    mem = memory(model, setup, t)
+    intra = sum(col.seconds * col.calls for col in step if not col.crosses_nodes)
+    inter = collective - intra
+    parts = {
+        "compute": compute,
+        "intra-node collectives": intra,
+        "inter-node collectives": inter,
+        "outer sync": exposed,
+    }
+    notes = []
+    if setup.federated and t.group_size % cluster.devices_per_node and cluster.devices_per_node % t.group_size:
+        notes.append("groups do not line up with nodes")
+    return Prediction(
+        setup=setup,
+        topology=t,
+        cluster=cluster,
+        model=model,
+        compute_seconds=compute,
+        step_collectives=step,
+        sync_collectives=syncs,
+        collective_seconds=collective,
+        sync_seconds=sync,
+        exposed_sync_seconds=exposed,
+        step_seconds=step_seconds,
+        memory=mem,
+        fits=mem.device <= cluster.device_memory,
+        bottleneck=max(parts, key=lambda k: parts[k]),
+        notes=notes,
+    )

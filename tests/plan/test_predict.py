@@ -1,0 +1,116 @@
+"""The planner against numbers done on paper, small clusters where every ring edge can be counted by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lightning_fedshard.plan import CLUSTERS, MODELS, ClusterSpec, ModelSpec, TrainSetup, compare, predict, sweep
+from lightning_fedshard.plan.predict import ring
+
+# 2 nodes x 2 ranks, 1 GB/s per node, 10 GB/s inside a node, no latency, compute 1 s per step, no overlap
+CLUSTER = ClusterSpec(
+    "hand", num_nodes=2, devices_per_node=2, step_seconds=1.0, intra_bandwidth=10e9, inter_bandwidth=1e9,
+    intra_latency=0.0, inter_latency=0.0, overlap_collectives=False, device_memory=1e12,
+)  # fmt: skip
+# 1,000 parameters in 2 layers of 400 and a root of 200
+MODEL = ModelSpec("toy", num_parameters=1000, root_parameters=200, num_layers=2, hidden_size=8, num_heads=2, seq_len=4)
+
+
+def test_llama_sizes_match_the_examples_and_the_paper():
+    assert MODELS["xs"].num_parameters == 1_377_408  # LlamaLM(size="xs", vocab_size=4096).num_parameters()
+    assert MODELS["xs"].root_parameters == 4096 * 128 + 128
+    assert MODELS["llama-3.1-8b"].num_parameters == 8_030_261_248  # Llama-3.1-8B's published count
+
+
+def test_ring_counts_only_edges_that_leave_a_node():
+    # ranks 0-3 on nodes 0,0,1,1: a ring 0-1-2-3 crosses at 1->2 and 3->0, one edge per node
+    col = ring("ag", [[0, 1, 2, 3]], tensor_bytes=4e9, factor=1.0, calls=1, cluster=CLUSTER)
+    assert col.rank_bytes == 3e9 and col.node_bytes == 3e9 and col.link_bytes == 6e9
+    assert col.seconds == pytest.approx(3.0)  # 3 GB through a 1 GB/s node link
+    inside = ring("ag", [[0, 1]], tensor_bytes=4e9, factor=2.0, calls=1, cluster=CLUSTER)
+    assert inside.link_bytes == 0 and not inside.crosses_nodes and inside.seconds == pytest.approx(4e9 / 10e9)
+
+
+def test_fsdp_over_two_nodes_by_hand():
+    p = predict(MODEL, CLUSTER, TrainSetup("fsdp"))
+    # all-gather: forward + backward of the layers (800), forward of the root (200): 1,800 values x 4 bytes
+    gather, scatter = p.step_collectives
+    assert gather.link_bytes == 2 * 3 / 4 * 1800 * 4
+    assert scatter.link_bytes == 2 * 3 / 4 * 1000 * 4
+    assert p.link_bytes_per_step == pytest.approx(2 * 0.75 * 2800 * 4)
+    assert p.step_seconds == pytest.approx(1.0 + (0.75 * 2800 * 4) / 1e9)
+    assert p.batch_per_step == 4 and p.bottleneck == "compute"
+
+
+def test_gloo_reduce_scatter_sends_an_all_reduce():
+    gloo = predict(MODEL, ClusterSpec(**{**CLUSTER.__dict__, "gloo_reduce_scatter": True}), TrainSetup("fsdp"))
+    assert gloo.step_collectives[1].link_bytes == 2 * 2 * 0.75 * 1000 * 4
+
+
+def test_fl_fsdp_sends_nothing_across_nodes_between_syncs():
+    p = predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", sync_every=4))
+    assert p.topology.num_groups == 2 and all(not c.crosses_nodes for c in p.step_collectives)
+    (outer,) = p.sync_collectives
+    # each rank all-reduces its 500-value shard over 2 groups: 2 (G-1)/G x 500 x 4 = 2,000 bytes, 2 ranks per node
+    assert outer.rank_bytes == 2000 and outer.node_bytes == 4000 and outer.link_bytes == 8000
+    assert p.link_bytes_per_step == pytest.approx(8000 / 4)
+    assert p.exposed_sync_seconds == pytest.approx(4000 / 1e9 / 4)
+    assert p.batch_per_step == 2  # one group of two ranks
+
+
+def test_hsdp_all_reduces_gradient_shards_across_nodes():
+    p = predict(MODEL, CLUSTER, TrainSetup("hsdp"))
+    *_, replicas = p.step_collectives
+    # 2 rings (one per shard position) of 2 ranks on different nodes, 500 values each: 2 x 1/2 x 2,000 bytes per edge
+    assert replicas.rank_bytes == 2000 and replicas.node_bytes == 4000 and replicas.link_bytes == 8000
+
+
+def test_compressed_outer_traffic_uses_the_core_byte_count():
+    from lightning_fedshard.core.compress import make_reducer
+
+    p = predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", reduce_dtype="int8", error_feedback=True))
+    assert p.sync_collectives[0].rank_bytes == pytest.approx(make_reducer("int8", 128, True).wire_bytes(500, 2))
+
+
+def test_overlap_hides_the_sum_for_sync_delay_steps():
+    slow = ClusterSpec(**{**CLUSTER.__dict__, "inter_bandwidth": 500.0})  # the sum takes 8 s
+    blocking = predict(MODEL, slow, TrainSetup("fl_fsdp", sync_every=4))
+    overlapped = predict(MODEL, slow, TrainSetup("fl_fsdp", sync_every=4, sync_delay=1))
+    assert blocking.exposed_sync_seconds == pytest.approx(blocking.sync_seconds / 4)
+    inner = overlapped.step_seconds - overlapped.exposed_sync_seconds
+    assert overlapped.exposed_sync_seconds == pytest.approx((overlapped.sync_seconds - inner) / 4)
+    assert blocking.bottleneck == "outer sync"
+
+
+def test_memory_per_rank_by_hand():
+    p = predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", outer_optimizer="nesterov"))
+    m = p.memory  # shard of 500 values
+    assert (m.parameters, m.gradients, m.optimizer) == (2000, 2000, 4000)
+    assert m.gathered == 2 * 400 * 4 and m.host_anchor == 2000 and m.host_outer == 2000
+    assert m.activations == 2 * 1 * 4 * 8 * 34  # layers x tokens x hidden x 34 (fused attention)
+
+
+def test_bad_layouts_and_options_fail_with_the_strategy_messages():
+    with pytest.raises(ValueError, match=r"divisible by `num_groups=3`"):
+        predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", num_groups=3))
+    with pytest.raises(ValueError, match=r"reduce_dtype"):
+        predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", reduce_dtype="fp8"))
+
+
+def test_compare_and_sweep():
+    assert [p.setup.strategy for p in compare(MODEL, CLUSTER, TrainSetup("fsdp"))] == [
+        "fsdp", "hsdp", "fl_fsdp", "fl_hsdp"
+    ]  # fmt: skip
+    best = sweep(MODELS["llama-3.1-8b"], CLUSTERS["leonardo-512"], TrainSetup("fl_fsdp", micro_batch=2, param_bytes=2,
+                 grad_bytes=2), top=5)  # fmt: skip
+    assert len(best) == 5 and all(p.fits for p in best)
+    assert [p.tokens_per_second for p in best] == sorted((p.tokens_per_second for p in best), reverse=True)
+
+
+def test_paper_scale_compute_from_flops():
+    p = predict(MODELS["llama-3.1-8b"], CLUSTERS["leonardo-512"], TrainSetup("fsdp", micro_batch=2, param_bytes=2))
+    flops = 2 * 2048 * (6 * 8_030_261_248 + 12 * 32 * 4096 * 2048)
+    assert p.compute_seconds == pytest.approx(flops / (312e12 * 0.4))
+    assert math.isfinite(p.tokens_per_second) and p.sequences_per_step == 1024
