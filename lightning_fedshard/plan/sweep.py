@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
@@ -77,6 +78,8 @@ def sweep(
 ) -> list[Prediction]:
     """The ``top`` federated setups by predicted tokens/s among those that fit in device memory.
 
+    Setups within 0.5% of each other's throughput are ranked by the bytes they send between nodes, fewest first.
+
     Throughput only: a larger ``sync_every`` or a coarser ``reduce_dtype`` may cost perplexity per token, which this
     model does not predict (see docs/benchmarks.md for measured costs).
     """
@@ -88,5 +91,9 @@ def sweep(
             continue
         if prediction.fits:
             predictions.append(prediction)
-    predictions.sort(key=lambda p: p.tokens_per_second, reverse=True)
+    if not predictions:
+        return []
+    # Within 0.5% of each other, setups are equally fast: prefer the one that sends fewer bytes between nodes.
+    best = max(p.tokens_per_second for p in predictions)
+    predictions.sort(key=lambda p: (-math.floor(p.tokens_per_second / best * 200), p.link_bytes_per_step))
     return predictions[:top]
