@@ -66,6 +66,14 @@ FSDP2_ARGS_DOC = """\
             its mesh sizes and ``save_distributed_checkpoint`` are set by the federation and refused here."""
 
 
+#: The ``Args:`` entry of ``plan`` (shared by every federated strategy).
+_PLAN_DOC = """\
+        plan: Check the planner against this run (off by default): a cluster preset of ``fedshard plan`` (e.g.
+            ``"leonardo-512"``) or a dict with ``"cluster"`` and cluster fields to change (e.g.
+            ``{"cluster": "leonardo-512", "inter_bandwidth": 12.5e9}``). At the end of training the predicted and
+            measured step, outer-sum and waiting times are logged (``fedshard/plan/*``); see docs/plan.md."""
+
+
 def _from_runtime(name: str, doc: str) -> Any:
     """A read-only property that reads ``self.runtime.<name>``."""
     return property(lambda self: getattr(self.runtime, name), doc=doc)
@@ -75,9 +83,8 @@ def document_federation_args(backend_args_doc: str) -> Callable[[type], type]:
     """Class decorator: complete a strategy's docstring with the one description of its arguments."""
 
     def document(cls: type) -> type:
-        cls.__doc__ = (
-            (cls.__doc__ or "").rstrip() + "\n\n    Args:\n" + federation_args_doc() + "\n" + backend_args_doc + "\n"
-        )
+        args = federation_args_doc() + "\n" + _PLAN_DOC + "\n" + backend_args_doc
+        cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\n    Args:\n" + args + "\n"
         return cls
 
     return document
@@ -119,6 +126,7 @@ class FederatedArguments:
         error_feedback: bool = False,
         sync_delay: int = 0,
         merge_alpha: float = 0.0,
+        plan: str | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         if not self.hybrid and shard_size is not None:
@@ -129,7 +137,11 @@ class FederatedArguments:
         # Every FederationConfig field is an argument of this constructor, with the same default (a test checks it).
         arguments = locals()
         config = FederationConfig(**{f.name: arguments[f.name] for f in dataclasses.fields(FederationConfig)})
-        self.runtime = FederatedRuntime(config, self.hybrid, self.strategy_name, self.backend)
+        if plan is not None:
+            from lightning_fedshard.plan.check import cluster_of
+
+            cluster_of(plan, 1, 1)  # a bad preset or field fails here, before any process starts
+        self.runtime = FederatedRuntime(config, self.hybrid, self.strategy_name, self.backend, plan)
         super().__init__(**kwargs)
         state_dict_type = getattr(self, "_state_dict_type", None)  # private in Lightning, which does not validate it
         if state_dict_type not in STATE_DICT_TYPES:
@@ -143,6 +155,9 @@ class FederatedArguments:
     federation = _from_runtime("federation", "This rank's federation (outer step and schedule), after initialization.")
     fragment_parameter_names = _from_runtime(
         "fragment_parameter_names", "The model's parameter names in each streaming fragment, once it is set up."
+    )
+    plan_report = _from_runtime(
+        "plan_report", "Predicted and measured step and sync times at the end of training (with ``plan=...``)."
     )
 
     # -- Lightning hooks of the strategy behind this class (no @override: this class has no such base) --------------
@@ -168,7 +183,9 @@ class FederatedArguments:
 
 
 # jsonargparse (LightningCLI's --help) reads each argument's description from the class that takes it.
-FederatedArguments.__doc__ = f"{(FederatedArguments.__doc__ or '').rstrip()}\n\n    Args:\n{federation_args_doc()}\n"
+FederatedArguments.__doc__ = (
+    f"{(FederatedArguments.__doc__ or '').rstrip()}\n\n    Args:\n{federation_args_doc()}\n{_PLAN_DOC}\n"
+)
 
 
 class FSDP1Arguments(FederatedArguments):

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,27 @@ from lightning_fedshard.core.topology import FederationTopology
 log = logging.getLogger(__name__)
 
 
+class _Measured:
+    """Wall time, steps and syncs of training since :meth:`FederatedRuntime.start`, for the plan check."""
+
+    def __init__(self, start_step: int = 0) -> None:
+        self.start_step, self.clock = start_step, time.perf_counter()
+        self.steps, self.seconds = 0, 0.0
+        self.syncs, self.sync_seconds, self.exposed_seconds = 0, 0.0, 0.0
+        self._stopped = False
+
+    def add(self, stats: SyncStats) -> None:
+        if not self._stopped:
+            self.syncs += 1
+            self.sync_seconds += stats.seconds
+            self.exposed_seconds += stats.exposed_seconds
+
+    def stop(self, step: int) -> None:
+        if not self._stopped:
+            self.steps, self.seconds = step - self.start_step, time.perf_counter() - self.clock
+            self._stopped = True
+
+
 class FederatedRuntime:
     """One rank's federation as a strategy sees it: set up once, then told about every optimizer step.
 
@@ -53,9 +75,19 @@ class FederatedRuntime:
         hybrid: FL+HSDP (HYBRID_SHARD inside a group) instead of FL+FSDP (FULL_SHARD).
         name: The strategy's registered name, for messages.
         backend: How the model is sharded: FSDP1 (default) or FSDP2 (see :mod:`lightning_fedshard.core.sharding`).
+        plan: A cluster for the planner (a preset name or a dict, see :func:`lightning_fedshard.plan.check.cluster_of`):
+            at the end of training the predicted and measured step and sync times are logged and kept in
+            :attr:`plan_report`. ``None``: no check.
     """
 
-    def __init__(self, config: FederationConfig, hybrid: bool, name: str, backend: ShardingBackend = FSDP1) -> None:
+    def __init__(
+        self,
+        config: FederationConfig,
+        hybrid: bool,
+        name: str,
+        backend: ShardingBackend = FSDP1,
+        plan: str | dict[str, Any] | None = None,
+    ) -> None:
         self.config = config
         self.hybrid = hybrid
         self.name = name
@@ -68,6 +100,9 @@ class FederatedRuntime:
         self._module: Module | None = None
         self._optimizers: list[Optimizer] = []
         self._round_clock = time.perf_counter()
+        self.plan = plan
+        self.plan_report: dict[str, float] | None = None
+        self._measured = _Measured()
 
     # -- topology and mesh ------------------------------------------------------------------------------------
 
@@ -111,6 +146,7 @@ class FederatedRuntime:
     def setup(self, num_nodes: int, devices_per_node: int, device: torch.device) -> None:
         """Build the federation mesh and the federation; collective, after the default process group exists."""
         topology = self.resolve_topology(num_nodes, devices_per_node)
+        self._devices_per_node = devices_per_node
         self._mesh = build_federation_mesh(topology, device.type)
         self._federation = Federation(self.config, self._mesh.communicator())
         log.info(f"{self.name}: rank {self._mesh.rank} at {self._mesh.coords} of {topology}")
@@ -209,6 +245,7 @@ class FederatedRuntime:
         optimizer step and the sync), that sync runs now, as it did in the uninterrupted run.
         """
         self.step = step
+        self._measured = _Measured(start_step=step)
         federation = self.federation
         federation.start(
             self.local_shards(),
@@ -247,7 +284,11 @@ class FederatedRuntime:
         """End of training: sync once more if it stopped between two syncs, so every group holds the consensus."""
         if self.syncs_are_identity:
             return None
-        return self._synced(self.federation.finish(self.step))
+        self._measured.stop(self.step)  # the end-of-training sync is not part of the training pace
+        stats = self._synced(self.federation.finish(self.step))
+        if self.plan is not None:
+            self.plan_report = self._check_plan()
+        return stats
 
     def _synced(self, stats: SyncStats | None) -> SyncStats | None:
         if stats is None:
@@ -259,6 +300,7 @@ class FederatedRuntime:
             utilization = max(0.0, 1.0 - stats.exposed_seconds / round_seconds)
             stats = replace(stats, compute_utilization=utilization)
         self.last_sync_stats = stats
+        self._measured.add(stats)
         self._restart_skipped_groups(stats)
         return stats
 
@@ -293,6 +335,48 @@ class FederatedRuntime:
         if self.federation.communicator.group_index in stats.skipped_groups:
             for optimizer in self._optimizers:
                 optimizer.state.clear()
+
+    def _check_plan(self) -> dict[str, float]:
+        """The planner's prediction for this run next to what it measured (collective: sums the model's size)."""
+        from lightning_fedshard.plan.check import RunFacts, check_run
+        from lightning_fedshard.plan.specs import TrainSetup
+
+        t, config, m = self.topology, self.config, self._measured
+        local = torch.tensor(float(sum(s.numel() for s in self.local_shards())), dtype=torch.float64)
+        if t.shard_size > 1:
+            dist.all_reduce(local, group=self.mesh.group("shard"))
+        facts = RunFacts(
+            num_nodes=t.world_size // self._devices_per_node,
+            devices_per_node=self._devices_per_node,
+            hybrid=self.hybrid,
+            num_groups=t.num_groups,
+            shard_size=t.shard_size,
+            num_parameters=int(local.item()),
+            num_units=len(self.local_shards()),
+            steps=m.steps,
+            seconds=m.seconds,
+            syncs=m.syncs,
+            sync_seconds=m.sync_seconds,
+            exposed_seconds=m.exposed_seconds,
+        )
+        setup = TrainSetup(
+            strategy="fl_hsdp" if self.hybrid else "fl_fsdp",
+            sync_every=config.sync_every,
+            fragments=config.fragments,
+            sync_delay=config.sync_delay,
+            reduce_dtype=config.reduce_dtype if isinstance(config.reduce_dtype, str) else "float32",
+            quant_block_size=config.quant_block_size,
+            error_feedback=config.error_feedback,
+        )
+        report = check_run(self.plan, setup, facts)  # type: ignore[arg-type]
+        rank_zero_info(
+            f"{self.name}: plan vs run over {m.steps} step(s): step {report['predicted_step_seconds']:.3g} s predicted,"
+            f" {report['measured_step_seconds']:.3g} s measured; outer sum {report['predicted_sync_seconds']:.3g} s"
+            f" predicted, {report['measured_sync_seconds']:.3g} s measured; training waited"
+            f" {report['predicted_exposed_sync_per_step']:.3g} s per step predicted,"
+            f" {report['measured_exposed_sync_per_step']:.3g} s measured."
+        )
+        return report
 
     @contextmanager
     def consensus_weights(self) -> Iterator[None]:

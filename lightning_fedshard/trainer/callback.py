@@ -64,9 +64,14 @@ class OuterSync(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        stats = _runtime(trainer).finish()
+        runtime = _runtime(trainer)
+        stats = runtime.finish()
         if stats is not None and self.log_stats:
             _log_to_loggers(trainer, stats)  # `self.log` is not allowed in `on_train_end`
+        if runtime.plan_report is not None:
+            report = {f"fedshard/plan/{k}": v for k, v in runtime.plan_report.items()}
+            for logger in trainer.loggers:
+                logger.log_metrics(report, step=trainer.global_step)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -50,6 +50,7 @@ SCENARIOS_4 = [
         val_check_interval=6,
         csv=True,
         mid_ckpt_step=3,
+        plan={"cluster": "emulated-4x2", "inter_bandwidth": 1e8},  # the plan check at the end of fit
     ),
     # the registered name with its defaults: one group per node, sync every 8, fedavg
     dict(BASE, name="by_name", strategy="fl_fsdp", by_name=True, max_steps=9),
@@ -358,6 +359,23 @@ def test_each_sync_is_logged(four):
         assert float(row["fedshard/outer_grad_norm"]) > 0
         assert float(row["fedshard/drift"]) > 0
         assert float(row["fedshard/sync_seconds"]) >= 0
+
+
+@pytest.mark.parametrize("name", ["fsdp_nesterov", "fsdp_nesterov@fsdp2"])
+def test_plan_check_logs_predicted_and_measured_times(four, name):
+    ranks = four[name]
+    report = ranks[0]["plan_report"]
+    assert report["measured_step_seconds"] > 0 and report["measured_sync_seconds"] > 0
+    # 2 groups x 2 shards of a 213-value model: each rank sends 2 x 1/2 x ~107 values x 4 bytes per sum at 100 MB/s
+    assert 0 < report["predicted_sync_seconds"] < 1e-3 + 2 * 0.0001 * 2  # latency of the 2-step ring included
+    assert (
+        report["predicted_step_seconds"] >= report["measured_step_seconds"] - report["measured_exposed_sync_per_step"]
+    )
+    rows = list(csv.DictReader(open(next(ranks[0]["dir"].glob("csv/*/metrics.csv")))))
+    logged = [row for row in rows if row.get("fedshard/plan/predicted_step_seconds")]
+    assert len(logged) == 1 and float(logged[0]["fedshard/plan/measured_step_seconds"]) == pytest.approx(
+        report["measured_step_seconds"]
+    )
 
 
 # -- OuterSync first in line: every other callback sees the synced state -------------------------------------------
