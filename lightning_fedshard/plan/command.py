@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import json as jsonlib
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 from lightning_fedshard.plan.predict import Prediction
 from lightning_fedshard.plan.specs import CLUSTERS, GIB, MODELS, ClusterSpec, ModelSpec, TrainSetup
-from lightning_fedshard.plan.sweep import compare, sweep
+from lightning_fedshard.plan.sweep import compare
+from lightning_fedshard.plan.sweep import sweep as sweep_setups
 
 
 def plan(
@@ -41,13 +42,13 @@ def plan(
     grad_accum: int = 1,
     precision: Literal["bf16", "fp32"] = "bf16",
     activation_checkpointing: bool = False,
-    sweep_configs: bool = False,
+    sweep: bool = False,
     top: int = 10,
-    as_json: bool = False,
+    json: bool = False,
 ) -> list[Prediction]:
     """Predict throughput, traffic, memory and the bottleneck of FSDP, HSDP, FL+FSDP and FL+HSDP before a run.
 
-    Prints a table of the four strategies at the given settings, or with ``--sweep_configs true`` the fastest
+    Prints a table of the four strategies at the given settings, or with ``--sweep true`` the fastest
     federated configurations (groups x shard size x sync_every x fragments x dtype x delay) that fit in device
     memory. The equations, their assumptions and the calibration against measured runs are in docs/plan.md.
 
@@ -80,9 +81,9 @@ def plan(
         precision: ``bf16`` (parameters gathered and gradients reduced in bf16, float32 master weights and AdamW) or
             ``fp32``.
         activation_checkpointing: Recompute each layer in the backward pass.
-        sweep_configs: Rank the federated configurations instead of comparing the four strategies.
+        sweep: Rank the federated configurations instead of comparing the four strategies.
         top: Rows of the sweep.
-        as_json: Print JSON instead of a table.
+        json: Print JSON instead of a table.
 
     Returns:
         The predictions printed.
@@ -109,14 +110,14 @@ def plan(
         grad_bytes=wide,
         activation_checkpointing=activation_checkpointing,
     )
-    predictions = sweep(spec, machine, base, top=top) if sweep_configs else compare(spec, machine, base)
-    print(to_json(predictions) if as_json else table(predictions))
+    predictions = sweep_setups(spec, machine, base, top=top) if sweep else compare(spec, machine, base)
+    print(to_json(predictions) if json else table(predictions))
     return predictions
 
 
 def _model(name: str, config: Path | None, seq_len: int | None) -> ModelSpec:
     if config is not None:
-        fields = SimpleNamespace(**json.loads(Path(config).read_text()))
+        fields = SimpleNamespace(**jsonlib.loads(Path(config).read_text()))
         return ModelSpec.from_transformers_config(fields, seq_len or 2048, name=Path(config).parent.name or "model")
     if name not in MODELS:
         raise ValueError(f"Unknown `model={name!r}`; choose one of {sorted(MODELS)} or give `model_config`.")
@@ -174,7 +175,7 @@ def summary(p: Prediction) -> dict[str, Any]:
 
 def to_json(predictions: list[Prediction]) -> str:
     """The predictions as a JSON list."""
-    return json.dumps([summary(p) for p in predictions], indent=1)
+    return jsonlib.dumps([summary(p) for p in predictions], indent=1)
 
 
 def table(predictions: list[Prediction]) -> str:

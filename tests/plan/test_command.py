@@ -14,7 +14,7 @@ def test_help_documents_every_input():
         [sys.executable, "-m", "lightning_fedshard", "plan", "--help"], capture_output=True, text=True, timeout=120
     ).stdout
     for arg in ("--model", "--cluster", "--inter_gbit_per_s", "--step_seconds", "--sync_every", "--reduce_dtype",
-                "--sweep_configs", "--as_json"):  # fmt: skip
+                "--sweep", "--json"):  # fmt: skip
         assert arg in out
     assert "Network bandwidth of one node (Gbit/s)" in " ".join(out.split())
 
@@ -24,6 +24,6 @@ def test_table_and_json(capsys):
     table = capsys.readouterr().out
     assert [p.setup.strategy for p in predictions] == ["fsdp", "hsdp", "fl_fsdp", "fl_hsdp"]
     assert "| fl_fsdp | 4 x 1 x 2 |" in table
-    plan(model="xs", cluster="emulated-4x2", as_json=True, sweep_configs=True, top=3)
+    plan(model="xs", cluster="emulated-4x2", json=True, sweep=True, top=3)
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 3 and {"tokens_per_second", "bottleneck", "collectives"} <= set(rows[0])
