@@ -15,9 +15,14 @@ Definitions (per run, then median and min-max over the repeats):
 
 - **step time**: clock of step 16 minus clock of step 8, over 8 steps: one whole round after the first sync (the
   pace window of :func:`benchmarks.sync_report.analyze_run`); tokens/s = tokens per step / step time.
-- **utilization** of a federated run: the same repeat's no-sync step time / its step time. FL+FSDP's groups are
-  whole nodes and send nothing across links between syncs, so its no-sync pace is measured once per repeat,
-  unthrottled; FL+HSDP's replicas talk across nodes every step, so its no-sync run uses the same link.
+- **utilization** of a federated run: the same repeat's no-sync pace / its pace, both over the whole run up to
+  the end of the end-of-fit sync (``(train_seconds + finish_seconds) / steps``): rank 0 waits in that sync for the
+  slowest group, so it is the slowest group's pace (rank 0's step clock is its own group's, and without syncs the
+  groups drift apart). FL+FSDP's groups are whole nodes and send nothing across links between syncs, so its
+  no-sync pace is measured once per repeat, unthrottled; FL+HSDP's replicas talk across nodes every step, so its
+  no-sync run uses the same link.
+- **in-run utilization**: the strategy's own figure over the pace window, ``1 - exposed sync seconds / window
+  seconds`` (``fedshard/sync_exposed_seconds`` as rank 0 logged it): no second run, so no run-to-run noise.
 - **link bytes per step**: every node's upload over training (validation and the end-of-fit syncs excluded) / steps.
 - **model bytes**: :func:`lightning_fedshard.plan.predict` on the emulated cluster (ring collectives, gloo's
   reduce-scatter as an all-reduce, the outer reducer's own byte count).
@@ -115,6 +120,10 @@ def analyze(results: dict[str, Any]) -> dict[str, Any]:
                 "link": link_of(config),
                 "kind": kind_of(config),
                 "step_time": derived["step_time"],
+                # Whole run, the end-of-fit sync included: rank 0 waits there for the slowest group, so this is the
+                # slowest group's pace (rank 0's own clock is group 0's alone, and without syncs groups drift apart).
+                "run_pace": (run["train_seconds"] + run.get("finish_seconds", 0.0)) / steps,
+                "inrun_utilization": derived["strategy_utilization_window"],
                 "tokens_per_s": run["tokens_per_step"] / derived["step_time"],
                 "link_bytes_per_step": link_step,
                 "model_bytes_per_step": predict(model, emulated(link_of(config)), setup_of(run)).link_bytes_per_step,
@@ -143,7 +152,7 @@ def _utilization(run: dict[str, Any], by_name: dict[str, dict[str, Any]]) -> flo
     strategy = run["kind"].split("-")[0]
     link = "unthrottled" if strategy == "fl_fsdp" else run["config"].rsplit("-", 1)[1]
     nosync = by_name.get(f"{strategy}-nosync-{link}-r{run['repeat']}")
-    return nosync["step_time"] / run["step_time"] if nosync else math.nan
+    return nosync["run_pace"] / run["run_pace"] if nosync else math.nan
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -163,11 +172,12 @@ def _summarize(group: list[dict[str, Any]]) -> dict[str, Any]:
         "step_time": spread([r["step_time"] for r in group]),
         "tokens_per_s": spread([r["tokens_per_s"] for r in group]),
         "utilization": spread([r["utilization"] for r in group]),
+        "inrun_utilization": spread([r["inrun_utilization"] for r in group]),
         "link_bytes_per_step": measured,
         "model_bytes_per_step": first["model_bytes_per_step"],
-        "bytes_ratio": measured["median"] / first["model_bytes_per_step"]
-        if first["model_bytes_per_step"]
-        else math.nan,
+        # No-sync runs end before their first sync, which the model amortizes over `sync_every`: not comparable.
+        "bytes_ratio": math.nan if "nosync" in first["kind"] else measured["median"] / first["model_bytes_per_step"],
+        "run_pace": spread([r["run_pace"] for r in group]),
         "cpu_seconds_per_rank": spread([statistics.fmean(r["cpu_seconds"]) for r in group if r["cpu_seconds"]]),
         "model_state_bytes_rank0": first["model_state_bytes"][0] if first["model_state_bytes"] else None,
         "maxrss_mib_rank0": spread([r["maxrss_mib"][0] for r in group if r["maxrss_mib"]]),
@@ -216,25 +226,47 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
             "spread": best[1]["utilization"] if best else None,
         }
     )
-    fl, fsdp = summary.get("fl_fsdp-20mbit"), summary.get("fsdp-20mbit")
-    for corrected in (False, True):
-        key = "tokens_per_s_true_reduce_scatter" if corrected else None
-        if fl and fsdp:
-            base = fsdp.get(key, math.nan) if key else fsdp["tokens_per_s"]["median"]
-            ratio = fl["tokens_per_s"]["median"] / base
-            runs = min(fl["tokens_per_s"]["n"], fsdp["tokens_per_s"]["n"])
-        else:
-            ratio, runs = None, 0
-        label = " (FSDP corrected to a true reduce-scatter)" if corrected else " (FSDP on gloo)"
-        out.append(
-            {
-                "target": f"FL+FSDP / FSDP tokens/s at 20 Mbit/s{label}",
-                "measured": ratio,
-                "bound": PAPER_FACTOR,
-                "met": bool(ratio is not None and ratio >= PAPER_FACTOR),
-                "runs": runs,
-            }
-        )
+    best_inrun = max(at50.items(), key=lambda kv: _finite(kv[1]["inrun_utilization"]["median"]), default=None)
+    out.append(
+        {
+            "target": "the same, as the strategy measures it in-run (1 - exposed sync time / time)",
+            "measured": best_inrun[1]["inrun_utilization"]["median"] if best_inrun else None,
+            "bound": UTILIZATION_TARGET,
+            "met": bool(best_inrun and best_inrun[1]["inrun_utilization"]["median"] >= UTILIZATION_TARGET),
+            "runs": best_inrun[1]["inrun_utilization"]["n"] if best_inrun else 0,
+            "configuration": best_inrun[0] if best_inrun else None,
+            "spread": best_inrun[1]["inrun_utilization"] if best_inrun else None,
+        }
+    )
+    fsdp = summary.get("fsdp-20mbit")
+    at20 = {k: v for k, v in summary.items() if v["kind"].startswith("fl_fsdp") and v["link"] == 20.0}
+    fastest = max(at20, key=lambda k: _finite(at20[k]["tokens_per_s"]["median"]), default=None)
+    for config in dict.fromkeys(["fl_fsdp-20mbit", fastest]):
+        fl = summary.get(config) if config else None
+        for corrected in (False, True):
+            if fl and fsdp:
+                base = (
+                    fsdp.get("tokens_per_s_true_reduce_scatter", math.nan)
+                    if corrected
+                    else fsdp["tokens_per_s"]["median"]
+                )
+                ratio, runs = (
+                    fl["tokens_per_s"]["median"] / base,
+                    min(fl["tokens_per_s"]["n"], fsdp["tokens_per_s"]["n"]),
+                )
+            else:
+                ratio, runs = None, 0
+            how = "FSDP corrected to a true reduce-scatter" if corrected else "FSDP on gloo"
+            option = "default float32 outer traffic" if config == "fl_fsdp-20mbit" else f"fastest option: {config}"
+            out.append(
+                {
+                    "target": f"FL+FSDP / FSDP tokens/s at 20 Mbit/s ({option}; {how})",
+                    "measured": ratio,
+                    "bound": PAPER_FACTOR,
+                    "met": bool(ratio is not None and ratio >= PAPER_FACTOR),
+                    "runs": runs,
+                }
+            )
     out.append(
         {
             "target": "best federated strategy below the best of FSDP/HSDP in mean validation perplexity at equal wall"
@@ -286,14 +318,15 @@ def _order(summary: dict[str, Any]) -> list[str]:
 def throughput_table(summary: dict[str, Any]) -> str:
     """Measured throughput, utilization and bytes beside the model, per configuration."""
     lines = [
-        "| configuration | link | tokens/s median (min-max) | utilization | link MB/step | model MB/step | measured /"
-        " model | runs |",
-        "|---|---|---|---|---|---|---|---|",
+        "| configuration | link | tokens/s median (min-max) | utilization vs no-sync run | in-run utilization |"
+        " link MB/step | model MB/step | measured / model | runs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name in _order(summary):
         s = summary[name]
         lines.append(
             f"| {s['kind']} | {_link(s['link'])} | {_r(s['tokens_per_s'])} | {_r(s['utilization'], '{:.2f}')} |"
+            f" {_r(s['inrun_utilization'], '{:.2f}')} |"
             f" {s['link_bytes_per_step']['median'] / 1e6:.2f} | {s['model_bytes_per_step'] / 1e6:.2f} |"
             f" {'-' if math.isnan(s['bytes_ratio']) else format(s['bytes_ratio'], '.3f')} | {s['tokens_per_s']['n']} |"
         )
