@@ -391,6 +391,33 @@ def memory_table(summary: dict[str, Any]) -> str:
 # -- plots -----------------------------------------------------------------------------------------------------------
 
 
+#: Where each link rate is drawn (Mbit/s); unthrottled at 1 Gbit/s.
+_RATES = {None: 1000.0, 200.0: 200.0, 50.0: 50.0, 20.0: 20.0}
+_LINK_AXIS = "link per node (Mbit/s; 1000 = unthrottled)"
+
+
+def _spread_lines(ax: Any, summary: dict[str, Any], kinds: list[str], metric: str) -> None:
+    """One line per configuration kind over the link rates: medians, with min-max bars."""
+    for kind in kinds:
+        points = sorted(
+            (_RATES[s["link"]], s[metric]) for s in summary.values() if s["kind"] == kind and s[metric]["n"]
+        )
+        if not points:
+            continue
+        low = [p[1]["median"] - p[1]["min"] for p in points]
+        high = [p[1]["max"] - p[1]["median"] for p in points]
+        ax.errorbar([p[0] for p in points], [p[1]["median"] for p in points], yerr=[low, high], marker="o",
+                    capsize=3, label=kind)  # fmt: skip
+
+
+def _save(fig: Any, ax: Any, title: str, path: Path) -> Path:
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
 def plot(summary: dict[str, Any], images: Path) -> list[Path]:
     """Throughput vs bandwidth with spread bars; utilization per sync option; bytes against the model."""
     import matplotlib
@@ -399,46 +426,21 @@ def plot(summary: dict[str, Any], images: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     images.mkdir(parents=True, exist_ok=True)
+    kinds = sorted({s["kind"] for s in summary.values() if "nosync" not in s["kind"]})
     paths = []
-    rates = {None: 1000.0, 200.0: 200.0, 50.0: 50.0, 20.0: 20.0}  # unthrottled drawn at 1 Gbit/s
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for kind in sorted({s["kind"] for s in summary.values()}):
-        if "nosync" in kind:
-            continue
-        points = sorted((rates[s["link"]], s["tokens_per_s"]) for s in summary.values() if s["kind"] == kind)
-        x = [p[0] for p in points]
-        y = [p[1]["median"] for p in points]
-        err = [[p[1]["median"] - p[1]["min"] for p in points], [p[1]["max"] - p[1]["median"] for p in points]]
-        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=kind)
-    ax.set(xscale="log", yscale="log", xlabel="link per node (Mbit/s; 1000 = unthrottled)", ylabel="tokens/s")
-    ax.set_title("Throughput, median and min-max of the repeats")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(images / "throughput_vs_bandwidth.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for kind in sorted({s["kind"] for s in summary.values() if s["kind"].startswith("fl_")}):
-        points = sorted(
-            (rates[s["link"]], s["utilization"])
-            for s in summary.values()
-            if s["kind"] == kind and s["utilization"]["n"]
-        )
-        if not points:
-            continue
-        x = [p[0] for p in points]
-        y = [p[1]["median"] for p in points]
-        err = [[p[1]["median"] - p[1]["min"] for p in points], [p[1]["max"] - p[1]["median"] for p in points]]
-        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=kind)
+    _spread_lines(ax, summary, kinds, "tokens_per_s")
+    ax.set(xscale="log", yscale="log", xlabel=_LINK_AXIS, ylabel="tokens/s")
+    paths.append(
+        _save(fig, ax, "Throughput, median and min-max of the repeats", images / "throughput_vs_bandwidth.png")
+    )
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    _spread_lines(ax, summary, [k for k in kinds if k.startswith("fl_")], "utilization")
     ax.axhline(UTILIZATION_TARGET, color="grey", linestyle="--", linewidth=1)
-    ax.set(xscale="log", xlabel="link per node (Mbit/s; 1000 = unthrottled)", ylabel="no-sync pace / pace")
-    ax.set_title("Compute utilization of the federated runs")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(images / "throughput_utilization.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    ax.set(xscale="log", xlabel=_LINK_AXIS, ylabel="no-sync pace / pace")
+    paths.append(_save(fig, ax, "Compute utilization of the federated runs", images / "throughput_utilization.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     names = _order(summary)
@@ -448,12 +450,8 @@ def plot(summary: dict[str, Any], images: Path) -> list[Path]:
     ax.bar([i + 0.2 for i in x], [summary[n]["model_bytes_per_step"] / 1e6 for n in names], 0.4, label="byte model")
     ax.set_xticks(list(x), names, rotation=90, fontsize=6)
     ax.set(yscale="log", ylabel="MB per optimizer step (all nodes)")
-    ax.set_title("Link bytes against the byte model")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(images / "throughput_bytes.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(fig, ax, "Link bytes against the byte model", images / "throughput_bytes.png"))
+    plt.close("all")
     return paths
 
 

@@ -282,26 +282,23 @@ class FederationCheckpointer:
         )
         if not fedshard["started"]:
             return  # saved before training started: the weights are all there is
-        differences = self._layout_differences(fedshard["layout"], read)
+        outer = read(outer_entry(self.shard))
+        differences = self._layout_differences(fedshard["layout"], outer)
         if differences:
             self.federation.outer.num_syncs = int(schedule["num_syncs"])
             self._warn(_topology_message(path, differences))
             return
-        self._restore_exactly(path, read, optimizers)
+        self._restore_exactly(path, outer, read, optimizers)
 
-    def _layout_differences(self, saved: dict[str, Any], read: ReadEntry) -> list[str]:
+    def _layout_differences(self, section_layout: dict[str, Any], outer: dict[str, Any] | None) -> list[str]:
         """How the checkpoint's layout differs from this run's, agreed by all ranks (collective).
 
-        The section holds rank 0's layout; each in-group position compares its own local shard sizes with those its
-        position saved in the ``outer`` entry (FSDP2's shards are uneven), and if any rank differs, all of them resume
-        from the consensus.
+        Each in-group position compares with the layout it saved in its ``outer`` entry (FSDP2's local shards differ
+        between positions); older checkpoints have none there, and their (FSDP1) shards were equal at every position,
+        so the section's (rank 0's) layout stands for all. If any rank differs, all of them resume from the consensus.
         """
-        current = self._layout()
-        differences = layout_differences(saved, current)
-        if differences and all(d.startswith("shard_") for d in differences):  # maybe just another position's sizes
-            own = (read(outer_entry(self.shard)) or {}).get("layout")
-            # older checkpoints hold no layout of their own: their (FSDP1) shards are equal at every position
-            differences = differences if own is None else layout_differences(own, current)
+        saved = (outer or {}).get("layout") or section_layout
+        differences = layout_differences(saved, self._layout())
         anywhere = torch.tensor([float(bool(differences))])
         if dist.is_initialized() and dist.get_world_size() > 1:
             with collective_failures("agreement on the checkpoint layout"):
@@ -310,12 +307,15 @@ class FederationCheckpointer:
             differences = ["local shard sizes at another in-group position"]
         return differences
 
-    def _restore_exactly(self, path: Path, read: ReadEntry, optimizers: Sequence[Optimizer]) -> None:
+    def _restore_exactly(
+        self, path: Path, outer: dict[str, Any] | None, read: ReadEntry, optimizers: Sequence[Optimizer]
+    ) -> None:
         outer_name, group_name = outer_entry(self.shard), group_entry(self.group, self.shard)
-        outer, group = read(outer_name), read(group_name)
+        group = read(group_name)
         for name, entry in ((outer_name, outer), (group_name, group)):
             if entry is None:
                 raise RuntimeError(f"Checkpoint {str(path)!r} is incomplete: entry {name!r} is missing.")
+        assert outer is not None and group is not None  # checked just above
         if len(group["optimizers"]) != len(optimizers):
             raise RuntimeError(
                 f"Checkpoint {str(path)!r} holds {len(group['optimizers'])} inner optimizer state(s), but this run"
