@@ -88,6 +88,8 @@ def plan(
     Returns:
         The predictions printed.
     """
+    if top < 1:
+        raise ValueError(f"`top={top!r}` must be a positive number of rows.")
     spec = _model(model, model_config, seq_len)
     machine = _cluster(
         cluster, nodes, devices_per_node, peak_tflops, mfu, step_seconds, device_memory_gib,
@@ -206,4 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of ``fedshard plan`` (``argv`` without the ``plan`` word)."""
     from jsonargparse import CLI
 
-    CLI(plan, args=sys.argv[2:] if argv is None else argv, as_positional=False)
+    try:
+        CLI(plan, args=sys.argv[2:] if argv is None else argv, as_positional=False)
+    except ValueError as error:  # bad input: one line naming the value, no traceback
+        raise SystemExit(f"fedshard plan: error: {error}") from None

@@ -12,6 +12,14 @@ STRATEGIES: tuple[Strategy, ...] = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp")
 GIB = 1024**3
 
 
+def _positive(spec: Any, *names: str) -> None:
+    """Raise ``ValueError`` naming the first of ``names`` that is not a positive number."""
+    for name in names:
+        value = getattr(spec, name)
+        if not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"`{name}={value!r}` must be a positive number.")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A decoder-only transformer as the planner sees it.
@@ -140,6 +148,16 @@ class ClusterSpec:
     overlap_collectives: bool = True
     gloo_reduce_scatter: bool = False
 
+    def __post_init__(self) -> None:
+        _positive(self, "num_nodes", "devices_per_node", "peak_flops", "device_memory", "host_memory")
+        _positive(self, "intra_bandwidth", "inter_bandwidth")
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"`mfu={self.mfu!r}` must be in (0, 1].")
+        if self.step_seconds is not None:
+            _positive(self, "step_seconds")
+        if self.intra_latency < 0 or self.inter_latency < 0:
+            raise ValueError(f"Latencies must be >= 0, got {self.intra_latency!r} and {self.inter_latency!r}.")
+
     @property
     def world_size(self) -> int:
         """All ranks ``N``."""
@@ -225,6 +243,13 @@ class TrainSetup:
     optimizer_bytes: int = 8
     activation_checkpointing: bool = False
     flash_attention: bool = True
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"`strategy={self.strategy!r}` must be one of {list(STRATEGIES)}.")
+        _positive(self, "micro_batch", "grad_accum", "param_bytes", "grad_bytes", "master_bytes")
+        if self.optimizer_bytes < 0:
+            raise ValueError(f"`optimizer_bytes={self.optimizer_bytes!r}` must be >= 0.")
 
     @property
     def federated(self) -> bool:

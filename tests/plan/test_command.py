@@ -27,3 +27,13 @@ def test_table_and_json(capsys):
     plan(model="xs", cluster="emulated-4x2", json=True, sweep=True, top=3)
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 3 and {"tokens_per_second", "bottleneck", "collectives"} <= set(rows[0])
+
+
+def test_bad_input_is_one_line_naming_the_value():
+    run = subprocess.run(
+        [sys.executable, "-m", "lightning_fedshard", "plan", "--micro_batch", "0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines()[-1] == "fedshard plan: error: `micro_batch=0` must be a positive number."
+    assert "Traceback" not in run.stderr

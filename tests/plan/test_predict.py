@@ -115,3 +115,19 @@ def test_paper_scale_compute_from_flops():
     flops = 2 * 2048 * (6 * 8_030_261_248 + 12 * 32 * 4096 * 2048)
     assert p.compute_seconds == pytest.approx(flops / (312e12 * 0.4))
     assert math.isfinite(p.tokens_per_second) and p.sequences_per_step == 1024
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: TrainSetup("ddp"), r"`strategy='ddp'` must be one of"),
+        (lambda: TrainSetup("fsdp", micro_batch=0), r"`micro_batch=0` must be a positive number"),
+        (lambda: ClusterSpec("c", 2, 0), r"`devices_per_node=0` must be a positive number"),
+        (lambda: ClusterSpec("c", 2, 2, inter_bandwidth=-1.0), r"`inter_bandwidth=-1.0` must be a positive number"),
+        (lambda: ClusterSpec("c", 2, 2, mfu=1.5), r"`mfu=1.5` must be in \(0, 1\]"),
+        (lambda: ClusterSpec("c", 2, 2, step_seconds=0.0), r"`step_seconds=0.0` must be a positive number"),
+    ],
+)
+def test_nonsense_inputs_are_refused_naming_the_value(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()

@@ -61,7 +61,18 @@ SCENARIOS_4 = [
         BASE, name="one_group", strategy="fl_fsdp", num_groups=1, sync_every=3, max_steps=4, outer_optimizer="nesterov"
     ),
     # HSDP with one-rank shards: data parallel inside each group (FSDP alone would not reduce across replicas)
-    dict(BASE, name="hsdp_shard1", strategy="fl_hsdp", num_groups=2, shard_size=1, sync_every=3, max_steps=6),
+    # ... with a checkpoint between syncs (step 4): FSDP2's state dict of (Replicate, Shard) over one-rank shards is
+    # the parameters' own memory, so a consensus not copied out would show the group's own weights
+    dict(
+        BASE,
+        name="hsdp_shard1",
+        strategy="fl_hsdp",
+        num_groups=2,
+        shard_size=1,
+        sync_every=3,
+        max_steps=6,
+        mid_ckpt_step=4,
+    ),  # fmt: skip
     # streaming fragments, overlapped sums and merging (issue 8); each stops between a snapshot and its landing
     dict(
         BASE,
@@ -323,6 +334,15 @@ def test_validation_between_syncs_sees_the_consensus(four, eight, name, world):
             assert torch.equal(shards, r["shards_at"][last_sync])
             if step == 3:
                 assert not torch.equal(shards, r["shards_at"][3]), "the group's own weights were validated"
+
+
+@pytest.mark.parametrize(("name", "world", "groups", "shard"), both(("hsdp_shard1", 4, 2, 1)))
+def test_a_checkpoint_between_syncs_holds_the_consensus_not_the_groups_weights(four, name, world, groups, shard):
+    ranks = four[name]
+    ref = _reference(ranks, _spec(name), FederationTopology(world, groups, shard))
+    mid = torch.load(ranks[0]["dir"] / "mid.ckpt", weights_only=False)
+    assert mid["global_step"] == 4
+    _assert_state_close(mid["state_dict"], ref["anchors"][3], atol=1e-5)
 
 
 @pytest.mark.parametrize(
