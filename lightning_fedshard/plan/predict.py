@@ -177,7 +177,7 @@ def ring(
         pieces: Separate calls the tensor is moved in (one per FSDP unit), each paying the ring's latency.
     """
     node_out: dict[int, float] = defaultdict(float)
-    rank_out = 0.0
+    rank_out = intra_out = 0.0  # the most one rank sends, over any edge and over an edge inside its node
     crosses, steps = False, 0
     for members in rings:
         n = len(members)
@@ -192,8 +192,10 @@ def ring(
             if node != nxt // cluster.devices_per_node:
                 node_out[node] += per_edge
                 crosses = True
+            else:
+                intra_out = max(intra_out, per_edge)
     network = max(node_out.values(), default=0.0) / cluster.inter_bandwidth
-    intra = 0.0 if crosses and _all_edges_cross(rings, cluster) else rank_out / cluster.intra_bandwidth
+    intra = intra_out / cluster.intra_bandwidth
     latency = pieces * steps * (cluster.inter_latency if crosses else cluster.intra_latency)
     return Collective(
         name,
@@ -204,11 +206,6 @@ def ring(
         calls,
         crosses,
     )
-
-
-def _all_edges_cross(rings: Sequence[Sequence[int]], cluster: ClusterSpec) -> bool:
-    d = cluster.devices_per_node
-    return all(r // d != m[(i + 1) % len(m)] // d for m in rings if len(m) > 1 for i, r in enumerate(m))
 
 
 def step_collectives(model: ModelSpec, setup: TrainSetup, t: FederationTopology, c: ClusterSpec) -> list[Collective]:
