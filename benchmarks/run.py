@@ -22,6 +22,11 @@ Presets:
     int4 + error feedback + 4 fragments + ``sync_delay=1`` sync options on the slow links.
     :data:`THROUGHPUT_REPEATS` repeats; within a repeat every configuration runs once (round robin, the order
     reversed every other repeat), so machine load drifts over all of them alike.
+``sync_grid``
+    Issue 9's sync options side by side: FL+FSDP at 50 and 20 Mbit/s with each option of
+    :data:`SYNC_GRID_OPTIONS` changed alone from the default (outer traffic in bfloat16, int8, int4 + error
+    feedback; 4 fragments, with and without ``sync_delay=1``; ``sync_delay`` 2; ``sync_every=32``), plus int8 with
+    ``sync_delay=4``, and the unthrottled no-sync run; interleaved like ``throughput`` (~40 minutes).
 ``quick``
     A ~10 minute check of a change: the ``throughput`` configurations of FSDP and FL+FSDP at 50 Mbit/s, once.
 ``smoke``
@@ -165,7 +170,7 @@ THROUGHPUT_OPTIONS: dict[str, dict[str, Any]] = {
     "int8": {"reduce_dtype": "int8"},
     "int4ef-f4-d1": {"reduce_dtype": "int4", "error_feedback": True, "fragments": 4, "sync_delay": 1},
 }
-NOSYNC = {"sync_every": 1024}  # longer than the run: no outer step during training
+NOSYNC: dict[str, Any] = {"sync_every": 1024}  # longer than the run: no outer step during training
 
 
 def _throughput_base(work: Path, cache: Path) -> RunConfig:
@@ -224,6 +229,32 @@ def _throughput(work: Path, cache: Path, repeats: int = THROUGHPUT_REPEATS) -> P
     return Preset(4, 2, _round_robin(work, configs, repeats, "throughput"), timeout=900.0)
 
 
+#: The ``sync_grid`` preset: FL+FSDP's sync options one at a time around the default (float32, 1 fragment, no delay,
+#: ``sync_every=8``), on the slow links (name -> RunConfig changes).
+SYNC_GRID_OPTIONS: dict[str, dict[str, Any]] = {
+    "float32": {},
+    "bf16": {"reduce_dtype": "bfloat16"},
+    "int8": {"reduce_dtype": "int8"},
+    "int4ef": {"reduce_dtype": "int4", "error_feedback": True},
+    "f4": {"fragments": 4},
+    "f4-d1": {"fragments": 4, "sync_delay": 1},
+    "d2": {"sync_delay": 2},
+    "int8-d4": {"reduce_dtype": "int8", "sync_delay": 4},
+    "H32": {"sync_every": 32, "max_steps": 32, "val_every": 32},  # one whole round, like H=8's 16 steps
+}
+SYNC_GRID_LINKS: tuple[float, ...] = (50.0, 20.0)
+
+
+def _sync_grid(work: Path, cache: Path, repeats: int = THROUGHPUT_REPEATS) -> Preset:
+    base = replace(_throughput_base(work, cache), strategy="fl_fsdp")
+    configs: list[tuple[str, float | None, RunConfig]] = [("fl_fsdp-nosync-unthrottled", None, replace(base, **NOSYNC))]
+    for link in SYNC_GRID_LINKS:
+        for option, changes in SYNC_GRID_OPTIONS.items():
+            name = "fl_fsdp" if option == "float32" else f"fl_fsdp-{option}"
+            configs.append((f"{name}-{link:g}mbit", link, replace(base, **changes)))
+    return Preset(4, 2, _round_robin(work, configs, repeats, "sync_grid"), timeout=900.0)
+
+
 def _quick(work: Path, cache: Path, repeats: int = 1) -> Preset:
     configs = _throughput_configs(_throughput_base(work, cache), (50.0,), strategies=("fsdp", "fl_fsdp"), options={})
     return Preset(4, 2, _round_robin(work, configs, repeats, "quick"), timeout=900.0)
@@ -253,6 +284,7 @@ PRESETS: dict[str, Callable[..., Preset]] = {
     "full": _full,
     "quick": _quick,
     "smoke": _smoke,
+    "sync_grid": _sync_grid,
     "sync_options": _sync_options,
     "throughput": _throughput,
 }
@@ -267,8 +299,8 @@ def prepare_data(cfg: RunConfig, env: dict[str, str]) -> None:
     subprocess.run([sys.executable, "-c", code, cfg.cache_dir, str(cfg.vocab_size)], env=env, check=True)
 
 
-def machine() -> dict[str, Any]:
-    """What produced the numbers."""
+def machine(module: str = "benchmarks.run") -> dict[str, Any]:
+    """What produced the numbers (``module``: the command's module, for the record)."""
     import lightning
     import torch
 
@@ -279,7 +311,7 @@ def machine() -> dict[str, Any]:
         "cpu_model": _cpu_model(),
         "torch": torch.__version__,
         "lightning": lightning.__version__,
-        "command": " ".join(["python -m benchmarks.run", *sys.argv[1:]]),
+        "command": " ".join([f"python -m {module}", *sys.argv[1:]]),
     }
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
     # Read-only (no index refresh): which tracked files differ from the commit, and untracked ones.

@@ -59,15 +59,17 @@ def option_and_repeat(name: str) -> tuple[str, int]:
 def analyze_run(run: dict[str, Any]) -> dict[str, Any]:
     """The derived numbers of one run."""
     cfg = run["config"]
-    clocks = {s["step"]: s["clock"] for s in run["steps"]}
+    clocks = {0: 0.0, **{s["step"]: s["clock"] for s in run["steps"]}}
     max_steps = cfg["max_steps"]
     sync_every = cfg["sync_every"]
-    first = sync_every if sync_every < max_steps else 8  # the no-sync run uses the same window as the others
+    # One whole round after the first sync; a run of a single round (sync_every == max_steps) is measured whole; the
+    # no-sync run uses the same window as the others.
+    first = sync_every if sync_every < max_steps else (0 if sync_every == max_steps else 8)
     window = range(first + 1, max_steps + 1)
     step_time = (clocks[max_steps] - clocks[first]) / len(window)
     durations = {s: clocks[s] - clocks[s - 1] for s in window}
     interval = sync_every // cfg["fragments"]
-    landing = {s for s in window if s % interval == 0} if sync_every < max_steps else set()
+    landing = {s for s in window if s % interval == 0} if sync_every <= max_steps else set()
     starting = {s - cfg["sync_delay"] for s in landing} if cfg["sync_delay"] else set()
     quiet = [d for s, d in durations.items() if s not in landing and s not in starting]
     window_seconds = clocks[max_steps] - clocks[first]

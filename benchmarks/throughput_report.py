@@ -43,6 +43,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks import race_report
 from benchmarks.sync_report import analyze_run
 from lightning_fedshard.plan import CLUSTERS, MODELS, TrainSetup, predict
 
@@ -211,10 +212,19 @@ def _calibrate(summary: dict[str, Any], configs: dict[str, list[dict[str, Any]]]
             s["tokens_per_s_true_reduce_scatter"] = predicted.sequences_per_step * model.seq_len / corrected
 
 
-def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 9's targets, each ``{"target", "measured", "bound", "met", "runs"}`` (plus what it was measured on)."""
+def targets(
+    summary: dict[str, Any], grid: dict[str, Any] | None = None, race: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """Issue 9's targets, each ``{"target", "measured", "bound", "met", "runs"}`` (plus what it was measured on).
+
+    Args:
+        summary: The throughput sweep's configurations.
+        grid: The ``sync_grid`` sweep's configurations: more sync options for the utilization and byte targets.
+        race: :func:`benchmarks.race_report.analyze`'s result; without it the race's row says "not run".
+    """
     out = []
-    at50 = {k: v for k, v in summary.items() if v["kind"].startswith("fl_fsdp") and v["link"] == 50.0}
+    options = {**summary, **{f"{k} (sync_grid)": v for k, v in (grid or {}).items()}}
+    at50 = {k: v for k, v in options.items() if v["kind"].startswith("fl_fsdp") and v["link"] == 50.0}
     best = max(at50.items(), key=lambda kv: _finite(kv[1]["utilization"]["median"]), default=None)
     out.append(
         {
@@ -268,26 +278,28 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
                     "runs": runs,
                 }
             )
-    out.append(
-        {
-            "target": "best federated strategy below the best of FSDP/HSDP in mean validation perplexity at equal wall"
-            " time on every link <= 200 Mbit/s (3 seeds, tuned learning rates)",
-            "measured": None,
-            "bound": None,
-            "met": False,
-            "runs": 0,
-            "note": "not run: the learning-rate-tuned, 3-seed race to perplexity is still to do (issue 9 stays open)",
-        }
-    )
-    errors = [abs(s["bytes_ratio"] - 1) for s in summary.values() if math.isfinite(s["bytes_ratio"])]
-    worst = max(summary.items(), key=lambda kv: abs(_finite(kv[1]["bytes_ratio"], 1.0) - 1), default=None)
+    if race is not None:
+        out.append(race_report.target_row(race))
+    else:
+        out.append(
+            {
+                "target": race_report.RACE_TARGET,
+                "measured": None,
+                "bound": 1.0,
+                "met": False,
+                "runs": 0,
+                "note": "not run: benchmarks/results/race.json is missing",
+            }
+        )
+    errors = [abs(s["bytes_ratio"] - 1) for s in options.values() if math.isfinite(s["bytes_ratio"])]
+    worst = max(options.items(), key=lambda kv: abs(_finite(kv[1]["bytes_ratio"], 1.0) - 1), default=None)
     out.append(
         {
             "target": "link bytes within 3% of the byte model, every strategy, dtype and link rate",
             "measured": max(errors) if errors else None,
             "bound": BYTES_TOLERANCE,
             "met": bool(errors and max(errors) <= BYTES_TOLERANCE),
-            "runs": sum(s["link_bytes_per_step"]["n"] for s in summary.values()),
+            "runs": sum(s["link_bytes_per_step"]["n"] for s in options.values()),
             "worst": worst[0] if worst else None,
         }
     )
@@ -418,7 +430,7 @@ def _save(fig: Any, ax: Any, title: str, path: Path) -> Path:
     return path
 
 
-def plot(summary: dict[str, Any], images: Path) -> list[Path]:
+def plot(summary: dict[str, Any], images: Path, prefix: str = "throughput") -> list[Path]:
     """Throughput vs bandwidth with spread bars; utilization per sync option; bytes against the model."""
     import matplotlib
 
@@ -432,15 +444,13 @@ def plot(summary: dict[str, Any], images: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     _spread_lines(ax, summary, kinds, "tokens_per_s")
     ax.set(xscale="log", yscale="log", xlabel=_LINK_AXIS, ylabel="tokens/s")
-    paths.append(
-        _save(fig, ax, "Throughput, median and min-max of the repeats", images / "throughput_vs_bandwidth.png")
-    )
+    paths.append(_save(fig, ax, "Throughput, median and min-max of the repeats", images / f"{prefix}_vs_bandwidth.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     _spread_lines(ax, summary, [k for k in kinds if k.startswith("fl_")], "utilization")
     ax.axhline(UTILIZATION_TARGET, color="grey", linestyle="--", linewidth=1)
     ax.set(xscale="log", xlabel=_LINK_AXIS, ylabel="no-sync pace / pace")
-    paths.append(_save(fig, ax, "Compute utilization of the federated runs", images / "throughput_utilization.png"))
+    paths.append(_save(fig, ax, "Compute utilization of the federated runs", images / f"{prefix}_utilization.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     names = _order(summary)
@@ -450,7 +460,7 @@ def plot(summary: dict[str, Any], images: Path) -> list[Path]:
     ax.bar([i + 0.2 for i in x], [summary[n]["model_bytes_per_step"] / 1e6 for n in names], 0.4, label="byte model")
     ax.set_xticks(list(x), names, rotation=90, fontsize=6)
     ax.set(yscale="log", ylabel="MB per optimizer step (all nodes)")
-    paths.append(_save(fig, ax, "Link bytes against the byte model", images / "throughput_bytes.png"))
+    paths.append(_save(fig, ax, "Link bytes against the byte model", images / f"{prefix}_bytes.png"))
     plt.close("all")
     return paths
 
@@ -473,12 +483,12 @@ def replace_section(path: Path, name: str, body: str) -> None:
     path.write_text(f"{head}{start}\n{body.strip()}\n{end}{tail}")
 
 
-def provenance(results: dict[str, Any]) -> str:
+def provenance(results: dict[str, Any], command: str | None = None) -> str:
     """Where the numbers come from."""
     m = results["machine"]
     dirty = "a clean tree" if m.get("git_dirty") is False else "uncommitted changes"
     return (
-        f"Measured with `{m['command']}` at commit `{(m.get('git_commit') or '?')[:10]}` ({dirty}), torch"
+        f"Measured with `{command or m['command']}` at commit `{(m.get('git_commit') or '?')[:10]}` ({dirty}), torch"
         f" {m['torch']}, Lightning {m['lightning']}, Python {m['python']}, on {m['cpu_count']} cores of"
         f" {m['cpu_model']}. Regenerate these tables with `python -m benchmarks.throughput_report --write-docs`."
     )
@@ -488,13 +498,25 @@ def main(argv: list[str] | None = None) -> None:
     """Command line entry point."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path, nargs="?", default=RESULTS / "throughput.json")
+    parser.add_argument("--grid", type=Path, default=RESULTS / "sync_grid.json", help="the sync_grid sweep, if run")
+    parser.add_argument("--race", type=Path, default=RESULTS / "race.json", help="the race to perplexity, if run")
     parser.add_argument("--write-docs", action="store_true", help="rewrite the generated sections of the docs")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
     results = json.loads(args.results.read_text())
     analysis = analyze(results)
-    rows = targets(analysis["configs"])
+    grid_results = _load(args.grid)
+    grid = analyze(grid_results) if grid_results else None
+    race_results = _load(args.race)
+    # The race is paced by the throughput sweep; options only the sync grid measured take their pace from it.
+    paces = {**(grid["configs"] if grid else {}), **analysis["configs"]}
+    race = race_report.analyze(race_results, paces) if race_results else None
+    rows = targets(analysis["configs"], grid and grid["configs"], race)
     (RESULTS / "throughput_summary.json").write_text(json.dumps(analysis, indent=1, default=str))
+    if grid:
+        (RESULTS / "sync_grid_summary.json").write_text(json.dumps(grid, indent=1, default=str))
+    if race:
+        (RESULTS / "race_summary.json").write_text(json.dumps(race, indent=1, default=str))
     (RESULTS / "targets.json").write_text(json.dumps(rows, indent=1))
     tables = {
         "throughput": throughput_table(analysis["configs"]),
@@ -502,16 +524,36 @@ def main(argv: list[str] | None = None) -> None:
         "memory": memory_table(analysis["configs"]),
         "calibration": calibration_table(analysis["configs"]),
     }
+    if grid:
+        tables["sync_grid"] = throughput_table(grid["configs"])
+    if race:
+        tables["race"] = race_report.wall_time_table(race)
+        tables["race_budgets"] = race_report.budget_table(race)
     for name, table in tables.items():
         print(f"## {name}\n\n{table}\n")
     if not args.no_plots:
-        for path in plot(analysis["configs"], IMAGES):
+        paths = plot(analysis["configs"], IMAGES)
+        paths += plot(grid["configs"], IMAGES, prefix="sync_grid") if grid else []
+        paths += race_report.plot(race, IMAGES) if race else []
+        for path in paths:
             print(f"plot: {path.relative_to(ROOT)}")
     if args.write_docs:
         note = provenance(results)
         for name in ("throughput", "targets", "memory"):
             replace_section(ROOT / "docs" / "benchmarks.md", name, f"{tables[name]}\n\n{note}")
         replace_section(ROOT / "docs" / "plan.md", "calibration", f"{tables['calibration']}\n\n{note}")
+        if grid_results:
+            replace_section(
+                ROOT / "docs" / "benchmarks.md", "sync_grid", f"{tables['sync_grid']}\n\n{provenance(grid_results)}"
+            )
+        if race_results:
+            note = provenance(race_results, "python -m benchmarks.race")
+            for name in ("race", "race_budgets"):
+                replace_section(ROOT / "docs" / "benchmarks.md", name, f"{tables[name]}\n\n{note}")
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 if __name__ == "__main__":

@@ -68,7 +68,9 @@ class RunConfig:
     max_val_windows: int = 64
     model_overrides: dict[str, int] = field(default_factory=dict)
     seed: int = 0
-    """``seed_everything``: the data order (the initial weights depend on ``LlamaLM``'s ``init_seed`` only)."""
+    """``seed_everything``: the data order (the initial weights depend on ``init_seed`` only)."""
+    init_seed: int = 0
+    """``LlamaLM``'s ``init_seed``: the initial weights."""
     # Sync options of the federated strategies (see `FederationConfig`); the baselines ignore them.
     fragments: int = 1
     sync_delay: int = 0
@@ -396,7 +398,14 @@ def run(cfg: RunConfig) -> None:
     """Train once; every rank of every node calls this."""
     torch.set_num_threads(1)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    model = LlamaLM(size=cfg.size, vocab_size=cfg.vocab_size, max_seq_len=cfg.seq_len, lr=cfg.lr, **cfg.model_overrides)  # type: ignore[arg-type]
+    model = LlamaLM(
+        size=cfg.size,  # type: ignore[arg-type]
+        vocab_size=cfg.vocab_size,
+        max_seq_len=cfg.seq_len,
+        lr=cfg.lr,
+        init_seed=cfg.init_seed,
+        **cfg.model_overrides,  # type: ignore[arg-type]
+    )
     data = ShakespeareDataModule(
         cache_dir=cfg.cache_dir,
         seq_len=cfg.seq_len,
