@@ -10,11 +10,11 @@ time axis with the median step times that the ``throughput`` preset measured on 
 
 What runs, in this order (each stage reads the results of the previous ones):
 
-1. ``tune``: each curve (:data:`BUDGETS`) at each of its step budgets, with each learning rate of
-   :data:`LEARNING_RATES`, seed 0. The schedule (warm-up + cosine, ``LlamaLM``) spans the run's own ``max_steps``,
+1. ``tune``: each curve (:data:`BUDGETS`) at each of its step budgets, with three learning rates a factor 2 apart
+   (:data:`LEARNING_RATES`), seed 0. The schedule (warm-up + cosine, ``LlamaLM``) spans the run's own ``max_steps``,
    so every run ends annealed; it is scored by the validation of its final (consensus) model.
 2. ``extend``: where the best learning rate of a budget is at the edge of those tried, the next one outward (x2 or
-   /2), up to :data:`MAX_EXTENSIONS` times: a grid's edge is never the winner by default.
+   /2), :data:`MAX_EXTENSIONS` time(s); a budget whose best is still at an edge is marked so in the report.
 3. ``seeds``: seeds 1 and 2 at each budget's best learning rate. A seed sets the data order and the initial weights.
 4. ``hsdp_check``: HSDP at the largest budget with FSDP's learning rate. HSDP and FSDP compute the same update from
    the same global batch, so HSDP's curve is FSDP's (this run checks it) and the report charges it HSDP's step
@@ -49,8 +49,11 @@ BUDGETS: dict[str, tuple[int, ...]] = {
     "fl_fsdp": (8, 16, 32, 64),
     "fl_hsdp": (8, 16, 32, 64),
 }
-LEARNING_RATES: tuple[float, ...] = (1.5e-3, 3e-3, 6e-3)
-MAX_EXTENSIONS = 2
+#: The learning rates tried at every budget (seed 0), by budget: the two shortest budgets ran first and preferred
+#: the largest rate everywhere, with 1.5e-3 far behind, so the longer budgets start one step higher.
+LEARNING_RATES: dict[int, tuple[float, ...]] = {8: (1.5e-3, 3e-3, 6e-3), 16: (1.5e-3, 3e-3, 6e-3)}
+LONGER_BUDGET_RATES: tuple[float, ...] = (3e-3, 6e-3, 1.2e-2)
+MAX_EXTENSIONS = 1
 SEEDS: tuple[int, ...] = (0, 1, 2)
 #: FL+FSDP's sync options compared at its largest budget (name -> RunConfig changes).
 OPTIONS: dict[str, dict[str, Any]] = {
@@ -180,7 +183,7 @@ class Race:
 
     def tune(self) -> None:
         for strategy, steps in self._budgets():
-            for lr in LEARNING_RATES:
+            for lr in LEARNING_RATES.get(steps, LONGER_BUDGET_RATES):
                 self.run("tune", strategy, steps, lr, seed=0)
 
     def extend(self) -> None:

@@ -465,6 +465,39 @@ def plot(summary: dict[str, Any], images: Path, prefix: str = "throughput") -> l
     return paths
 
 
+def plot_options(summary: dict[str, Any], images: Path, prefix: str = "sync_grid") -> list[Path]:
+    """One link's sync options side by side: both utilizations (median, min-max bars); bytes against the model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    images.mkdir(parents=True, exist_ok=True)
+    names = [n for n in _order(summary) if "nosync" not in summary[n]["kind"]]
+    x = range(len(names))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for offset, metric, label in ((-0.2, "utilization", "vs the no-sync run"), (0.2, "inrun_utilization", "in-run")):
+        stats = [summary[n][metric] for n in names]
+        err = [[s["median"] - s["min"] for s in stats], [s["max"] - s["median"] for s in stats]]
+        ax.bar([i + offset for i in x], [s["median"] for s in stats], 0.4, yerr=err, capsize=3, label=label)
+    ax.axhline(UTILIZATION_TARGET, color="grey", linestyle="--", linewidth=1)
+    ax.set_xticks(list(x), [f"{summary[n]['kind']}\n{_link(summary[n]['link'])}" for n in names], fontsize=6)
+    ax.set(ylabel="compute utilization")
+    paths = [
+        _save(fig, ax, "Sync options: compute utilization (median, min-max)", images / f"{prefix}_utilization.png")
+    ]
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.bar([i - 0.2 for i in x], [summary[n]["link_bytes_per_step"]["median"] / 1e6 for n in names], 0.4,
+           label="link counters (median)")  # fmt: skip
+    ax.bar([i + 0.2 for i in x], [summary[n]["model_bytes_per_step"] / 1e6 for n in names], 0.4, label="byte model")
+    ax.set_xticks(list(x), [summary[n]["kind"] for n in names], rotation=60, fontsize=6)
+    ax.set(ylabel="MB per optimizer step (all nodes)")
+    paths.append(_save(fig, ax, "Sync options: link bytes against the byte model", images / f"{prefix}_bytes.png"))
+    plt.close("all")
+    return paths
+
+
 # -- docs --------------------------------------------------------------------------------------------------------------
 
 
@@ -533,7 +566,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"## {name}\n\n{table}\n")
     if not args.no_plots:
         paths = plot(analysis["configs"], IMAGES)
-        paths += plot(grid["configs"], IMAGES, prefix="sync_grid") if grid else []
+        paths += plot_options(grid["configs"], IMAGES) if grid else []
         paths += race_report.plot(race, IMAGES) if race else []
         for path in paths:
             print(f"plot: {path.relative_to(ROOT)}")
