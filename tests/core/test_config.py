@@ -1,9 +1,14 @@
+import dataclasses
 import functools
+import inspect
 
 import pytest
 import torch
 
+from lightning_fedshard._arguments import FederatedArguments
 from lightning_fedshard.core.config import FederationConfig, resolve_outer_optimizer
+from lightning_fedshard.plan import TrainSetup
+from lightning_fedshard.plan.command import plan
 
 
 def test_named_outer_optimizers():
@@ -51,3 +56,19 @@ def test_topology_defaults():
     assert FederationConfig(num_groups=2).topology(4, 2, hybrid=False).mesh_shape == (2, 1, 4)
     with pytest.raises(ValueError, match=r"world size \(6 = 3 node\(s\) x 2 device\(s\)\).*`num_groups=4`"):
         FederationConfig(num_groups=4).topology(3, 2, hybrid=False)
+
+
+_SHARED_DEFAULTS = ("sync_every", "outer_optimizer", "fragments", "sync_delay", "reduce_dtype", "error_feedback")
+
+
+@pytest.mark.parametrize("entry", ["strategies", "fedshard plan", "TrainSetup"])
+def test_every_entry_point_has_the_federation_config_defaults(entry):
+    """The defaults are chosen once, in `FederationConfig`; the strategies and the planner must not drift from them."""
+    if entry == "TrainSetup":
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainSetup)}
+    else:
+        function = FederatedArguments.__init__ if entry == "strategies" else plan
+        defaults = {name: p.default for name, p in inspect.signature(function).parameters.items()}
+    config = FederationConfig()
+    for name in _SHARED_DEFAULTS:
+        assert defaults[name] == getattr(config, name), f"{entry}: `{name}` default differs from FederationConfig"
