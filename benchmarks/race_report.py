@@ -226,6 +226,27 @@ def budget_table(analysis: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def link_table(analysis: dict[str, Any]) -> str:
+    """Per link: how many moments were compared, the worst and best ratio, and the ratio at the horizon."""
+    lines = [
+        "| link | moments compared | federated ahead at | worst ratio (at s) | best ratio (at s) | ratio at the end |",
+        "|---|---|---|---|---|---|",
+    ]
+    for link in analysis["links"]:
+        compared = [t for t in link["times"] if t["ratio"] is not None]
+        if not compared:
+            continue
+        worst = max(compared, key=lambda t: t["ratio"])
+        best = min(compared, key=lambda t: t["ratio"])
+        ahead = sum(t["ratio"] < 1 for t in compared)
+        lines.append(
+            f"| {_label(link['link'])} | {len(compared)} | {ahead} of {len(compared)} |"
+            f" {worst['ratio']:.3f} ({worst['seconds']:.0f}) | {best['ratio']:.3f} ({best['seconds']:.0f}) |"
+            f" {compared[-1]['ratio']:.3f} ({compared[-1]['seconds']:.0f}) |"
+        )
+    return "\n".join(lines)
+
+
 def wall_time_table(analysis: dict[str, Any]) -> str:
     """Per link and moment: the best federated and the best baseline model, and their ratio."""
     lines = [

@@ -560,7 +560,10 @@ def main(argv: list[str] | None = None) -> None:
     if grid:
         tables["sync_grid"] = throughput_table(grid["configs"])
     if race:
-        tables["race"] = race_report.wall_time_table(race)
+        tables["race"] = (
+            f"{race_report.link_table(race)}\n\n<details><summary>Every moment compared</summary>\n\n"
+            f"{race_report.wall_time_table(race)}\n\n</details>"
+        )
         tables["race_budgets"] = race_report.budget_table(race)
     for name, table in tables.items():
         print(f"## {name}\n\n{table}\n")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.race import next_lr, run_name
-from benchmarks.race_report import analyze, at_time, budget_table, target_row, wall_time_table
+from benchmarks.race_report import analyze, at_time, budget_table, link_table, target_row, wall_time_table
 
 
 def _run(strategy: str, steps: int, lr: float, seed: int, ppl: float, option: str = "") -> dict:
@@ -84,6 +84,7 @@ def test_the_race_target_is_met_only_where_the_federated_curve_is_ahead_at_every
     assert row["measured"] == pytest.approx(521.0 / 500.0) and not row["met"]
     assert "200mbit" in row["note"]
     assert "no model yet" in wall_time_table(analysis)
+    assert "| 200mbit | 2 | 1 of 2 | 1.042 (16) | 0.859 (8) | 1.042 (16) |" in link_table(analysis)
 
     paces["fsdp-200mbit"] = paces["hsdp-200mbit"] = _pace(2.0)
     row = target_row(analyze(_race(), paces))
