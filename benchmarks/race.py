@@ -55,10 +55,9 @@ LEARNING_RATES: dict[int, tuple[float, ...]] = {8: (1.5e-3, 3e-3, 6e-3), 16: (1.
 LONGER_BUDGET_RATES: tuple[float, ...] = (3e-3, 6e-3, 1.2e-2)
 MAX_EXTENSIONS = 1
 SEEDS: tuple[int, ...] = (0, 1, 2)
-#: FL+FSDP's sync options compared at its largest budget (name -> RunConfig changes). bfloat16 is left out for time:
-#: issue 8 measured it at +0.8 to +1.2% perplexity against float32 over 120 steps
-#: (benchmarks/results/sync_options_ppl.json).
+#: FL+FSDP's sync options compared at its largest budget (name -> RunConfig changes).
 OPTIONS: dict[str, dict[str, Any]] = {
+    "bf16": {"reduce_dtype": "bfloat16"},
     "int8": {"reduce_dtype": "int8"},
     "int4ef-f4-d1": {"reduce_dtype": "int4", "error_feedback": True, "fragments": 4, "sync_delay": 1},
     "nesterov": {"outer_optimizer": "nesterov"},
