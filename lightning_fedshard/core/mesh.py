@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -182,7 +183,29 @@ def build_federation_mesh(topology: FederationTopology, device_type: str) -> Fed
         raise ValueError(f"The topology {topology} does not match the process group's world size {world}.")
     mesh = init_device_mesh(device_type, topology.mesh_shape, mesh_dim_names=AXES)
     rank = dist.get_rank()
+    _destroy_process_groups_at_exit()
     return FederationMesh(topology=topology, device_mesh=mesh, rank=rank, outer_group=_outer_group(topology, rank))
+
+
+def _destroy_process_groups_at_exit() -> None:
+    """Destroy every process group when the interpreter exits, while it is still whole (registered once).
+
+    Gloo's worker threads outlive a process that exits without ``destroy_process_group``, and one in a while the
+    process then aborts in its teardown ("terminate called without an active exception", SIGABRT) after training has
+    finished. Lightning destroys the groups at exit for NCCL only; the meshes built here add a gloo ring per position.
+    """
+    global _EXIT_HANDLER_REGISTERED
+    if not _EXIT_HANDLER_REGISTERED:
+        atexit.register(_destroy_all_process_groups)
+        _EXIT_HANDLER_REGISTERED = True
+
+
+_EXIT_HANDLER_REGISTERED = False
+
+
+def _destroy_all_process_groups() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _outer_group(topology: FederationTopology, rank: int) -> ProcessGroup:
