@@ -15,8 +15,9 @@ Definitions:
   slowest group included, validation excluded (every strategy validates the same windows).
 - **At wall time T** a strategy is scored by the best mean perplexity among its budgets that finish within ``T``
   (the best run it could have planned for ``T``). The times compared on a link are every moment one of the budgets
-  finishes, up to the largest budget of the fastest configuration there (beyond it the fastest would have had
-  budgets the race did not run).
+  finishes, up to the largest budget of the fastest of the four strategies there (beyond it the fastest would have
+  had budgets the race did not run). FL+FSDP's sync options ran at its largest budget only; they take part with that
+  one model, which can only understate them.
 - The **target** on a link holds when at every such time at which FSDP or HSDP has a model, the best federated
   curve's mean perplexity is below the best of FSDP's and HSDP's. ``measured`` is the worst ratio
   (federated / baseline) over the links and times; the bound is 1.
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 BASELINES = ("fsdp", "hsdp")
+STRATEGIES = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp")
 #: Race curve -> the throughput configurations (without the link) that train along it.
 PACED_AS: dict[str, tuple[str, ...]] = {
     "fsdp": ("fsdp", "hsdp"),
@@ -145,7 +147,12 @@ def race_on_link(curves: dict[str, Any], configs: dict[str, Any], link: float | 
     items = entries(curves, configs, link)
     if not items:
         return {"link": link, "times": []}
-    horizon = min(max(e["seconds"] for e in items if e["kind"] == kind) for kind in {e["kind"] for e in items})
+    # The sync options ran at one budget only: beyond it they are scored by that model (which can only understate
+    # them), so the horizon is set by the four strategies' full budget ladders.
+    ladders = {e["kind"] for e in items} & set(STRATEGIES)
+    horizon = min(
+        max(e["seconds"] for e in items if e["kind"] == kind) for kind in ladders or {e["kind"] for e in items}
+    )
     times = []
     for seconds in sorted({e["seconds"] for e in items if e["seconds"] <= horizon * (1 + 1e-9)}):
         scored = at_time(items, seconds)
