@@ -411,6 +411,9 @@ class FloatReducer:
         ValueError: For any other dtype.
     """
 
+    #: A float reduction has no quantization residual to carry.
+    error_feedback = False
+
     def __init__(self, dtype: torch.dtype | str = torch.float32) -> None:
         name = str(dtype).removeprefix("torch.")
         if name not in FLOAT_REDUCE_DTYPES:
@@ -445,14 +448,15 @@ class FloatReducer:
 
 
 def make_reducer(
-    reduce_dtype: str | torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE, error_feedback: bool = False
+    reduce_dtype: str | torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE, error_feedback: bool | None = None
 ) -> CompressedReducer | FloatReducer:
     """The reducer for a ``reduce_dtype`` name: ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"int8"``, ``"int4"``.
 
     Args:
         reduce_dtype: The wire format (a float ``torch.dtype`` is accepted too).
         block_size: Quantization block size (int8/int4 only; validated for every dtype).
-        error_feedback: Carry quantization residuals to the next call (int8/int4 only).
+        error_feedback: Carry quantization residuals to the next call (int8/int4 only). ``None``: on for int8/int4,
+            off for the float dtypes.
 
     Raises:
         ValueError: For an unknown ``reduce_dtype``, a block size below 1, or ``error_feedback=True`` with a float
@@ -461,7 +465,7 @@ def make_reducer(
     check_quantizer_args(8, block_size)
     name = str(reduce_dtype).removeprefix("torch.")
     if name in COMPRESSED_REDUCE_DTYPES:
-        return CompressedReducer(COMPRESSED_REDUCE_DTYPES[name], block_size, error_feedback)
+        return CompressedReducer(COMPRESSED_REDUCE_DTYPES[name], block_size, error_feedback is not False)
     if name not in FLOAT_REDUCE_DTYPES:
         raise ValueError(f"Unsupported `reduce_dtype={reduce_dtype!r}`; choose one of {list(REDUCE_DTYPE_NAMES)}.")
     if error_feedback:

@@ -57,15 +57,19 @@ class FederationConfig:
             in our benchmarks at ``sync_every=8``, see docs/benchmarks.md), ``"nesterov"``
             (``SGD(lr=0.7, momentum=0.9, nesterov=True)``, DiLoCo's outer step, tuned for hundreds of inner steps) or
             a callable that builds a ``torch.optim.Optimizer`` from an iterable of tensors.
-        reduce_dtype: Data type of the pseudo-gradient on the wire: ``"float32"`` (default), ``"bfloat16"`` or
-            ``"float16"`` (or the matching ``torch.dtype``), summed by an all-reduce; or ``"int8"`` / ``"int4"``:
-            block-wise absmax quantization, summed in float32 by an all-to-all and an all-gather of quantized chunks
-            (works on gloo and NCCL; about 0.26x and 0.13x the bytes of float32, scales included).
+        reduce_dtype: Data type of the pseudo-gradient on the wire: ``"int4"`` (default) or ``"int8"``: block-wise
+            absmax quantization, summed in float32 by an all-to-all and an all-gather of quantized chunks (works on
+            gloo and NCCL; about 0.13x and 0.26x the bytes of float32, scales included); or ``"float32"``,
+            ``"bfloat16"``, ``"float16"`` (or the matching ``torch.dtype``), summed by an all-reduce. int4 with error
+            feedback is the default because it measured best on both counts: never worse perplexity than float32 in
+            5 paired seeds over two experiments (-6% mean at 64 steps, -4% at 120) at 1/8 of its bytes (see
+            docs/benchmarks.md). ``"float32"`` reproduces plain averaging exactly.
         quant_block_size: Values per quantization block (one float32 scale each) for ``"int8"`` / ``"int4"``
             (default 128, measured as the smallest block that keeps int4 under 0.14x float32).
         error_feedback: With ``"int8"`` / ``"int4"``, carry each rank's quantization residual into its next sync, so
-            that rounding errors are delayed instead of lost (default False; kept in checkpoints). Rejected with a
-            float ``reduce_dtype``, which has no residual.
+            that rounding errors are delayed instead of lost (kept in checkpoints). Default ``None``: on with a
+            quantized ``reduce_dtype``, off with a float one. ``True`` is rejected with a float ``reduce_dtype``,
+            which has no residual.
         anchor_device: Where the anchor (float32) and the outer optimizer state live: ``"cpu"`` (default; host
             memory, the accelerator pays nothing) or ``"device"`` (next to the model's shards).
         on_nonfinite: What a sync does when a group's pseudo-gradient holds NaN/Inf. ``"raise"`` (default): stop
@@ -97,14 +101,14 @@ class FederationConfig:
     shard_size: int | None = None
     sync_every: int = 8
     outer_optimizer: OuterOptimizerSpec = "fedavg"
-    reduce_dtype: str | torch.dtype = "float32"
+    reduce_dtype: str | torch.dtype = "int4"
     anchor_device: str = "cpu"
     on_nonfinite: str = "raise"
     fragments: int = 1
     sync_delay: int = 0
     merge_alpha: float = 0.0
     quant_block_size: int = DEFAULT_BLOCK_SIZE
-    error_feedback: bool = False
+    error_feedback: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_groups", "shard_size"):

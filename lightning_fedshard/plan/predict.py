@@ -262,7 +262,8 @@ def memory(model: ModelSpec, setup: TrainSetup, t: FederationTopology) -> Memory
         activations = model.num_layers * per_layer + _layer_activations(model, tokens, setup.flash_attention)
     else:
         activations = model.num_layers * _layer_activations(model, tokens, setup.flash_attention)
-    residuals = 2 if setup.error_feedback else 0
+    feedback = make_reducer(setup.reduce_dtype, setup.quant_block_size, setup.error_feedback).error_feedback
+    residuals = 2 if feedback else 0
     outer_state = (1 if setup.outer_optimizer == "nesterov" else 0) + residuals
     federated = setup.federated and t.num_groups > 1
     return Memory(

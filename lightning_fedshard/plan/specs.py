@@ -231,9 +231,9 @@ class TrainSetup:
     sync_every: int = 8
     fragments: int = 1
     sync_delay: int = 0
-    reduce_dtype: str = "float32"
+    reduce_dtype: str = "int4"
     quant_block_size: int = 128
-    error_feedback: bool = False
+    error_feedback: bool | None = None
     outer_optimizer: str = "fedavg"
     micro_batch: int = 1
     grad_accum: int = 1

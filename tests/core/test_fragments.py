@@ -136,7 +136,7 @@ class _SlowComm:
 
 
 def test_the_sum_really_runs_while_training_goes_on():
-    config = FederationConfig(sync_every=4, sync_delay=2, outer_optimizer="fedavg")
+    config = FederationConfig(sync_every=4, sync_delay=2, outer_optimizer="fedavg", reduce_dtype="float32")
     delay = 0.4
     logs: list[list[tuple[str, float]]] = [[], []]
     lock = threading.Lock()

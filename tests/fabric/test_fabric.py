@@ -18,9 +18,28 @@ from tests.reference import reference_run
 
 WORKER = Path(__file__).with_name("worker.py")
 SCENARIOS = [
-    dict(name="fsdp", strategy="fl_fsdp", sync_every=2, outer_optimizer="nesterov", lr=0.01, batch_size=4, max_steps=7),
+    # float32 outer traffic throughout: the loops are checked against float32 references to `1e-5`
+    dict(
+        name="fsdp",
+        strategy="fl_fsdp",
+        sync_every=2,
+        outer_optimizer="nesterov",
+        reduce_dtype="float32",
+        lr=0.01,
+        batch_size=4,
+        max_steps=7,
+    ),
     # 2 groups x 2 replicas x 1 shard on 4 ranks, default sync_every (8) and outer optimizer (fedavg)
-    dict(name="hsdp", strategy="fl_hsdp", num_groups=2, shard_size=1, lr=0.01, batch_size=4, max_steps=10),
+    dict(
+        name="hsdp",
+        strategy="fl_hsdp",
+        num_groups=2,
+        shard_size=1,
+        reduce_dtype="float32",
+        lr=0.01,
+        batch_size=4,
+        max_steps=10,
+    ),
     # streaming: 2 fragments landing every 2 steps, sums overlapping one step, merged with alpha 0.5; stops at 7,
     # after the snapshot (step 7) of the fragment that would land at step 8
     dict(
@@ -31,6 +50,7 @@ SCENARIOS = [
         sync_delay=1,
         merge_alpha=0.5,
         outer_optimizer="nesterov",
+        reduce_dtype="float32",
         wrap_linear=True,
         lr=0.01,
         batch_size=4,

@@ -50,7 +50,7 @@ def test_gloo_reduce_scatter_sends_an_all_reduce():
 
 
 def test_fl_fsdp_sends_nothing_across_nodes_between_syncs():
-    p = predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", sync_every=4))
+    p = predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", sync_every=4, reduce_dtype="float32"))
     assert p.topology.num_groups == 2 and all(not c.crosses_nodes for c in p.step_collectives)
     (outer,) = p.sync_collectives
     # each rank all-reduces its 500-value shard over 2 groups: 2 (G-1)/G x 500 x 4 = 2,000 bytes, 2 ranks per node
@@ -76,8 +76,8 @@ def test_compressed_outer_traffic_uses_the_core_byte_count():
 
 def test_overlap_hides_the_sum_for_sync_delay_steps():
     slow = ClusterSpec(**{**CLUSTER.__dict__, "inter_bandwidth": 500.0})  # the sum takes 8 s
-    blocking = predict(MODEL, slow, TrainSetup("fl_fsdp", sync_every=4))
-    overlapped = predict(MODEL, slow, TrainSetup("fl_fsdp", sync_every=4, sync_delay=1))
+    blocking = predict(MODEL, slow, TrainSetup("fl_fsdp", sync_every=4, reduce_dtype="float32"))
+    overlapped = predict(MODEL, slow, TrainSetup("fl_fsdp", sync_every=4, sync_delay=1, reduce_dtype="float32"))
     assert blocking.exposed_sync_seconds == pytest.approx(blocking.sync_seconds / 4)
     inner = overlapped.step_seconds - overlapped.exposed_sync_seconds
     assert overlapped.exposed_sync_seconds == pytest.approx((overlapped.sync_seconds - inner) / 4)
@@ -85,10 +85,13 @@ def test_overlap_hides_the_sum_for_sync_delay_steps():
 
 
 def test_memory_per_rank_by_hand():
-    p = predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", outer_optimizer="nesterov"))
+    p = predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", outer_optimizer="nesterov", reduce_dtype="float32"))
     m = p.memory  # shard of 500 values
     assert (m.parameters, m.gradients, m.optimizer) == (2000, 2000, 4000)
     assert m.gathered == 2 * 400 * 4 and m.host_anchor == 2000 and m.host_outer == 2000
+    # The default int4 traffic keeps error-feedback residuals on the host: two more shards of float32.
+    default = predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", outer_optimizer="nesterov")).memory
+    assert default.host_outer == 2000 + 2 * 2000
     assert m.activations == 2 * 1 * 4 * 8 * 34  # layers x tokens x hidden x 34 (fused attention)
 
 

@@ -50,7 +50,7 @@ SCENARIOS_4 = [
     dict(FSDP, name="after_death", resume_from="../death4/death/ckpts/step=4.ckpt"),
     dict(FSDP, name="topology_groups", num_groups=4, resume_from="full/ckpts/step=4.ckpt"),
     dict(FSDP, name="nan_raise", ckpt=True, nan_at_step=3, expect_error=True),
-    dict(FSDP, name="nan_skip", on_nonfinite="skip_group", nan_at_step=3),
+    dict(FSDP, name="nan_skip", on_nonfinite="skip_group", nan_at_step=3, reduce_dtype="float32"),
     # streaming (issue 8): fragments landing at 2, 4, 6, 8, each sum started one step earlier, int8 outer traffic with
     # error feedback; the checkpoints of steps 3 and 5 are written while a sum is in flight
     dict(FSDP, **STREAM, name="stream", ckpt=True),
@@ -72,7 +72,7 @@ SCENARIOS_8 = [
     dict(HSDP, name="htopology_full", resume_from="../ranks4/full/ckpts/step=4.ckpt"),
     dict(HSDP, name="htopology_sharded", **SHARDED, resume_from="../ranks4/sharded/ckpts/step=4.ckpt"),
     dict(HSDP, name="hnan_raise", ckpt=True, nan_at_step=3, expect_error=True),
-    dict(HSDP, name="hnan_skip", on_nonfinite="skip_group", nan_at_step=3),
+    dict(HSDP, name="hnan_skip", on_nonfinite="skip_group", nan_at_step=3, reduce_dtype="float32"),
     # FSDP2 (issue 12): FL+HSDP on fully_shard, 2 groups x 2 replicas x 2 shards
     *_family("hsharded2", {**HSDP2, **SHARDED}, "hsharded2")[:2],
 ]

@@ -22,7 +22,9 @@ from tests.launch import launch
 from tests.reference import reference_run
 
 WORKER = Path(__file__).with_name("worker.py")
-BASE = dict(inner="adamw", lr=0.01, batch_size=4, accumulate=1)
+# float32 outer traffic: these scenarios check the algorithm to `1e-5` against float32 references (the package default,
+# int4 with error feedback, is checked by `by_name` against a tolerance).
+BASE = dict(inner="adamw", lr=0.01, batch_size=4, accumulate=1, reduce_dtype="float32")
 
 SCENARIOS_4 = [
     # degenerate case: SGD, sync every step, plain averaging == one FSDP over all ranks
@@ -263,7 +265,6 @@ def test_fedavg_every_step_with_sgd_equals_plain_fsdp(four, name):
     ("name", "world", "groups", "shard"),
     [
         *both(("fedavg_h1", 4, 2, 2), ("fsdp_nesterov", 4, 2, 2), ("four_groups", 4, 4, 1), ("hsdp_shard1", 4, 2, 1)),
-        ("by_name", 4, 2, 2),
         ("one_group", 4, 1, 4),
         *both(("hsdp_nesterov", 8, 2, 2)),
         ("own_sharding@fsdp2", 4, 2, 2),
@@ -479,12 +480,22 @@ def test_fsdp2_shards_a_module_without_configure_model_by_the_policy(four):
     assert four["own_sharding@fsdp2"][0]["fsdp2_units"] == ["net", "net.0", "net.2", "net.4"]  # the user's own
 
 
-@pytest.mark.parametrize("name", ["int8_ef", "int8_ef@fsdp2"])
-def test_int8_outer_traffic_stays_close_to_the_float32_reference(four, name):
+@pytest.mark.parametrize(
+    ("name", "tolerance"),
+    [
+        ("int8_ef", 0.02),
+        ("int8_ef@fsdp2", 0.02),
+        # `Trainer(strategy="fl_fsdp")` by its registry name: the package defaults, int4 outer traffic with error
+        # feedback (half of int8's resolution per value, so a wider band)
+        ("by_name", 0.05),
+    ],
+)
+def test_compressed_outer_traffic_stays_close_to_the_float32_reference(four, name, tolerance):
     ranks = four[name]
-    ref = _reference(ranks, _spec("int8_ef"), FederationTopology(4, 2, 2))
+    ref = _reference(ranks, _spec(name.removesuffix("@fsdp2")), FederationTopology(4, 2, 2))
     errors = [(ranks[0]["final"][f"net.{k}"] - v).abs().max().item() for k, v in ref["final"].items()]
     moved = max((v - ranks[0]["initial"][f"net.{k}"]).abs().max().item() for k, v in ref["final"].items())
-    assert 0 < max(errors) < 0.02 * moved, f"int8 error {max(errors):.2e} for a model that moved {moved:.2e}"
+    relative = max(errors) / moved
+    assert 0 < relative < tolerance, f"{name}: error {max(errors):.2e} for a model that moved {moved:.2e}"
     for a, b in ((0, 2), (1, 3)):  # still one consensus: the two groups' shards at each position are equal
         assert torch.equal(ranks[a]["shards_at"][-1], ranks[b]["shards_at"][-1])
