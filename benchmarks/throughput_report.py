@@ -104,8 +104,14 @@ def emulated(link: float | None, step_seconds: float | None = None, gloo: bool =
     )
 
 
-def analyze(results: dict[str, Any]) -> dict[str, Any]:
-    """Per-run numbers, then per configuration over the repeats."""
+def analyze(results: dict[str, Any], compute: dict[str, float] | None = None) -> dict[str, Any]:
+    """Per-run numbers, then per configuration over the repeats.
+
+    Args:
+        results: A sweep's JSON.
+        compute: Each strategy's no-sync compute time per step for the planner, where the sweep did not measure it
+            (its unthrottled runs); by default the sweep's own.
+    """
     model = MODELS["xs"]
     runs = []
     for run in results["runs"]:
@@ -143,7 +149,7 @@ def analyze(results: dict[str, Any]) -> dict[str, Any]:
     for r in runs:
         configs[r["config"]].append(r)
     summary = {name: _summarize(group) for name, group in configs.items()}
-    _calibrate(summary, configs, model)
+    _calibrate(summary, configs, model, compute)
     return {"runs": [{k: v for k, v in r.items() if k != "setup"} for r in runs], "configs": summary}
 
 
@@ -187,13 +193,21 @@ def _summarize(group: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _calibrate(summary: dict[str, Any], configs: dict[str, list[dict[str, Any]]], model: Any) -> None:
-    """Planner predictions from each strategy's measured unthrottled no-sync step time and the link rate."""
+def compute_times(summary: dict[str, Any]) -> dict[str, float]:
+    """Each strategy's measured compute time per step: its unthrottled run without syncs (median)."""
     compute = {}
     for strategy in ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp"):
         base = f"{strategy}-nosync-unthrottled" if strategy.startswith("fl_") else f"{strategy}-unthrottled"
         if base in summary:
             compute[strategy] = summary[base]["step_time"]["median"]
+    return compute
+
+
+def _calibrate(
+    summary: dict[str, Any], configs: dict[str, list[dict[str, Any]]], model: Any, given: dict[str, float] | None = None
+) -> None:
+    """Planner predictions from each strategy's measured unthrottled no-sync step time and the link rate."""
+    compute = {**(given or {}), **compute_times(summary)}
     for s in summary.values():
         setup = s.pop("setup")
         strategy = setup.strategy
@@ -213,7 +227,10 @@ def _calibrate(summary: dict[str, Any], configs: dict[str, list[dict[str, Any]]]
 
 
 def targets(
-    summary: dict[str, Any], grid: dict[str, Any] | None = None, race: dict[str, Any] | None = None
+    summary: dict[str, Any],
+    grid: dict[str, Any] | None = None,
+    race: dict[str, Any] | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Issue 9's targets, each ``{"target", "measured", "bound", "met", "runs"}`` (plus what it was measured on).
 
@@ -221,6 +238,8 @@ def targets(
         summary: The throughput sweep's configurations.
         grid: The ``sync_grid`` sweep's configurations: more sync options for the utilization and byte targets.
         race: :func:`benchmarks.race_report.analyze`'s result; without it the race's row says "not run".
+        defaults: The ``defaults`` sweep's configurations: the 8.04x target for the package's default sync, side by
+            side with FSDP in that sweep.
     """
     out = []
     options = {**summary, **{f"{k} (sync_grid)": v for k, v in (grid or {}).items()}}
@@ -249,35 +268,15 @@ def targets(
             "spread": best_inrun[1]["inrun_utilization"] if best_inrun else None,
         }
     )
-    fsdp = summary.get("fsdp-20mbit")
     at20 = {k: v for k, v in summary.items() if v["kind"].startswith("fl_fsdp") and v["link"] == 20.0}
     fastest = max(at20, key=lambda k: _finite(at20[k]["tokens_per_s"]["median"]), default=None)
-    for config in dict.fromkeys(["fl_fsdp-20mbit", fastest]):
-        fl = summary.get(config) if config else None
-        for corrected in (False, True):
-            if fl and fsdp:
-                base = (
-                    fsdp.get("tokens_per_s_true_reduce_scatter", math.nan)
-                    if corrected
-                    else fsdp["tokens_per_s"]["median"]
-                )
-                ratio, runs = (
-                    fl["tokens_per_s"]["median"] / base,
-                    min(fl["tokens_per_s"]["n"], fsdp["tokens_per_s"]["n"]),
-                )
-            else:
-                ratio, runs = None, 0
-            how = "FSDP corrected to a true reduce-scatter" if corrected else "FSDP on gloo"
-            option = "default float32 outer traffic" if config == "fl_fsdp-20mbit" else f"fastest option: {config}"
-            out.append(
-                {
-                    "target": f"FL+FSDP / FSDP tokens/s at 20 Mbit/s ({option}; {how})",
-                    "measured": ratio,
-                    "bound": PAPER_FACTOR,
-                    "met": bool(ratio is not None and ratio >= PAPER_FACTOR),
-                    "runs": runs,
-                }
-            )
+    comparisons = [(summary, "fl_fsdp-20mbit", "float32 outer traffic")]
+    if fastest:
+        comparisons.append((summary, fastest, f"fastest option: {fastest}"))
+    if defaults:
+        comparisons.append((defaults, "fl_fsdp-int4ef-20mbit", "the default sync, int4 + error feedback"))
+    for sweep, config, option in comparisons:
+        out += _speedup_rows(sweep.get("fsdp-20mbit"), sweep.get(config), option)
     if race is not None:
         out.append(race_report.target_row(race))
     else:
@@ -304,6 +303,29 @@ def targets(
         }
     )
     return out
+
+
+def _speedup_rows(fsdp: dict[str, Any] | None, fl: dict[str, Any] | None, option: str) -> list[dict[str, Any]]:
+    """FL+FSDP's tokens/s over FSDP's from one sweep, against FSDP on gloo and corrected to a true reduce-scatter."""
+    rows = []
+    for corrected in (False, True):
+        ratio, runs = None, 0
+        if fl and fsdp:
+            base = (
+                fsdp.get("tokens_per_s_true_reduce_scatter", math.nan) if corrected else fsdp["tokens_per_s"]["median"]
+            )
+            ratio, runs = fl["tokens_per_s"]["median"] / base, min(fl["tokens_per_s"]["n"], fsdp["tokens_per_s"]["n"])
+        how = "FSDP corrected to a true reduce-scatter" if corrected else "FSDP on gloo"
+        rows.append(
+            {
+                "target": f"FL+FSDP / FSDP tokens/s at 20 Mbit/s ({option}; {how})",
+                "measured": ratio,
+                "bound": PAPER_FACTOR,
+                "met": bool(ratio is not None and ratio >= PAPER_FACTOR),
+                "runs": runs,
+            }
+        )
+    return rows
 
 
 def _finite(value: float, default: float = -math.inf) -> float:
@@ -532,6 +554,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path, nargs="?", default=RESULTS / "throughput.json")
     parser.add_argument("--grid", type=Path, default=RESULTS / "sync_grid.json", help="the sync_grid sweep, if run")
+    parser.add_argument("--defaults", type=Path, default=RESULTS / "defaults.json", help="the defaults sweep, if run")
     parser.add_argument("--race", type=Path, default=RESULTS / "race.json", help="the race to perplexity, if run")
     parser.add_argument("--write-docs", action="store_true", help="rewrite the generated sections of the docs")
     parser.add_argument("--no-plots", action="store_true")
@@ -544,10 +567,15 @@ def main(argv: list[str] | None = None) -> None:
     # The race is paced by the throughput sweep; options only the sync grid measured take their pace from it.
     paces = {**(grid["configs"] if grid else {}), **analysis["configs"]}
     race = race_report.analyze(race_results, paces) if race_results else None
-    rows = targets(analysis["configs"], grid and grid["configs"], race)
+    defaults_results = _load(args.defaults)
+    compute = compute_times(analysis["configs"])
+    defaults = analyze(defaults_results, compute) if defaults_results else None
+    rows = targets(analysis["configs"], grid and grid["configs"], race, defaults and defaults["configs"])
     (RESULTS / "throughput_summary.json").write_text(json.dumps(analysis, indent=1, default=str))
     if grid:
         (RESULTS / "sync_grid_summary.json").write_text(json.dumps(grid, indent=1, default=str))
+    if defaults:
+        (RESULTS / "defaults_summary.json").write_text(json.dumps(defaults, indent=1, default=str))
     if race:
         (RESULTS / "race_summary.json").write_text(json.dumps(race, indent=1, default=str))
     (RESULTS / "targets.json").write_text(json.dumps(rows, indent=1))
@@ -559,6 +587,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     if grid:
         tables["sync_grid"] = throughput_table(grid["configs"])
+    if defaults:
+        tables["defaults"] = throughput_table(defaults["configs"])
     if race:
         tables["race"] = (
             f"{race_report.link_table(race)}\n\n<details><summary>Every moment compared</summary>\n\n"
@@ -582,6 +612,9 @@ def main(argv: list[str] | None = None) -> None:
             replace_section(
                 ROOT / "docs" / "benchmarks.md", "sync_grid", f"{tables['sync_grid']}\n\n{provenance(grid_results)}"
             )
+        if defaults_results:
+            note = provenance(defaults_results)
+            replace_section(ROOT / "docs" / "benchmarks.md", "defaults", f"{tables['defaults']}\n\n{note}")
         if race_results:
             note = provenance(race_results, "python -m benchmarks.race")
             for name in ("race", "race_budgets"):

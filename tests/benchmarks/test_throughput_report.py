@@ -50,7 +50,7 @@ def test_targets_are_computed_from_the_medians_and_can_fail():
     utilization = rows[0]
     assert utilization["measured"] == pytest.approx(0.97) and utilization["met"]
     assert utilization["configuration"] == "fl_fsdp-int8-50mbit"
-    default = by_name["FL+FSDP / FSDP tokens/s at 20 Mbit/s (default float32 outer traffic; FSDP on gloo)"]
+    default = by_name["FL+FSDP / FSDP tokens/s at 20 Mbit/s (float32 outer traffic; FSDP on gloo)"]
     assert default["measured"] == pytest.approx(8.0) and not default["met"]  # 8.0 < 8.04
     corrected = next(r for r in rows if "fastest option" in r["target"] and "corrected" in r["target"])
     assert corrected["measured"] == pytest.approx(1000 / 125) and not corrected["met"]
