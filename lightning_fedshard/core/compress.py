@@ -282,16 +282,25 @@ class CompressedReducer:
         block_size: Values per quantization block, each with one float32 scale.
         error_feedback: Keep this rank's quantization residuals and add them to the next call's input (and, for the
             chunk this rank sums, to the next sum). Saved by :meth:`state_dict`.
+        residual_device: Where the residuals wait between calls (default: the input's device). The federation keeps
+            them with the anchor, in host memory by default, so that error feedback costs no accelerator memory.
 
     Raises:
         ValueError: For ``bits`` other than 8 or 4, or a block size below 1.
     """
 
-    def __init__(self, bits: int, block_size: int = DEFAULT_BLOCK_SIZE, error_feedback: bool = False) -> None:
+    def __init__(
+        self,
+        bits: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        error_feedback: bool = False,
+        residual_device: torch.device | str | None = None,
+    ) -> None:
         check_quantizer_args(bits, block_size)
         self.bits = bits
         self.block_size = block_size
         self.error_feedback = error_feedback
+        self.residual_device = residual_device
         self.residual: Tensor | None = None  # this rank's first-quantization residual, shaped like the input
         self.sum_residual: Tensor | None = None  # re-quantization residual of the chunk this rank sums, (chunk,)
 
@@ -324,14 +333,15 @@ class CompressedReducer:
         codes, scales = encode_blocks(padded.view(-1, self.block_size), self.bits)
         if self.error_feedback:
             sent = decode_blocks(codes, scales, self.bits, self.block_size).reshape(-1)[: flat.numel()]
-            self.residual = (flat - sent).view(x.shape)
+            self.residual = (flat - sent).view(x.shape).to(self.residual_device or x.device)
         received = torch.empty(layout.parts, layout.piece_bytes, dtype=torch.uint8, device=x.device)
         with torch.profiler.record_function("fedshard::all_to_all"):
             communicator.all_to_all(received.view(-1), _to_pieces(codes, scales, layout).view(-1))
         mine = self._sum_received(_from_pieces(received, layout, self.bits, self.block_size))
         codes, scales = encode_blocks(mine.view(-1, self.block_size), self.bits)
         if self.error_feedback:
-            self.sum_residual = mine - decode_blocks(codes, scales, self.bits, self.block_size).reshape(-1)
+            residual = mine - decode_blocks(codes, scales, self.bits, self.block_size).reshape(-1)
+            self.sum_residual = residual.to(self.residual_device or x.device)
         gathered = torch.empty(layout.parts, layout.piece_bytes, dtype=torch.uint8, device=x.device)
         with torch.profiler.record_function("fedshard::all_gather"):
             communicator.all_gather(gathered.view(-1), _to_pieces(codes, scales, layout.single()).view(-1))
@@ -363,8 +373,10 @@ class CompressedReducer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` of the same rank (shapes are checked at the next call)."""
-        self.residual = state["residual"]
-        self.sum_residual = state["sum_residual"]
+        self.residual, self.sum_residual = (
+            state[key] if state[key] is None or self.residual_device is None else state[key].to(self.residual_device)
+            for key in ("residual", "sum_residual")
+        )
 
     def _add_residual(self, x: Tensor, out: Tensor) -> None:
         """Write ``x + residual`` (just ``x`` without feedback or before the first call) into the flat ``out``."""
@@ -448,7 +460,10 @@ class FloatReducer:
 
 
 def make_reducer(
-    reduce_dtype: str | torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE, error_feedback: bool | None = None
+    reduce_dtype: str | torch.dtype,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    error_feedback: bool | None = None,
+    residual_device: torch.device | str | None = None,
 ) -> CompressedReducer | FloatReducer:
     """The reducer for a ``reduce_dtype`` name: ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"int8"``, ``"int4"``.
 
@@ -457,6 +472,7 @@ def make_reducer(
         block_size: Quantization block size (int8/int4 only; validated for every dtype).
         error_feedback: Carry quantization residuals to the next call (int8/int4 only). ``None``: on for int8/int4,
             off for the float dtypes.
+        residual_device: Where int8/int4 residuals wait between calls (default: the input's device).
 
     Raises:
         ValueError: For an unknown ``reduce_dtype``, a block size below 1, or ``error_feedback=True`` with a float
@@ -465,7 +481,9 @@ def make_reducer(
     check_quantizer_args(8, block_size)
     name = str(reduce_dtype).removeprefix("torch.")
     if name in COMPRESSED_REDUCE_DTYPES:
-        return CompressedReducer(COMPRESSED_REDUCE_DTYPES[name], block_size, error_feedback is not False)
+        return CompressedReducer(
+            COMPRESSED_REDUCE_DTYPES[name], block_size, error_feedback is not False, residual_device
+        )
     if name not in FLOAT_REDUCE_DTYPES:
         raise ValueError(f"Unsupported `reduce_dtype={reduce_dtype!r}`; choose one of {list(REDUCE_DTYPE_NAMES)}.")
     if error_feedback:

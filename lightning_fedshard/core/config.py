@@ -180,10 +180,14 @@ class FederationConfig:
         return str(self.reduce_dtype).removeprefix("torch.") in COMPRESSED_REDUCE_DTYPES
 
     def reducer(self) -> Reducer | None:
-        """A new quantized reducer for one fragment, or ``None`` for a float all-reduce."""
+        """A new quantized reducer for one fragment, or ``None`` for a float all-reduce.
+
+        Its error-feedback residuals wait with the anchor: in host memory with ``anchor_device="cpu"``.
+        """
         if not self.compressed:
             return None
-        return make_reducer(self.reduce_dtype, self.quant_block_size, self.error_feedback)
+        residual_device = "cpu" if self.anchor_device == "cpu" else None
+        return make_reducer(self.reduce_dtype, self.quant_block_size, self.error_feedback, residual_device)
 
 
 def federation_args_doc() -> str:

@@ -176,6 +176,17 @@ def test_quantized_outer_traffic_is_accepted_with_its_options():
     reducer = config.reducer()
     assert reducer is not None and config.compressed and config.reduce_torch_dtype == torch.float32
     assert FederationConfig(reduce_dtype="bfloat16").reducer() is None
+    # the residuals wait with the anchor: in host memory unless the anchor lives on the device
+    assert reducer.residual_device == "cpu"
+    assert FederationConfig(reduce_dtype="int8", anchor_device="device").reducer().residual_device is None
+
+
+def test_error_feedback_defaults_to_on_for_quantized_traffic_only():
+    assert FederationConfig().reducer().error_feedback  # the default: int4 with error feedback
+    assert not FederationConfig(reduce_dtype="int8", error_feedback=False).reducer().error_feedback
+    assert FederationConfig(reduce_dtype="float32").reducer() is None  # float traffic: no residual to carry
+    with pytest.raises(ValueError, match="needs a quantized `reduce_dtype`"):
+        FederationConfig(reduce_dtype="float32", error_feedback=True)
 
 
 @pytest.mark.parametrize(("reduce_dtype", "qmax"), [("int8", 127), ("int4", 7)])
