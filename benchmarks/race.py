@@ -61,6 +61,9 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "int8": {"reduce_dtype": "int8"},
     "int4ef-f4-d1": {"reduce_dtype": "int4", "error_feedback": True, "fragments": 4, "sync_delay": 1},
     "nesterov": {"outer_optimizer": "nesterov"},
+    # Added after the first options: the package's new default (int4 + error feedback) alone, and with a delay.
+    "int4ef": {"reduce_dtype": "int4", "error_feedback": True},
+    "int4ef-d1": {"reduce_dtype": "int4", "error_feedback": True, "sync_delay": 1},
 }
 
 

@@ -40,6 +40,8 @@ PACED_AS: dict[str, tuple[str, ...]] = {
     "fl_hsdp": ("fl_hsdp",),
     "fl_fsdp-int8": ("fl_fsdp-int8",),
     "fl_fsdp-int4ef-f4-d1": ("fl_fsdp-int4ef-f4-d1",),
+    "fl_fsdp-int4ef": ("fl_fsdp-int4ef",),
+    "fl_fsdp-bf16": ("fl_fsdp-bf16",),
 }
 RACE_TARGET = (
     "best federated strategy below the best of FSDP/HSDP in mean validation perplexity at equal wall time on every"

@@ -564,12 +564,13 @@ def main(argv: list[str] | None = None) -> None:
     grid_results = _load(args.grid)
     grid = analyze(grid_results) if grid_results else None
     race_results = _load(args.race)
-    # The race is paced by the throughput sweep; options only the sync grid measured take their pace from it.
-    paces = {**(grid["configs"] if grid else {}), **analysis["configs"]}
-    race = race_report.analyze(race_results, paces) if race_results else None
     defaults_results = _load(args.defaults)
     compute = compute_times(analysis["configs"])
     defaults = analyze(defaults_results, compute) if defaults_results else None
+    # The race is paced by the throughput sweep; options only the other sweeps measured take their pace from them.
+    extra = {**(grid["configs"] if grid else {}), **(defaults["configs"] if defaults else {})}
+    paces = {**extra, **analysis["configs"]}
+    race = race_report.analyze(race_results, paces) if race_results else None
     rows = targets(analysis["configs"], grid and grid["configs"], race, defaults and defaults["configs"])
     (RESULTS / "throughput_summary.json").write_text(json.dumps(analysis, indent=1, default=str))
     if grid:

@@ -17,7 +17,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_fedshard.core.compress import make_reducer
+from lightning_fedshard.core.compress import CompressedReducer, FloatReducer, make_reducer
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.topology import FederationTopology
 from lightning_fedshard.plan.specs import ClusterSpec, ModelSpec, TrainSetup
@@ -57,11 +57,17 @@ class Memory:
     activations: float
     host_anchor: float
     host_outer: float
+    sync: float = 0.0
+    """Device bytes of one fragment's sync: its pseudo-gradient buffer and the temporaries of its sum."""
+    sync_overlaps_training: bool = False
+    """With ``sync_delay > 0`` the sum runs during training steps, so its bytes add to theirs."""
 
     @property
     def device(self) -> float:
-        """Everything on one device."""
-        return self.parameters + self.gradients + self.optimizer + self.gathered + self.activations
+        """The peak on one device: the sharded state, plus training's transients or a sync's (or both, overlapped)."""
+        training = self.gathered + self.activations
+        transient = training + self.sync if self.sync_overlaps_training else max(training, self.sync)
+        return self.parameters + self.gradients + self.optimizer + transient
 
     @property
     def host(self) -> float:
@@ -250,9 +256,10 @@ def sync_collectives(model: ModelSpec, setup: TrainSetup, t: FederationTopology,
 
 
 def memory(model: ModelSpec, setup: TrainSetup, t: FederationTopology) -> Memory:
-    """Bytes per rank: sharded parameters, gradients and optimizer state, two gathered units and activations.
+    """Bytes per rank: sharded parameters, gradients and optimizer state, two gathered units, activations and one
+    fragment's sync.
 
-    On the host: the anchor and the outer optimizer state (and int8/int4 residuals).
+    On the host: the anchor and the outer optimizer state (and int8/int4 residuals, which wait with the anchor).
     """
     shard = model.num_parameters / t.shard_size
     largest_unit = max(model.layer_parameters, model.root_parameters)
@@ -262,8 +269,8 @@ def memory(model: ModelSpec, setup: TrainSetup, t: FederationTopology) -> Memory
         activations = model.num_layers * per_layer + _layer_activations(model, tokens, setup.flash_attention)
     else:
         activations = model.num_layers * _layer_activations(model, tokens, setup.flash_attention)
-    feedback = make_reducer(setup.reduce_dtype, setup.quant_block_size, setup.error_feedback).error_feedback
-    residuals = 2 if feedback else 0
+    reducer = make_reducer(setup.reduce_dtype, setup.quant_block_size, setup.error_feedback)
+    residuals = 2 if reducer.error_feedback else 0
     outer_state = (1 if setup.outer_optimizer == "nesterov" else 0) + residuals
     federated = setup.federated and t.num_groups > 1
     return Memory(
@@ -274,7 +281,22 @@ def memory(model: ModelSpec, setup: TrainSetup, t: FederationTopology) -> Memory
         activations=activations,
         host_anchor=shard * 4 if federated else 0.0,
         host_outer=shard * 4 * outer_state if federated else 0.0,
+        sync=_sync_bytes(reducer, shard / setup.fragments) if federated else 0.0,
+        sync_overlaps_training=setup.sync_delay > 0,
     )
+
+
+def _sync_bytes(reducer: CompressedReducer | FloatReducer, local: float) -> float:
+    """Device bytes of one fragment's sync over ``local`` values of this rank.
+
+    A float reduce holds the buffer in ``reduce_dtype`` and, below float32, the float32 result. int8 / int4 hold the
+    float32 buffer, its padded copy and the quantization's float32 temporaries (``core/compress.py``): about three
+    float32 copies at the peak.
+    """
+    if isinstance(reducer, FloatReducer):
+        size = reducer.dtype.itemsize
+        return local * (size + (4 if size < 4 else 0))
+    return local * 4 * 3
 
 
 def _layer_activations(model: ModelSpec, tokens: int, flash_attention: bool) -> float:

@@ -89,9 +89,17 @@ def test_memory_per_rank_by_hand():
     m = p.memory  # shard of 500 values
     assert (m.parameters, m.gradients, m.optimizer) == (2000, 2000, 4000)
     assert m.gathered == 2 * 400 * 4 and m.host_anchor == 2000 and m.host_outer == 2000
-    # The default int4 traffic keeps error-feedback residuals on the host: two more shards of float32.
+    # a float32 sync holds its 500-value buffer, less than training's transients (gathered units, activations)
+    training = m.gathered + m.activations
+    assert m.sync == 2000 and m.device == 8000 + training
+    # The default int4 traffic keeps error-feedback residuals on the host: two more shards of float32; on the device
+    # its sync holds about three float32 copies of the shard, more than training's transients here.
     default = predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", outer_optimizer="nesterov")).memory
     assert default.host_outer == 2000 + 2 * 2000
+    assert default.sync == 3 * 2000 > training and default.device == 8000 + 3 * 2000
+    # overlapped with training (sync_delay > 0) the two add up; 2 fragments halve the sync's share
+    overlapped = predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", sync_every=4, fragments=2, sync_delay=1)).memory
+    assert overlapped.sync == 3 * 1000 and overlapped.device == 8000 + training + 3 * 1000
     assert m.activations == 2 * 1 * 4 * 8 * 34  # layers x tokens x hidden x 34 (fused attention)
 
 
