@@ -256,10 +256,10 @@ def sync_collectives(model: ModelSpec, setup: TrainSetup, t: FederationTopology,
 
 
 def memory(model: ModelSpec, setup: TrainSetup, t: FederationTopology) -> Memory:
-    """Bytes per rank: sharded parameters, gradients and optimizer state, two gathered units, activations and one
-    fragment's sync.
+    """Bytes per rank: sharded state, two gathered units, activations and one fragment's sync.
 
-    On the host: the anchor and the outer optimizer state (and int8/int4 residuals, which wait with the anchor).
+    Sharded state: parameters, gradients and inner optimizer state. On the host: the anchor and the outer optimizer
+    state (and int8/int4 residuals, which wait with the anchor).
     """
     shard = model.num_parameters / t.shard_size
     largest_unit = max(model.layer_parameters, model.root_parameters)
