@@ -290,6 +290,8 @@ def plot(analysis: dict[str, Any], images: Path) -> list[Path]:
     images.mkdir(parents=True, exist_ok=True)
     links = [link for link in analysis["links"] if link["times"]]
     fig, axes = plt.subplots(1, len(links), figsize=(4.2 * len(links), 4), squeeze=False)
+    every_kind = sorted({e["kind"] for link in links for e in link["entries"]})
+    colors = {kind: f"C{i % 10}" for i, kind in enumerate(every_kind)}  # one color per configuration in every panel
     for ax, link in zip(axes[0], links):
         kinds = sorted({e["kind"] for e in link["entries"]})
         for kind in kinds:
@@ -300,10 +302,10 @@ def plot(analysis: dict[str, Any], images: Path) -> list[Path]:
             x = [p[0] for p in points]
             mean = [p[1]["mean"] for p in points]
             err = [[p[1]["mean"] - p[1]["min"] for p in points], [p[1]["max"] - p[1]["mean"] for p in points]]
-            ax.errorbar(x, mean, yerr=err, marker="o", markersize=3, capsize=2, label=kind)
+            ax.errorbar(x, mean, yerr=err, marker="o", markersize=3, capsize=2, label=kind, color=colors[kind])
         ax.set(yscale="log", xlabel="wall time (s)", title=f"link {_label(link['link'])}")
+        ax.legend(fontsize=6)
     axes[0][0].set_ylabel("validation perplexity (annealed; mean, min-max of seeds)")
-    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     paths = [images / "race_ppl_vs_time.png"]
     fig.savefig(paths[0], dpi=110)

@@ -1,9 +1,11 @@
 """The ``throughput`` sweep against the byte model, the planner and issue 9's targets; regenerates the docs' tables.
 
 Reads ``benchmarks/results/throughput.json`` (written by ``python -m benchmarks.run --preset throughput``; nothing
-here runs a model) and writes:
+here runs a model), and where they exist ``sync_grid.json`` and ``defaults.json`` (the presets of those names) and
+``race.json`` (``python -m benchmarks.race``, scored by :mod:`benchmarks.race_report`), and writes:
 
-- ``benchmarks/results/throughput_summary.json``: every derived number, per run and per configuration;
+- ``benchmarks/results/throughput_summary.json`` (and ``sync_grid_summary.json``, ``defaults_summary.json``,
+  ``race_summary.json``): every derived number, per run and per configuration;
 - ``benchmarks/results/targets.json``: issue 9's targets as ``{"target", "measured", "bound", "met", "runs"}``;
 - the plots under ``docs/images/throughput_*.png``;
 - with ``--write-docs``, the generated sections of ``docs/benchmarks.md`` and ``docs/plan.md`` (between
@@ -130,7 +132,10 @@ def analyze(results: dict[str, Any], compute: dict[str, float] | None = None) ->
                 # Whole run, the end-of-fit sync included: rank 0 waits there for the slowest group, so this is the
                 # slowest group's pace (rank 0's own clock is group 0's alone, and without syncs groups drift apart).
                 "run_pace": (run["train_seconds"] + run.get("finish_seconds", 0.0)) / steps,
-                "inrun_utilization": derived["strategy_utilization_window"],
+                # FSDP and HSDP (one group) never sync: no in-run utilization to speak of.
+                "inrun_utilization": derived["strategy_utilization_window"]
+                if run["config"]["strategy"].startswith("fl_")
+                else math.nan,
                 "tokens_per_s": run["tokens_per_step"] / derived["step_time"],
                 "link_bytes_per_step": link_step,
                 "model_bytes_per_step": predict(model, emulated(link_of(config)), setup_of(run)).link_bytes_per_step,

@@ -58,6 +58,19 @@ def test_targets_are_computed_from_the_medians_and_can_fail():
     assert race["measured"] is None and race["met"] is False and race["runs"] == 0
     assert rows[-1]["measured"] == pytest.approx(0.05) and not rows[-1]["met"]  # bytes 5% off the model
     assert "| **no** |" in targets_table(rows) and "not run" in targets_table(rows)
+    # the default sync's rows come from the `defaults` sweep, against that sweep's own FSDP
+    defaults = {
+        "fsdp-20mbit": {**_config("fsdp", 20.0, 50.0), "tokens_per_s_true_reduce_scatter": 80.0},
+        "fl_fsdp-int4ef-20mbit": _config("fl_fsdp-int4ef", 20.0, 600.0),
+    }
+    rows = {r["target"]: r for r in targets(summary, defaults=defaults)}
+    gloo = rows["FL+FSDP / FSDP tokens/s at 20 Mbit/s (the default sync, int4 + error feedback; FSDP on gloo)"]
+    assert gloo["measured"] == pytest.approx(12.0) and gloo["met"]
+    true_rs = rows[
+        "FL+FSDP / FSDP tokens/s at 20 Mbit/s (the default sync, int4 + error feedback; FSDP corrected to a true"
+        " reduce-scatter)"
+    ]
+    assert true_rs["measured"] == pytest.approx(7.5) and not true_rs["met"]
 
 
 def test_replace_section(tmp_path):
