@@ -611,8 +611,18 @@ def main(argv: list[str] | None = None) -> None:
             print(f"plot: {path.relative_to(ROOT)}")
     if args.write_docs:
         note = provenance(results)
-        for name in ("throughput", "targets", "memory"):
+        for name in ("throughput", "memory"):
             replace_section(ROOT / "docs" / "benchmarks.md", name, f"{tables[name]}\n\n{note}")
+        sources = [note] + [
+            provenance(r, command)
+            for r, command in (
+                (grid_results, None),
+                (defaults_results, None),
+                (race_results, "python -m benchmarks.race"),
+            )
+            if r
+        ]
+        replace_section(ROOT / "docs" / "benchmarks.md", "targets", tables["targets"] + "\n\n" + "\n\n".join(sources))
         replace_section(ROOT / "docs" / "plan.md", "calibration", f"{tables['calibration']}\n\n{note}")
         if grid_results:
             replace_section(
