@@ -39,7 +39,7 @@ from typing import Any
 
 from benchmarks.cluster import EmulatedCluster, namespaces_available
 from benchmarks.launch import RunFailed, launch
-from benchmarks.run import RESULTS, _write, machine, prepare_data
+from benchmarks.run import RESULTS, _throughput_base, _write, machine, prepare_data
 from benchmarks.train import RunConfig
 
 #: Step budgets per curve. HSDP shares FSDP's curve (see stage 4). The federated runs end on a sync step, so their
@@ -55,6 +55,7 @@ LEARNING_RATES: dict[int, tuple[float, ...]] = {8: (1.5e-3, 3e-3, 6e-3), 16: (1.
 LONGER_BUDGET_RATES: tuple[float, ...] = (3e-3, 6e-3, 1.2e-2)
 MAX_EXTENSIONS = 1
 SEEDS: tuple[int, ...] = (0, 1, 2)
+STAGES = ("tune", "extend", "seeds", "hsdp_check", "options")
 #: FL+FSDP's sync options compared at its largest budget (name -> RunConfig changes).
 OPTIONS: dict[str, dict[str, Any]] = {
     "bf16": {"reduce_dtype": "bfloat16"},
@@ -68,21 +69,9 @@ OPTIONS: dict[str, dict[str, Any]] = {
 
 
 def race_base(cache: Path) -> RunConfig:
-    """The race's run, before strategy, budget, learning rate and seed: the throughput preset's model and batch."""
-    return RunConfig(
-        strategy="fsdp",
-        num_nodes=4,
-        devices=2,
-        out="",
-        cache_dir=str(cache),
-        num_groups=2,
-        sync_every=8,
-        outer_optimizer="fedavg",
-        size="xs",
-        seq_len=128,
-        batch_size=4,
-        max_val_windows=128,
-    )
+    """The race's run, before strategy, budget, learning rate and seed: the throughput preset's model and batch, with
+    a larger validation set (every run is scored by it)."""
+    return replace(_throughput_base(Path(), cache), max_val_windows=128)
 
 
 def run_name(strategy: str, steps: int, lr: float, seed: int, option: str = "") -> str:
@@ -226,9 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Race to perplexity: tuned learning rates, 3 seeds (unthrottled).")
     parser.add_argument("--work", type=Path, default=Path("/tmp/fedshard-race"), help="scratch folder")
     parser.add_argument("--results", type=Path, default=RESULTS / "race.json")
-    parser.add_argument(
-        "--stages", nargs="*", default=["tune", "extend", "seeds", "hsdp_check", "options"], help="stages to run"
-    )
+    parser.add_argument("--stages", nargs="*", choices=STAGES, default=list(STAGES), help="stages to run, in order")
     args = parser.parse_args(argv)
     if (reason := namespaces_available()) is not None:
         raise SystemExit(f"Cannot emulate a cluster: {reason}.")
