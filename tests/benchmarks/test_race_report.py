@@ -31,6 +31,8 @@ def _race() -> dict:
     # FL+FSDP: worse per step (600 at 8, 520 at 16), faster per step on slow links.
     for steps, base in ((8, 600.0), (16, 520.0)):
         runs += [_run("fl_fsdp", steps, 3e-3, seed, base + seed) for seed in (0, 1, 2)]
+    # a sync option, run at the shortest budget only (and no better there)
+    runs += [_run("fl_fsdp", 8, 3e-3, seed, 900.0, option="int8") for seed in (0, 1, 2)]
     runs.append(_run("hsdp", 16, 3e-3, 0, 500.5))
     return {"runs": runs}
 
@@ -72,10 +74,12 @@ def test_the_race_target_is_met_only_where_the_federated_curve_is_ahead_at_every
         "fsdp-20mbit": _pace(2.0),
         "hsdp-20mbit": _pace(2.0),
         "fl_fsdp-20mbit": _pace(1.0),
+        "fl_fsdp-int8-20mbit": _pace(1.0),
     }
     analysis = analyze(_race(), paces)
     slow = next(link for link in analysis["links"] if link["link"] == 20.0)
-    assert [t["seconds"] for t in slow["times"]] == [8.0, 16.0]  # up to FL+FSDP's largest budget
+    # up to FL+FSDP's largest budget: the option's single budget (8 s) does not cut the race short
+    assert [t["seconds"] for t in slow["times"]] == [8.0, 16.0]
     assert slow["times"][0]["ratio"] is None  # no baseline model at 8 s
     assert slow["times"][1]["ratio"] == pytest.approx(521.0 / 700.0)
     fast = next(link for link in analysis["links"] if link["link"] == 200.0)
