@@ -32,6 +32,7 @@ from lightning_fedshard.core.fsdp import FSDP1
 from lightning_fedshard.core.lazy import required
 from lightning_fedshard.core.mesh import FederationMesh, build_federation_mesh
 from lightning_fedshard.core.outer import SyncStats
+from lightning_fedshard.core.quiet import torch_choices_silenced
 from lightning_fedshard.core.sharding import ShardingBackend
 from lightning_fedshard.core.topology import FederationTopology
 
@@ -120,6 +121,11 @@ class FederatedRuntime:
         """Groups, replicas and shards of this job; known once :meth:`resolve_topology` ran."""
         return required(self._topology, "The federation topology is known only once nodes and devices are set.")
 
+    def describe(self) -> str:
+        """This job's federation in one line: the groups x replicas x shards and the sync options."""
+        one_group = " (one group: nothing to federate)" if self.syncs_are_identity else ""
+        return f"{self.name}: {self.topology}{one_group}; {self.config.describe()}"
+
     def validate(self, num_nodes: int, devices_per_node: int) -> None:
         """Check the topology in the launching process and warn about layouts that defeat the federation."""
         topology = self.resolve_topology(num_nodes, devices_per_node)
@@ -144,8 +150,15 @@ class FederatedRuntime:
             )
 
     def setup(self, num_nodes: int, devices_per_node: int, device: torch.device) -> None:
-        """Build the federation mesh and the federation; collective, after the default process group exists."""
+        """Build the federation mesh and the federation; collective, after the default process group exists.
+
+        Lightning sets its strategy up again for every entry point (``fit``, ``validate``, ``test``, ``predict``) of
+        one Trainer: a mesh built for the same topology is kept, and so is the federation with its anchor, outer
+        optimizer state and schedule, so that a second ``fit`` continues where the first one stopped.
+        """
         topology = self.resolve_topology(num_nodes, devices_per_node)
+        if self._mesh is not None and self._mesh.topology == topology:
+            return
         self._devices_per_node = devices_per_node
         self._mesh = build_federation_mesh(topology, device.type)
         self._federation = Federation(self.config, self._mesh.communicator())
@@ -181,18 +194,40 @@ class FederatedRuntime:
     def wrap(self, module: Module, wrap: Callable[[Module], Module]) -> Module:
         """Shard ``module`` with ``wrap`` (FSDP over this rank's group) and make every group and replica start equal.
 
+        The model federated already, set up again (the Trainer does so for every entry point), is returned as it is:
+        sharded once, with the weights training left in it.
+
         Raises:
-            RuntimeError: If a model was wrapped already: the federation holds one model.
+            RuntimeError: If another model was wrapped already: the federation holds one model.
         """
         if self._module is not None:
+            if self.holds(module):
+                return self._module
             raise RuntimeError(
                 f"`{self.name}` federates one model, and one was set up already. Put all trainable modules into one"
                 " `nn.Module` before setting it up."
             )
-        wrapped = wrap(module)
+        with torch_choices_silenced():
+            wrapped = wrap(module)
         self._synchronize_initial_weights(wrapped)
         self._module = wrapped
         return wrapped
+
+    def holds(self, module: Module) -> bool:
+        """Whether ``module`` is the federated model, or the module inside its FSDP wrapper."""
+        return self._module is not None and any(m is module for m in self._module.modules())
+
+    def release_model(self) -> None:
+        """Forget the federated model and start a new federation on the same mesh, for another model to be set up.
+
+        Collective on the next :meth:`wrap`. A sum still in flight is awaited first (every rank started it).
+        """
+        if self._federation is not None:
+            self._federation.finish_pending()
+            self._federation = Federation(self.config, self.mesh.communicator())
+        self._module = None
+        self._optimizers = []
+        self.step = 0
 
     @torch.no_grad()
     def _synchronize_initial_weights(self, module: Module) -> None:
@@ -254,6 +289,7 @@ class FederatedRuntime:
             unit_sizes=self.backend.unit_sizes(self.module),
         )
         self._round_clock = time.perf_counter()
+        rank_zero_info(self.describe())
         if federation.config.fragments > 1:
             rank_zero_info(f"{self.name}: streaming fragments (in module order): {self._fragment_summary()}")
         return None if self.syncs_are_identity else self._synced(federation.maybe_sync(step))

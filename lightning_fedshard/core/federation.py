@@ -153,8 +153,7 @@ class Federation:
         """
         if not self.started:
             return None
-        self._drop(self._pending)
-        self._pending = None
+        self.finish_pending()
         synced = []
         for fragment in range(self.config.fragments):
             if self.landed_at[fragment] == step:
@@ -176,6 +175,11 @@ class Federation:
         self._on_write()
         self.last_synced_step = self.landed_at[fragment] = step
         return stats
+
+    def finish_pending(self) -> None:
+        """Await the fragment sum in flight, if any, and forget it; collective (every rank started it)."""
+        self._drop(self._pending)
+        self._pending = None
 
     @staticmethod
     def _drop(pending: PendingSync | None) -> None:

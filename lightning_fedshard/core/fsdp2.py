@@ -35,10 +35,13 @@ def is_fully_sharded(module: Module) -> bool:
 def sharded_parameters(module: Module) -> list[tuple[str, DTensor]]:
     """``module``'s parameters with their names, all of them ``DTensor`` shards.
 
+    Parameters that a forward without backward left gathered (see :func:`free_unsharded`) are resharded first.
+
     Raises:
         ValueError: If a parameter is not sharded (a module outside every ``fully_shard`` call): its gradient would
             never be reduced within the group, nor its value merged across groups.
     """
+    free_unsharded(module)
     named = list(module.named_parameters())
     plain = [name for name, p in named if not isinstance(p, DTensor)]
     if plain:
@@ -55,7 +58,8 @@ def local_shards(module: Module) -> list[Tensor]:
     """This rank's rows of every parameter (``DTensor.to_local()``, detached), in ``named_parameters`` order.
 
     The tensors share storage with the parameters, so writing them in place (under ``torch.no_grad()``) updates what
-    the optimizer and the next all-gather see. A rank may hold zero rows of a small parameter.
+    the optimizer and the next all-gather see. A rank may hold zero rows of a small parameter. Gathered parameters
+    are dropped first (see :func:`sharded_parameters`).
     """
     with torch.no_grad():
         return [p.to_local().detach() for _, p in sharded_parameters(module)]
@@ -64,8 +68,9 @@ def local_shards(module: Module) -> list[Tensor]:
 def free_unsharded(module: Module) -> None:
     """Reshard every FSDP2 module (public ``FSDPModule.reshard``), dropping gathered parameters.
 
-    FSDP2 keeps the root's parameters gathered after a forward without backward (evaluation); a forward after the
-    shards were rewritten would otherwise reuse them.
+    FSDP2 keeps the root's parameters gathered after a forward without backward (evaluation, e.g. Lightning's
+    sanity check): until they are resharded, the module's parameters are plain gathered tensors instead of the
+    ``DTensor`` shards, and a forward after the shards were rewritten would reuse them.
     """
     for submodule in module.modules():
         if isinstance(submodule, FSDPModule):
@@ -232,6 +237,7 @@ class FSDP2Backend:
     def state_dict(self, module: Module, state_dict_type: StateDictType) -> dict[str, Any]:
         """The state dict of torch's ``get_model_state_dict``: full on rank 0 (on the CPU), or ``DTensor`` shards."""
         options = StateDictOptions(full_state_dict=state_dict_type == "full", cpu_offload=True)
+        free_unsharded(module)  # after an evaluation forward the root's parameters are gathered plain tensors
         state_dict = get_model_state_dict(module, options=options)
         if any(p.device.type == "cpu" for p in module.parameters()):
             # On the CPU "offloading" may hand back the parameters' own storage (e.g. unsharded ones); a state dict
@@ -244,6 +250,7 @@ class FSDP2Backend:
     ) -> None:
         """Load with torch's ``set_model_state_dict``; a full state dict is given on every rank."""
         options = StateDictOptions(full_state_dict=state_dict_type == "full", strict=strict)
+        free_unsharded(module)
         set_model_state_dict(module, state_dict, options=options)
 
 

@@ -47,6 +47,16 @@ class _TrainerHooks(FederatedArguments):
     global_rank: int
     broadcast: Any
 
+    def _begin_setup(self, trainer: Trainer) -> None:
+        """Before Lightning's ``setup`` of one entry point (``fit``, ``validate``, ``test``, ``predict``).
+
+        The model federated by an earlier entry point of this Trainer stays federated (sharded once, its anchor and
+        outer state kept); a different LightningModule gets a new federation.
+        """
+        place_outer_sync_first(trainer)
+        if not self.runtime.holds(self.lightning_module):
+            self.runtime.release_model()
+
     # -- checkpoints: the consensus as the model, every group's own state beside it (lightning_fedshard/checkpoint/) ---
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -70,6 +80,10 @@ class _TrainerHooks(FederatedArguments):
             rank_zero_warn(f"Not saving checkpoint {str(filepath)!r}: {reason}")
             return
         optimizer_states = checkpoint.pop("optimizer_states", [])
+        # Each group's inner optimizer state is saved in the federation's entries. A plain strategy (e.g. "ddp")
+        # that resumes this checkpoint restores the consensus, the loops and the schedulers, and starts its
+        # optimizer afresh, where a missing key would fail with an unrelated message (docs/checkpoints.md).
+        checkpoint["optimizer_states"] = []
         self.runtime.checkpointer.save(checkpoint, self.broadcast(filepath), self._state_dict_type, optimizer_states)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -116,7 +130,7 @@ class _FederatedFSDPStrategy(_TrainerHooks, FSDP1Arguments, FSDPStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        place_outer_sync_first(trainer)
+        self._begin_setup(trainer)
         super().setup(trainer)
 
     @classmethod
@@ -144,7 +158,7 @@ class _FederatedFSDP2Strategy(_TrainerHooks, FSDP2Arguments, ModelParallelStrate
         # Replaces ModelParallelStrategy.setup, which insists on an overridden `configure_model`; the steps are its own.
         from lightning.fabric.utilities.optimizer import _optimizers_to_device  # private: Lightning's own helper
 
-        place_outer_sync_first(trainer)
+        self._begin_setup(trainer)
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         _refuse_fsdp1(self.model)

@@ -1,0 +1,59 @@
+"""Lightning's ordinary workflows on every registered strategy name, with the Trainer's defaults.
+
+One launch (4 ranks = 2 nodes x 2 devices, so every name federates 2 groups) runs Lightning's ``BoringModel``
+through ``fit`` (sanity check on) -> ``test`` -> ``validate(ckpt_path=...)`` -> ``predict`` -> a second ``fit`` on
+the same Trainer, then resumes the federated checkpoint under ``strategy="ddp"``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from tests.launch import launch
+from tests.trainer.workflow_worker import NAMES
+
+WORKER = Path(__file__).with_name("workflow_worker.py")
+NODES, DEVICES = 2, 2
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    root = tmp_path_factory.mktemp("workflows")
+    launch(WORKER, [str(root)], NODES, DEVICES, root / "logs", timeout=400)
+    return [torch.load(root / f"rank{r}.pt", weights_only=False) for r in range(NODES * DEVICES)]
+
+
+def _peers(ranks: list[dict], name: str, key: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What each rank saw next to the rank at the same in-group position of the other group (one group per node)."""
+    return [(ranks[r][name][key], ranks[r + DEVICES][name][key]) for r in range(DEVICES)]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fit_with_the_sanity_check_then_test_validate_predict_and_fit_again(ranks, name):
+    for seen in ranks:
+        run = seen[name]
+        assert run["sanity_batches"] == 2  # Trainer default num_sanity_val_steps=2
+        assert run["callbacks"][0] == "OuterSync"
+        assert run["syncs_after_fit"] == 1  # max_steps=4 < sync_every=8: the end-of-fit sync
+        assert run["predictions"] > 0 and set(run["validate"]) == {"val_loss"}
+        # the second fit continues the same federation: its schedule syncs at step 8
+        assert run["same_federation"] and run["global_step"] == 8 and run["syncs_after_second_fit"] == 2
+        assert_close(run["after_test"], run["after_fit"], rtol=0, atol=0)  # evaluation leaves the weights alone
+    for key in ("after_fit", "after_second_fit"):
+        for mine, peer in _peers(ranks, name, key):
+            assert_close(mine, peer, rtol=0, atol=0)  # every group ends with the consensus
+    losses = [seen[name]["test_losses"] for seen in ranks]
+    assert all(len(loss) > 0 for loss in losses)
+
+
+def test_a_plain_strategy_resumes_the_consensus_of_a_federated_checkpoint(ranks):
+    checkpoint = torch.load(ranks[0]["fl_fsdp"]["final_checkpoint"], weights_only=False)
+    assert checkpoint["optimizer_states"] == []  # the inner optimizer states are per group, beside the consensus
+    for seen in ranks:
+        assert seen["ddp"]["global_step"] == 10  # continued from the checkpoint's step 8
+        for key, value in checkpoint["state_dict"].items():
+            assert_close(seen["ddp"]["loaded"][key], value, rtol=0, atol=0)
