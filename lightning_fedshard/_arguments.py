@@ -10,18 +10,28 @@ behind them. jsonargparse (LightningCLI) follows the ``**kwargs`` down that chai
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
+import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 
 # Private: Lightning's FSDP wrapping steps, reused so that wrapping on CPU does exactly what Lightning does elsewhere.
 from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 
-from lightning_fedshard.core.config import FederationConfig, OuterOptimizerSpec, federation_args_doc
+from lightning_fedshard.core.config import (
+    FederationConfig,
+    OuterOptimizerSpec,
+    federation_args_doc,
+    outer_learning_rate_warning,
+)
 from lightning_fedshard.core.fsdp import FSDP1, fsdp_device_id
 from lightning_fedshard.core.fsdp2 import (
     FSDP2,
@@ -142,6 +152,11 @@ class FederatedArguments:
 
             cluster_of(plan, 1, 1)  # a bad preset or field fails here, before any process starts
         self.runtime = FederatedRuntime(config, self.hybrid, self.strategy_name, self.backend, plan)
+        check_keywords(type(self), kwargs)
+        _silence_lightning_internals()
+        lr_warning = outer_learning_rate_warning(outer_optimizer)
+        if lr_warning is not None:
+            rank_zero_warn(lr_warning)
         super().__init__(**kwargs)
         state_dict_type = getattr(self, "_state_dict_type", None)  # private in Lightning, which does not validate it
         if state_dict_type not in STATE_DICT_TYPES:
@@ -170,6 +185,10 @@ class FederatedArguments:
 
     def setup_environment(self) -> None:
         super().setup_environment()  # type: ignore[misc]
+        if dist.get_rank() != 0:
+            # A deprecation is about code, the same on every rank: rank 0 shows it once for the whole job.
+            for category in (DeprecationWarning, FutureWarning):
+                warnings.filterwarnings("ignore", category=category)
         self.runtime.setup(self.num_nodes, self.num_processes, self.root_device)
         self._use_federation_mesh()
 
@@ -339,6 +358,71 @@ class FSDP2Arguments(FederatedArguments):
         if self._checkpointed_modules:
             apply_activation_checkpointing(module, self._checkpointed_modules)
         shard_model(roots, self.runtime.group_mesh, self._fsdp_modules, self._mp_policy, self._reshard_after_forward)
+
+
+def _silence_lightning_internals() -> None:
+    """Drop a deprecation warning that Lightning's own code triggers on every run and rank, with no user action to take.
+
+    Lightning 2.6 checks ``isinstance(treespec, LeafSpec)`` for every data loader, which torch deprecates; the filter
+    names that message and Lightning's module only.
+    """
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )
+
+
+def _named_parameters(function: Callable[..., Any]) -> set[str]:
+    parameters = inspect.signature(function).parameters.values()
+    return {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
+
+
+def _lightning_base(cls: type) -> type:
+    """The Lightning strategy class that a federated strategy passes its remaining keyword arguments to."""
+    return next(c for c in cls.__mro__ if c.__module__.startswith("lightning."))
+
+
+def accepted_keywords(cls: type) -> set[str]:
+    """The keyword arguments that the Lightning strategy behind ``cls`` (and, for FSDP1, torch's FSDP) accepts."""
+    base = _lightning_base(cls)
+    init = vars(base)["__init__"]
+    accepted = _named_parameters(init)
+    if any(p.kind == p.VAR_KEYWORD for p in inspect.signature(init).parameters.values()):
+        # Lightning's FSDPStrategy passes the rest on to every `FullyShardedDataParallel` unit.
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        accepted |= _named_parameters(FullyShardedDataParallel.__init__) - {"module"}
+    return accepted
+
+
+def check_keywords(cls: type, kwargs: dict[str, Any]) -> None:
+    """Refuse keyword arguments that neither the federation nor the strategy behind ``cls`` accepts.
+
+    Without this check a misspelled federation argument (``sync_evry=2``) would travel on to torch's FSDP and fail
+    only after launch, on every rank.
+
+    Raises:
+        ValueError: Naming each unknown keyword and the closest valid names.
+    """
+    accepted = accepted_keywords(cls)
+    unknown = [key for key in kwargs if key not in accepted]
+    if not unknown:
+        return
+    base = _lightning_base(cls)
+    ours = cls.__mro__[: cls.__mro__.index(base)]
+    own = set().union(*(_named_parameters(vars(c)["__init__"]) for c in ours if "__init__" in vars(c)))
+    valid = sorted(own | accepted)
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
+        hint = f" (did you mean {', '.join(f'`{c}`' for c in close)}?)" if close else ""
+        hints.append(f"`{key}={kwargs[key]!r}`{hint}")
+    raise ValueError(
+        f"`{cls.__name__}` got unknown argument(s) {'; '.join(hints)}. It takes the federation arguments and those"
+        f" of Lightning's `{base.__name__}`; valid names: {', '.join(valid)}."
+    )
 
 
 def _check_fsdp_arguments(hybrid: bool, sharding_strategy: Any, kwargs: dict[str, Any]) -> None:

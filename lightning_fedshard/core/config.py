@@ -6,8 +6,10 @@ Everything here runs in the constructor, before any process is launched, so that
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -114,8 +116,11 @@ class FederationConfig:
         for name in ("num_groups", "shard_size"):
             _check_positive_int(name, getattr(self, name), allow_none=True)
         _check_positive_int("sync_every", self.sync_every, allow_none=False)
+        _check_learning_rate_given(self.outer_optimizer)
         # Build the outer optimizer once on a probe tensor, so a broken factory fails before any rank starts.
         build_outer_optimizer(self.outer_optimizer_factory, [torch.zeros(1, requires_grad=True)])
+        if self.error_feedback is not None and not isinstance(self.error_feedback, bool):
+            raise ValueError(f"`error_feedback` must be True, False or None (automatic), got {self.error_feedback!r}.")
         _check_positive_int("quant_block_size", self.quant_block_size, allow_none=False)
         # Builds a reducer once: an unknown dtype, or error feedback with a float dtype, fail here.
         make_reducer(self.reduce_dtype, self.quant_block_size, self.error_feedback)
@@ -162,7 +167,30 @@ class FederationConfig:
             )
         group_size = world_size // num_groups
         shard_size = (self.shard_size or devices_per_node) if hybrid else group_size
+        if group_size % shard_size and self.shard_size is None:
+            raise ValueError(
+                f"The group size ({group_size} = world size {world_size} / `num_groups={num_groups}`) is not divisible"
+                f" by the default `shard_size={shard_size}` (the devices of one node). Pass a `shard_size` that"
+                f" divides {group_size}, or fewer `num_groups`."
+            )
         return FederationTopology(world_size=world_size, num_groups=num_groups, shard_size=shard_size)
+
+    def describe(self) -> str:
+        """The sync options in one line, e.g. for the log at the start of training."""
+        outer = self.outer_optimizer if isinstance(self.outer_optimizer, str) else repr(self.outer_optimizer)
+        dtype = str(self.reduce_dtype).removeprefix("torch.")
+        if self.compressed:
+            feedback = "with" if self.error_feedback is not False else "without"
+            dtype += f" {feedback} error feedback (blocks of {self.quant_block_size})"
+        parts = [f"outer step every {self.sync_every} optimizer steps ({outer})", f"outer traffic {dtype}"]
+        if self.fragments > 1:
+            parts.append(f"{self.fragments} streaming fragments")
+        if self.sync_delay:
+            parts.append(f"sum overlapped with {self.sync_delay} step(s)")
+        if self.merge_alpha:
+            parts.append(f"merge_alpha={self.merge_alpha}")
+        parts.append(f"anchor on the {'CPU' if self.anchor_device == 'cpu' else 'device'}")
+        return ", ".join(parts)
 
     @property
     def outer_optimizer_factory(self) -> OuterOptimizerFactory:
@@ -234,6 +262,63 @@ def resolve_reduce_dtype(value: str | torch.dtype) -> torch.dtype:
         if name in _REDUCE_DTYPES:
             return _REDUCE_DTYPES[name]
     raise ValueError(f"Unsupported `reduce_dtype={value!r}`; choose one of {list(REDUCE_DTYPE_NAMES)}.")
+
+
+def _optimizer_class(spec: OuterOptimizerSpec) -> tuple[type[Optimizer] | None, dict[str, Any], bool]:
+    """The optimizer class behind an outer optimizer spec, the keywords bound to it, and whether it was given by class.
+
+    Recognizes a class, a ``functools.partial`` of one, and the partial jsonargparse (LightningCLI) builds from a
+    ``class_path`` (the class among its positional arguments, every ``init_arg`` bound, defaults included).
+    """
+    if isinstance(spec, type) and issubclass(spec, Optimizer):
+        return spec, {}, False
+    if not isinstance(spec, functools.partial):
+        return None, {}, False
+    if isinstance(spec.func, type) and issubclass(spec.func, Optimizer):
+        return spec.func, dict(spec.keywords), False
+    classes = [a for a in spec.args if isinstance(a, type) and issubclass(a, Optimizer)]
+    return (classes[0], dict(spec.keywords), True) if classes else (None, {}, False)
+
+
+def _default_lr(cls: type[Optimizer]) -> Any:
+    parameter = inspect.signature(cls).parameters.get("lr")
+    return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
+
+
+def _check_learning_rate_given(spec: OuterOptimizerSpec) -> None:
+    """Refuse an optimizer class, or a ``functools.partial`` of one, that leaves the outer learning rate at its default.
+
+    torch's defaults are inner-step learning rates (``SGD``: 0.001): as an outer step that barely moves the anchor
+    towards the groups' mean, which is never what was meant.
+
+    Raises:
+        ValueError: Naming the optimizer and how to give the learning rate.
+    """
+    cls, keywords, _ = _optimizer_class(spec)
+    if cls is None or "lr" in keywords:
+        return
+    default = _default_lr(cls)
+    raise ValueError(
+        f"`outer_optimizer={spec!r}` leaves the outer learning rate at torch's default (lr={default}), which barely"
+        f" moves the anchor. Give it, e.g. `functools.partial(torch.optim.{cls.__name__}, lr=1.0)` (lr=1.0 with SGD is"
+        " plain averaging), or use 'fedavg' / 'nesterov'."
+    )
+
+
+def outer_learning_rate_warning(spec: OuterOptimizerSpec) -> str | None:
+    """A warning for an outer optimizer from a LightningCLI ``class_path`` whose ``lr`` is torch's default.
+
+    jsonargparse binds every default, so a ``class_path`` without ``init_args.lr`` cannot be told from one that gives
+    torch's default on purpose: this is a warning, where a Python class without ``lr`` is an error.
+    """
+    cls, keywords, from_cli = _optimizer_class(spec)
+    if cls is None or not from_cli or keywords.get("lr") != _default_lr(cls):
+        return None
+    return (
+        f"The outer optimizer `{cls.__name__}` runs at lr={keywords['lr']}, torch's default, which barely moves the"
+        " anchor towards the groups' mean. Set its `init_args.lr` (1.0 with SGD is plain averaging) unless this is"
+        " what you mean."
+    )
 
 
 def _check_positive_int(name: str, value: object, allow_none: bool) -> None:

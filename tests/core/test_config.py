@@ -72,3 +72,24 @@ def test_every_entry_point_has_the_federation_config_defaults(entry):
     config = FederationConfig()
     for name in _SHARED_DEFAULTS:
         assert defaults[name] == getattr(config, name), f"{entry}: `{name}` default differs from FederationConfig"
+
+
+def test_an_outer_learning_rate_left_at_torchs_default_is_an_error_in_python_and_a_warning_from_yaml():
+    import functools
+
+    import torch
+
+    from lightning_fedshard.core.config import outer_learning_rate_warning
+
+    for spec in (torch.optim.SGD, functools.partial(torch.optim.Adam, betas=(0.9, 0.99))):
+        with pytest.raises(ValueError, match=r"leaves the outer learning rate at torch's default \(lr=0.00"):
+            FederationConfig(outer_optimizer=spec)
+    FederationConfig(outer_optimizer=functools.partial(torch.optim.SGD, lr=0.5))
+
+    def instantiate(*args, **kwargs):  # jsonargparse's form: the class among the arguments, every default bound
+        return args[-1](*kwargs.pop("params", ()), **kwargs)
+
+    from_yaml = functools.partial(instantiate, object(), torch.optim.SGD, lr=0.001, momentum=0.9)
+    assert "runs at lr=0.001, torch's default" in outer_learning_rate_warning(from_yaml)
+    assert outer_learning_rate_warning(functools.partial(instantiate, object(), torch.optim.SGD, lr=0.7)) is None
+    assert outer_learning_rate_warning("fedavg") is None

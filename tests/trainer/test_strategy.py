@@ -185,3 +185,62 @@ def test_fsdp2_strategy_takes_the_fsdp1_config_unchanged():
     fsdp2 = lightning_fedshard.FLHSDP2Strategy(**args, data_parallel_size="auto", save_distributed_checkpoint=True)
     assert fsdp2._fsdp_modules == {torch.nn.Linear} and fsdp2.federation_config.sync_every == 4
     assert L.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy="fl_hsdp2").strategy.topology.num_groups == 2
+
+
+def _all_strategy_classes() -> list[type]:
+    import lightning_fedshard.fabric as fabric
+
+    return [
+        lightning_fedshard.FLFSDPStrategy, lightning_fedshard.FLHSDPStrategy,
+        lightning_fedshard.FLFSDP2Strategy, lightning_fedshard.FLHSDP2Strategy,
+        fabric.FLFSDPStrategy, fabric.FLHSDPStrategy, fabric.FLFSDP2Strategy, fabric.FLHSDP2Strategy,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("cls", _all_strategy_classes(), ids=lambda c: f"{c.__module__.split('.')[1]}.{c.__name__}")
+def test_misspelled_arguments_fail_in_the_constructor_with_the_closest_names(cls):
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) `sync_evry=2` \(did you mean `sync_every`"):
+        cls(sync_evry=2)
+    with pytest.raises(ValueError, match=r"`num_group=2` \(did you mean `num_groups`\?\)"):
+        cls(num_group=2)
+    cls(sync_every=2, num_groups=2, timeout=__import__("datetime").timedelta(minutes=5))  # valid names pass
+
+
+def test_arguments_of_lightning_and_torch_fsdp_are_still_accepted():
+    strategy = FLFSDPStrategy(use_orig_params=True, limit_all_gathers=True, cpu_offload=False)
+    assert strategy.kwargs["use_orig_params"] is True
+    with pytest.raises(ValueError, match=r"`use_orig_param=True` \(did you mean `use_orig_params`\?\)"):
+        FLFSDPStrategy(use_orig_param=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(outer_optimizer=torch.optim.SGD), r"leaves the outer learning rate at torch's default \(lr=0.001\)"),
+        (
+            dict(outer_optimizer=functools.partial(torch.optim.SGD, momentum=0.9)),
+            r"leaves the outer learning rate at torch's default",
+        ),
+        (dict(error_feedback="yes"), r"`error_feedback` must be True, False or None \(automatic\), got 'yes'"),
+    ],
+)
+def test_outer_options_that_would_be_silently_misread_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FLFSDPStrategy(**kwargs)
+
+
+def test_a_default_shard_size_that_does_not_fit_says_it_is_the_default():
+    with pytest.raises(ValueError, match=r"not divisible by the default `shard_size=4` \(the devices of one node\)"):
+        _trainer(FLHSDPStrategy(num_groups=2), devices=4)
+
+
+def test_the_federation_is_described_in_one_line():
+    strategy = FLHSDPStrategy(num_groups=2, sync_every=4, fragments=2, sync_delay=1)
+    strategy.runtime.resolve_topology(num_nodes=2, devices_per_node=2)
+    line = strategy.runtime.describe()
+    assert line == (
+        "fl_hsdp: 2 group(s) x 1 replica(s) x 2 shard(s) = 4 ranks; outer step every 4 optimizer steps (fedavg),"
+        " outer traffic int4 with error feedback (blocks of 128), 2 streaming fragments, sum overlapped with 1"
+        " step(s), anchor on the CPU"
+    )
+    assert "float32, anchor" in FLFSDPStrategy(reduce_dtype="float32").federation_config.describe()
