@@ -104,8 +104,10 @@ class SyncStats:
 
     Attributes:
         outer_grad_norm: L2 norm of the averaged pseudo-gradient over the whole model.
-        drift: Root mean square, over groups, of the L2 distance between a group's weights and the groups' mean
-            weights just before the sync (0 when all groups hold the same weights).
+        drift: Root mean square, over groups, of the L2 distance between a group's weights just before the sync and
+            the mean weights the sync applies (0 when all groups hold the same weights). With a float all-reduce the
+            applied mean is the groups' mean; with int8/int4 it is a quantized estimate of it, and the drift is then
+            ``sqrt(exact_drift**2 + |estimate - mean|**2)``: above the exact value by at most the estimate's error.
         bytes_sent: Bytes this rank sends in the outer all-reduce, assuming a ring all-reduce
             (``2 (G-1)/G`` times the payload).
         seconds: Wall time of the whole outer step on this rank.
@@ -162,6 +164,9 @@ class PendingSync:
         started_at: Optimizer step after which the pseudo-gradient was taken (``None`` if unknown).
         broken: Groups whose pseudo-gradient held NaN/Inf (``on_nonfinite="skip_group"``); known to every rank.
         own_sq: Squared L2 norm of this rank's own pseudo-gradient of the fragment (for the drift statistic).
+        own_dot_sum: Inner product of this rank's own pseudo-gradient with the summed one (for the drift statistic),
+            once the sum is known and only when the reduction left the own pseudo-gradient intact (quantized
+            reducers do; the float all-reduce sums in place, and its mean is then exact).
         bytes_sent: Bytes this rank sends for the sum (ring collectives; quantization scales included).
         clock: ``time.perf_counter()`` when the snapshot was taken.
         exposed: Seconds the caller was blocked by :meth:`OuterStep.begin`.
@@ -174,8 +179,10 @@ class PendingSync:
     bytes_sent: int
     clock: float
     exposed: float = 0.0
+    own_dot_sum: float | None = None
     _future: Future[Tensor] | None = field(default=None, repr=False)
     _result: Tensor | None = field(default=None, repr=False)
+    _own: Tensor | None = field(default=None, repr=False)
 
     def result(self) -> Tensor:
         """The pseudo-gradient summed over the groups (waits for the reduction if it still runs)."""
@@ -183,6 +190,10 @@ class PendingSync:
             assert self._future is not None
             self._result = self._future.result()
             self._future = None
+        if self._own is not None:
+            if self._own.data_ptr() != self._result.data_ptr():
+                self.own_dot_sum = _dot(self._own, self._result)
+            self._own = None  # the buffer is the fragment's, and its next sync reuses it
         return self._result
 
     @property
@@ -199,6 +210,7 @@ class PendingSync:
             "own_sq": self.own_sq,
             "bytes_sent": self.bytes_sent,
             "result": self.result().detach().to("cpu", copy=True),
+            "own_dot_sum": self.own_dot_sum,
         }
 
     @classmethod
@@ -211,6 +223,7 @@ class PendingSync:
             own_sq=float(state["own_sq"]),
             bytes_sent=int(state["bytes_sent"]),
             clock=time.perf_counter(),
+            own_dot_sum=state.get("own_dot_sum"),
             _result=state["result"].to(device),
         )
 
@@ -326,6 +339,7 @@ class OuterStep:
             own_sq=_squared_norm(local),
             bytes_sent=self._wire_bytes(fragment, local),
             clock=start,
+            _own=local,
         )
         if background:
             pending._future = self._background().submit(self._sum_across_groups, local, fragment)
@@ -348,7 +362,11 @@ class OuterStep:
         healthy = groups - len(pending.broken)
         local.div_(healthy)
         mean_sq = _squared_norm(local)
-        norm, drift = self._global_norms(pending.own_sq, mean_sq, local.device, healthy)
+        if pending.own_dot_sum is not None:
+            own_dot_mean = pending.own_dot_sum / healthy
+        else:  # summed exactly in place: the mean is the groups' mean, <d_g, d> averages to |d|^2
+            own_dot_mean = 0.0 if self.communicator.group_index in pending.broken else mean_sq
+        norm, drift = self._global_norms(pending.own_sq, own_dot_mean, mean_sq, local.device, healthy)
         with torch.profiler.record_function("fedshard::outer_optimizer_step"):
             self._set_grads(local, pending.fragment)
             optimizer = self.optimizers[pending.fragment]
@@ -485,18 +503,32 @@ class OuterStep:
             anchor.grad = grad.to(anchor.device, anchor.dtype, copy=True)
             offset += n
 
-    def _global_norms(self, own_sq: float, mean_sq: float, device: torch.device, healthy: int) -> tuple[float, float]:
-        """Whole-fragment norm of the mean pseudo-gradient, and the healthy groups' RMS distance from their mean.
+    def _global_norms(
+        self, own_sq: float, own_dot_mean: float, mean_sq: float, device: torch.device, healthy: int
+    ) -> tuple[float, float]:
+        """Whole-fragment norm of the applied mean pseudo-gradient ``d``, and the healthy groups' RMS distance from it.
 
-        Since the mean pseudo-gradient is the mean of the groups' ones,
-        ``mean_g |d_g - d|^2 = mean_g |d_g|^2 - |d|^2``: one tiny all-reduce gives both. Skipped groups contribute
-        ``own_sq = 0`` and are left out of the mean over groups.
+        The distance of group ``g``'s weights from the weights the sync applies is ``|d_g - d|``, and
+        ``mean_g |d_g - d|^2 = mean_g |d_g|^2 - 2 mean_g <d_g, d> + |d|^2``: one tiny all-reduce of three numbers
+        gives it for any reducer. When ``d`` is a quantized estimate of the groups' mean, this is the drift from the
+        exact mean plus the (squared) error of the estimate, never a negative number. Skipped groups contribute
+        ``own_sq = 0`` and ``<d_g, d> = 0`` and are left out of the mean over groups.
         """
-        sums = torch.tensor([own_sq, mean_sq], dtype=torch.float64, device=device)
+        sums = torch.tensor([own_sq, own_dot_mean, mean_sq], dtype=torch.float64, device=device)
         self.communicator.sum_across_model(sums)
-        groups = self.communicator.num_groups
-        mean_own_sq, mean_sq_total = sums[0].item() / healthy, sums[1].item() / groups
-        return math.sqrt(max(mean_sq_total, 0.0)), math.sqrt(max(mean_own_sq - mean_sq_total, 0.0))
+        total_own_sq, total_dot, total_mean_sq = sums.tolist()
+        mean_sq_all = total_mean_sq / self.communicator.num_groups  # every group holds the same mean
+        drift_sq = (total_own_sq - 2.0 * total_dot) / healthy + mean_sq_all
+        return math.sqrt(max(mean_sq_all, 0.0)), math.sqrt(max(drift_sq, 0.0))
+
+
+def _dot(a: Tensor, b: Tensor, chunk: int = 1 << 24) -> float:
+    """Inner product of two float tensors of the same size, in float32 chunks (for logging)."""
+    x, y = a.reshape(-1), b.reshape(-1)
+    return sum(
+        float(torch.dot(x[i : i + chunk].float(), y[i : i + chunk].to(x.device, torch.float32)))
+        for i in range(0, x.numel(), chunk)
+    )
 
 
 def _squared_norm(tensor: Tensor, chunk: int = 1 << 24) -> float:

@@ -110,3 +110,49 @@ def test_state_dict_round_trip_restores_momentum():
         buf = step.optimizer.state[step.anchor[0]]["momentum_buffer"]
         assert_close(other.optimizer.state[other.anchor[0]]["momentum_buffer"], buf)
         assert other.num_syncs == 1
+
+
+@pytest.mark.parametrize("reduce_dtype", ["int4", "int8"])
+def test_drift_under_a_quantized_sync_is_the_distance_from_the_applied_mean(reduce_dtype):
+    """Drift = RMS of |theta_g - theta_new|: the exact drift plus the estimate's error, with and without feedback.
+
+    ``mean_g |d_g - m|^2 = mean_g |d_g - dbar|^2 + |m - dbar|^2`` for the exact mean ``dbar`` and the applied ``m``;
+    the logged drift must match it to rounding at every sync (also the second one, where error feedback carries
+    residuals: an estimate from the exact-mean identity came out negative there and was clamped to 0).
+    """
+    from lightning_fedshard.core.compress import make_reducer
+
+    num_groups, numel = 3, 3000
+    generator = torch.Generator().manual_seed(0)
+    anchor0 = torch.randn(numel, generator=generator)
+    moves = [[0.01 * torch.randn(numel, generator=generator) for _ in range(num_groups)] for _ in range(2)]
+
+    def work(g, comm):
+        shard = anchor0.clone()
+        outer = OuterStep(
+            [shard], OUTER_OPTIMIZERS["fedavg"], comm, reducer=lambda: make_reducer(reduce_dtype, 128, True)
+        )
+        seen = []
+        for round_moves in moves:
+            before = outer.anchor[0].detach().clone()
+            shard.sub_(round_moves[g])
+            own = (before - shard).clone()
+            stats = outer.step()
+            seen.append((own, before - outer.anchor[0].detach(), stats.drift))
+        return seen
+
+    results = ThreadGroups(num_groups).run(work)
+    for k in range(len(moves)):
+        own = torch.stack([results[g][k][0] for g in range(num_groups)]).double()
+        applied = results[0][k][1].double()  # fedavg: the anchor moves by the applied mean
+        exact_mean = own.mean(0)
+        exact_drift = ((own - exact_mean) ** 2).sum(1).mean().sqrt().item()
+        error = (applied - exact_mean).norm().item()
+        expected = ((own - applied) ** 2).sum(1).mean().sqrt().item()
+        assert expected == pytest.approx((exact_drift**2 + error**2) ** 0.5, rel=1e-9)
+        for g in range(num_groups):
+            drift = results[g][k][2]
+            assert drift == pytest.approx(expected, rel=1e-5)
+            # within the codec's bound of the float32 value: off by at most the quantization error of the mean
+            assert exact_drift - 1e-6 <= drift <= exact_drift + error + 1e-6
+            assert error < 0.2 * exact_drift  # the bound is tight: int4 / int8 estimate the mean well
