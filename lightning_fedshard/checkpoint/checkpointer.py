@@ -39,6 +39,7 @@ from lightning_fedshard.checkpoint.format import (
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fsdp import FSDP1, fsdp_state_dict_type
 from lightning_fedshard.core.fsdp2 import restore_dtensor_state
+from lightning_fedshard.core.quiet import torch_choices_silenced
 from lightning_fedshard.core.sharding import ShardingBackend
 from lightning_fedshard.core.topology import FederationTopology
 
@@ -98,6 +99,7 @@ class FederationCheckpointer:
 
     # -- saving -------------------------------------------------------------------------------------------------
 
+    @torch_choices_silenced()
     def save(
         self,
         checkpoint: dict[str, Any],
@@ -193,6 +195,7 @@ class FederationCheckpointer:
 
     # -- loading ------------------------------------------------------------------------------------------------
 
+    @torch_choices_silenced()
     def load(
         self,
         path: str | Path,
@@ -233,6 +236,7 @@ class FederationCheckpointer:
             self._restore(path, fedshard, read, optimizers)
         return metadata
 
+    @torch_choices_silenced()
     def consensus_state_dict(self, state_dict_type: StateDictType) -> dict[str, Any]:
         """The module's state dict holding the consensus (the anchor of the last sync), in its own key layout.
 
