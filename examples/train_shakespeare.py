@@ -58,7 +58,7 @@ def evaluate(model: LlamaLM, loader: DataLoader, max_batches: int, bytes_per_tok
     return {"ppl": math.exp(nll), "bpb": nll / math.log(2) / bytes_per_token}
 
 
-def describe(model: LlamaLM, data: ShakespeareDataModule, topology: object) -> str:
+def describe(model: LlamaLM, data: ShakespeareDataModule, strategy: str) -> str:
     """What is trained on what: the lines printed before training starts."""
     shape = model.shape
     train_tokens = len(data.train_set) * data.seq_len
@@ -68,7 +68,7 @@ def describe(model: LlamaLM, data: ShakespeareDataModule, topology: object) -> s
         f" tokens of 6 held-out plays (byte-level BPE, {data.vocab_size} tokens)\n"
         f"Model: Llama, {model.num_parameters() / 1e6:.2f} M parameters ({shape.num_layers} layers,"
         f" width {shape.hidden_size}, {shape.num_heads} heads)\n"
-        f"Topology: {topology}"
+        f"Strategy: {strategy}"
     )
 
 
@@ -84,7 +84,8 @@ def main() -> None:
     if is_launching_process():  # other ranks do not exist yet: they start inside trainer.fit
         data.prepare_data()
         data.setup("validate")
-        print(describe(model, data, getattr(trainer.strategy, "topology", type(trainer.strategy).__name__)))
+        runtime = getattr(trainer.strategy, "runtime", None)  # the federated strategies' groups and sync options
+        print(describe(model, data, runtime.describe() if runtime is not None else type(trainer.strategy).__name__))
         before = evaluate(model, data.val_dataloader(), max_val_batches, data.val_bytes_per_token)
         print(f"Validation before training: perplexity {before['ppl']:.1f}, {before['bpb']:.3f} bits/byte")
         if trainer.world_size > 1:

@@ -30,14 +30,15 @@ class OuterSync(Callback):
     Every sync writes ``fedshard/outer_grad_norm``, ``fedshard/drift`` (RMS distance of the groups from their
     mean), ``fedshard/sync_bytes`` (bytes this rank sent in the outer all-reduce), ``fedshard/sync_seconds`` and
     ``fedshard/num_syncs`` to every logger of the Trainer at the optimizer step of the sync, whatever
-    ``log_every_n_steps`` says, and shows the sync count and drift in the progress bar.
+    ``log_every_n_steps`` says, and shows the sync count and drift in the progress bar (as ``syncs`` and ``drift``).
 
     Args:
         log_stats: Log the statistics of each sync.
-        prog_bar: Show ``fedshard/num_syncs`` and ``fedshard/drift`` in the progress bar too.
+        prog_bar: Show the sync count and drift in the progress bar too (as ``syncs`` and ``drift``).
     """
 
-    _PROG_BAR_KEYS = ("fedshard/num_syncs", "fedshard/drift")
+    #: The statistics shown in the progress bar, under short names that fit its columns.
+    _PROG_BAR_NAMES = {"fedshard/num_syncs": "syncs", "fedshard/drift": "drift"}
 
     def __init__(self, log_stats: bool = True, prog_bar: bool = True) -> None:
         self.log_stats = log_stats
@@ -59,8 +60,9 @@ class OuterSync(Callback):
             _log_to_loggers(trainer, stats)
             if self.prog_bar:
                 for name, value in stats.as_dict().items():
-                    if name in self._PROG_BAR_KEYS:
-                        pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=True, logger=False)
+                    if name in self._PROG_BAR_NAMES:
+                        short = self._PROG_BAR_NAMES[name]
+                        pl_module.log(short, value, on_step=True, on_epoch=False, prog_bar=True, logger=False)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
