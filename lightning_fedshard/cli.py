@@ -6,16 +6,218 @@ imports :mod:`lightning_fedshard` before parsing, both ``trainer.strategy: fl_hs
 ``fedshard fit --trainer.strategy.help lightning_fedshard.FLHSDPStrategy`` lists every strategy argument.
 ``fedshard plan`` predicts throughput, traffic and memory of each strategy before a run (see
 :mod:`lightning_fedshard.plan`).
+
+A bad argument ends the command with a short report on stderr and exit status 2, as argparse does: its first line
+is the error itself (for a rejected strategy argument, the strategy's own message), then the argument it concerns.
+This holds for values the parser rejects and for values a class rejects when it is built (a ``ValueError`` or
+Lightning's ``MisconfigurationException`` from a constructor). ``JSONARGPARSE_DEBUG=true`` raises the error with its
+traceback instead.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import sys
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, NoReturn
 
-from lightning.pytorch.cli import ArgsType, LightningCLI
+from jsonargparse import Namespace
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 import lightning_fedshard  # noqa: F401  (registers "fl_fsdp" and "fl_hsdp")
+
+#: Lines of one error's own text that the report keeps.
+MAX_ERROR_LINES = 4
+#: Further errors (e.g. of other members of a ``Union`` type) that the report names, one line each.
+MAX_OTHER_ERRORS = 2
+
+_KEY = re.compile(r'Parser key "(?P<key>[^"]+)":')
+_CLASS = re.compile(r"Problem with given class_path '(?P<path>[^']+)':")
+_GIVEN_CLASS = re.compile(r"^Given value: Namespace\(class_path='(?P<path>[^']+)'", re.MULTILINE)
+_UNION = "Does not validate against any of the Union subtypes"
+_ITEM = re.compile(r"(?P<indent>\s*)- ")
+
+
+@dataclass(frozen=True)
+class Reason:
+    """One error inside a jsonargparse message, with the argument it concerns.
+
+    Attributes:
+        text: The error's own text, e.g. the message of the constructor that refused a value.
+        keys: The parser keys leading to it, outermost first (``("trainer.strategy", "sync_every")``).
+        class_path: The class whose arguments hold the value, if any.
+    """
+
+    text: str
+    keys: tuple[str, ...] = ()
+    class_path: str | None = None
+
+    @property
+    def shallow(self) -> bool:
+        """Whether it only says that the value is not of one member of a ``Union`` (e.g. not a ``str``)."""
+        return not self.keys and self.class_path is None and self.text.startswith("Expected a ")
+
+    def help_option(self) -> str:
+        """The option that lists the accepted arguments: the class's own ``--key.help`` where there is one."""
+        if self.keys and self.class_path is not None:
+            return f"--{self.keys[0]}.help {self.class_path}"
+        return "--help"
+
+    def argument(self) -> str | None:
+        """The argument as written on the command line, e.g. ``--trainer.strategy (lightning_fedshard.X)``."""
+        if not self.keys:
+            return self.class_path
+        name = "--" + ".".join(self.keys)
+        return name if self.class_path is None else f"{name} ({self.class_path})"
+
+
+def _dedent_item(lines: list[str], indent: int) -> str:
+    """One ``- item`` of a jsonargparse list with its marker and indentation removed."""
+    return "\n".join(line[indent + 2 :] for line in lines)
+
+
+def _union_items(body: str) -> list[str]:
+    """The per-member errors listed under ``Errors:`` in a jsonargparse ``Union`` message."""
+    lines = body.splitlines()
+    if "Errors:" not in lines:
+        return []
+    items: list[list[str]] = []
+    indent = -1
+    for line in lines[lines.index("Errors:") + 1 :]:
+        if not line.startswith(" "):  # "Given value type: ..." is back at the message's own indentation
+            break
+        match = _ITEM.match(line)
+        if match and (indent < 0 or len(match["indent"]) == indent):
+            indent = len(match["indent"])
+            items.append([line])
+        elif items:
+            items[-1].append(line)
+    return [_dedent_item(item, indent) for item in items]
+
+
+def _union_reasons(body: str) -> list[Reason]:
+    """The errors of a ``Union`` message, without those of members the value was never meant for."""
+    reasons = [reason for item in _union_items(body) for reason in reasons_of(item)]
+    relevant = [reason for reason in reasons if not reason.shallow] or reasons
+    given = _GIVEN_CLASS.search(body)
+    if given is None:
+        return relevant
+    return [reason if reason.class_path else replace(reason, class_path=given["path"]) for reason in relevant]
+
+
+def reasons_of(message: str) -> list[Reason]:
+    """The errors inside a jsonargparse error message, most relevant first.
+
+    jsonargparse nests its messages: ``Parser key "k":`` and ``Problem with given class_path 'c':`` headers over
+    indented details, and for a ``Union`` type (``trainer.strategy`` is a name or a ``Strategy``) one error per
+    member type, followed by a dump of the given value. This keeps each error's own text with the argument it
+    concerns and drops the dumps and the members that the value was never meant for.
+
+    Args:
+        message: The message, as given to :meth:`ArgumentParser.error` or raised by ``instantiate``.
+
+    Returns:
+        The errors; empty if the message has none of jsonargparse's structure and no text.
+    """
+    head, _, rest = message.strip().partition("\n")
+    body = _dedent(rest)
+    if match := _KEY.fullmatch(head.strip()):
+        return [replace(reason, keys=(match["key"], *reason.keys)) for reason in reasons_of(body)]
+    if match := _CLASS.fullmatch(head.strip()):
+        return [
+            reason if reason.class_path else replace(reason, class_path=match["path"]) for reason in reasons_of(body)
+        ]
+    if head.strip() == _UNION:
+        return _union_reasons(body)
+    return [Reason(message.strip())] if message.strip() else []
+
+
+def _dedent(text: str) -> str:
+    """``text`` with the indentation its first line has removed from every line."""
+    lines = text.splitlines()
+    if not lines:
+        return ""
+    indent = len(lines[0]) - len(lines[0].lstrip())
+    return "\n".join(line[indent:] if len(line) - len(line.lstrip()) >= indent else line.lstrip() for line in lines)
+
+
+def short_report(message: str, prog: str) -> list[str]:
+    """The lines ``fedshard`` prints for an error: the error first, then its argument, then where to look.
+
+    Args:
+        message: A jsonargparse error message.
+        prog: The command, e.g. ``fedshard fit``.
+    """
+    reasons = reasons_of(message) or [Reason("invalid arguments")]
+    first, *others = reasons
+    text = first.text.splitlines()[:MAX_ERROR_LINES]
+    lines = [f"{prog}: error: {text[0]}", *(f"  {line}" for line in text[1:])]
+    if (argument := first.argument()) is not None:
+        lines.append(f"  argument: {argument}")
+    for other in others[:MAX_OTHER_ERRORS]:
+        where = other.argument()
+        lines.append(f"  also: {other.text.splitlines()[0]}" + ("" if where is None else f" ({where})"))
+    lines.append(
+        f"tip: `{prog} {first.help_option()}` lists the accepted options; JSONARGPARSE_DEBUG=true shows the traceback"
+    )
+    return lines
+
+
+def _debug() -> bool:
+    """Whether jsonargparse's debug mode asks for exceptions instead of an exit."""
+    return os.environ.get("JSONARGPARSE_DEBUG", "").lower() == "true"
+
+
+class FedshardArgumentParser(LightningArgumentParser):
+    """Lightning's argument parser with a short error report (:func:`short_report`) instead of usage and dumps."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        """Print the short report and exit with status 2; raise as jsonargparse does if it must not exit.
+
+        Args:
+            message: The error.
+            ex: The exception behind it, if any.
+        """
+        if not self.exit_on_error or _debug():
+            super().error(message, ex)
+        self.logger.error(message)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "")
+        sys.stderr.write("\n".join(short_report(message, prog)) + "\n")
+        self.exit(2)
+
+
+def _class_key(config: Namespace, message: str) -> str | None:
+    """The config key of the class a jsonargparse instantiation message names (``trainer.strategy``)."""
+    given = _GIVEN_CLASS.search(message)
+    if given is None:
+        return None
+    return next(
+        (
+            key.removesuffix(".class_path")
+            for key in config.keys()
+            if key.endswith(".class_path") and config.get(key) == given["path"]
+        ),
+        None,
+    )
+
+
+class FedshardCLI(LightningCLI):
+    """LightningCLI that reports a value refused while building the classes as a command-line error."""
+
+    def instantiate_classes(self) -> None:
+        """Build the configured classes; a constructor's ``ValueError`` ends the command like a parsing error."""
+        try:
+            super().instantiate_classes()
+        except (ValueError, MisconfigurationException) as error:
+            parser = self._parser(self.subcommand)
+            config = self.config if self.subcommand is None else self.config[self.subcommand]
+            message = str(error)
+            if (key := _class_key(config, message)) is not None:
+                message = f'Parser key "{key}":\n' + "\n".join(f"  {line}" for line in message.splitlines())
+            parser.error(message, error)
 
 
 def cli(args: ArgsType = None, run: bool = True, **kwargs: Any) -> LightningCLI:
@@ -24,10 +226,12 @@ def cli(args: ArgsType = None, run: bool = True, **kwargs: Any) -> LightningCLI:
     Args:
         args: Command-line arguments (default: ``sys.argv[1:]``), a list or a dict as LightningCLI accepts.
         run: Run the subcommand (``fit``, ``validate``, ...) instead of only instantiating the classes.
-        **kwargs: Passed on to :class:`~lightning.pytorch.cli.LightningCLI`.
+        **kwargs: Passed on to :class:`~lightning.pytorch.cli.LightningCLI`; ``parser_kwargs={"exit_on_error":
+            False}`` raises a :class:`jsonargparse.ArgumentError` instead of exiting.
     """
     kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-    return LightningCLI(args=args, run=run, **kwargs)
+    kwargs.setdefault("parser_class", FedshardArgumentParser)
+    return FedshardCLI(args=args, run=run, **kwargs)
 
 
 def main() -> None:
@@ -37,7 +241,7 @@ def main() -> None:
 
         plan_main()
         return
-    cli()
+    cli(parser_kwargs={"prog": "fedshard"})
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from jsonargparse import ArgumentError
 from lightning.pytorch.callbacks import ModelSummary
 
 from lightning_fedshard import FLFSDP2Strategy, FLFSDPStrategy, FLHSDP2Strategy, FLHSDPStrategy
@@ -15,6 +16,7 @@ from lightning_fedshard.cli import cli
 
 ROOT = Path(__file__).parents[2]
 CONFIGS = sorted((ROOT / "configs" / "shakespeare").glob("*.yaml"))
+FEDSHARD = str(Path(sys.executable).parent / "fedshard")  # the console script
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
@@ -85,15 +87,78 @@ def test_strategy_help_lists_federation_arguments(cls, own):
     assert "Optimizer steps between two outer steps" in " ".join(out.split())
 
 
-def test_bad_value_in_config_is_reported(tmp_path):
+def _error_lines(stderr: str) -> list[str]:
+    """The error report on stderr: all of it but the seed lines Lightning writes before it builds the classes."""
+    lines = stderr.splitlines()
+    start = next(i for i, line in enumerate(lines) if ": error: " in line)
+    assert all("seed set to" in line.lower() for line in lines[:start]), lines[:start]
+    return lines[start:]
+
+
+def test_bad_value_in_config_is_reported(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["fedshard"])  # as on the command line (no pytest arguments for Lightning to see)
     config = tmp_path / "bad.yaml"
     config.write_text(
         "trainer:\n  accelerator: cpu\n  devices: 4\n  strategy:\n    class_path: lightning_fedshard.FLFSDPStrategy\n"
         "    init_args: {num_groups: 3}\n  logger: false\n"
         "model:\n  class_path: lightning_fedshard.examples.LlamaLM\n  init_args: {size: xs, vocab_size: 256}\n"
     )
-    with pytest.raises(ValueError, match=r"divisible by `num_groups=3`"):
+    with pytest.raises(SystemExit) as exit_info:
         cli(args=["--config", str(config)], run=False)
+    err = capsys.readouterr().err
+    lines = _error_lines(err)
+    assert exit_info.value.code == 2
+    assert "must be divisible by `num_groups=3`" in lines[0]
+    assert "Traceback" not in err and len(lines) < 10
+
+
+def test_bad_value_raises_argument_error_without_exit_on_error(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 2\n  strategy:\n    class_path: lightning_fedshard.FLFSDPStrategy\n"
+        "    init_args: {sync_every: 0}\n  logger: false\n"
+        "model:\n  class_path: lightning_fedshard.examples.LlamaLM\n  init_args: {size: xs, vocab_size: 256}\n"
+    )
+    with pytest.raises(ArgumentError, match="`sync_every` must be a positive integer, got 0.") as error:
+        cli(args=["--config", str(config)], run=False, parser_kwargs={"exit_on_error": False})
+    assert isinstance(error.value.__cause__, ValueError)
+
+
+@pytest.mark.parametrize("command", ["python -m lightning_fedshard", "fedshard"])
+def test_bad_strategy_argument_is_a_short_error(command):
+    prefix = [sys.executable, "-m", "lightning_fedshard"] if command != "fedshard" else [FEDSHARD]
+    args = ["fit", "--config", str(ROOT / "configs/shakespeare/fl_hsdp.yaml"), "--trainer.strategy.sync_every", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([*prefix, *args], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    lines = _error_lines(run.stderr)
+    assert run.returncode == 2
+    assert lines[0] == "fedshard fit: error: `sync_every` must be a positive integer, got 0."
+    assert "--trainer.strategy (lightning_fedshard.FLHSDPStrategy)" in lines[1]
+    assert len(lines) < 10
+    assert "Traceback" not in run.stderr and "Namespace(" not in run.stderr and "Expected a" not in run.stderr
+
+
+@pytest.mark.parametrize(
+    ("arg", "value", "first", "argument"),
+    [
+        ("--trainer.strategy.sync_every", "abc", "Expected a <class 'int'>. Got value: abc",
+         "--trainer.strategy.sync_every (lightning_fedshard.FLHSDPStrategy)"),
+        ("--trainer.strategy.no_such_option", "1", "Option 'no_such_option' is not accepted",
+         "--trainer.strategy (lightning_fedshard.FLHSDPStrategy)"),
+        ("--trainer.strategy.reduce_dtype", "int3", "Unsupported `reduce_dtype='int3'`",
+         "--trainer.strategy (lightning_fedshard.FLHSDPStrategy)"),
+        ("--trainer.max_steps", "x", "Expected a <class 'int'>. Got value: x", "--trainer.max_steps"),
+    ],
+)  # fmt: skip
+def test_parse_and_build_errors_are_short(capsys, monkeypatch, arg, value, first, argument):
+    monkeypatch.setattr(sys, "argv", ["fedshard"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli(args=["--config", str(ROOT / "configs/shakespeare/fl_hsdp.yaml"), arg, value], run=False)
+    lines = _error_lines(capsys.readouterr().err)
+    assert exit_info.value.code == 2
+    assert ": error: " in lines[0] and first in lines[0]
+    assert lines[1] == f"  argument: {argument}"
+    assert lines[-1].startswith("tip: ") and len(lines) < 10
 
 
 def test_tiny_federated_fit_through_the_cli(tmp_path):
