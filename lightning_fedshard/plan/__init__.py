@@ -1,8 +1,10 @@
 """The planner: predict throughput, traffic, memory and the bottleneck of each strategy on a cluster before a run.
 
-Lightning-free. :func:`predict` models one setup; :func:`compare` the four strategies; :func:`sweep` ranks the
-federated configurations that fit. ``fedshard plan`` is the command line (:mod:`.command`); docs/plan.md has the
-equations and the calibration against the benchmark.
+:func:`predict` models one setup; :func:`compare` the four strategies; :func:`sweep` ranks the federated
+configurations that fit. ``fedshard plan`` is the command line (:mod:`.command`); docs/plan.md has the equations and
+the calibration against the benchmark. These modules use nothing from Lightning (only torch, through
+:mod:`lightning_fedshard.core`), but importing them first runs ``lightning_fedshard/__init__.py``, which imports
+Lightning to register the strategies.
 """
 
 from lightning_fedshard.plan.predict import Collective, Memory, Prediction, predict

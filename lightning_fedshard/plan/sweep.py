@@ -16,10 +16,27 @@ REDUCE_DTYPES = ("float32", "bfloat16", "int8", "int4")
 SYNC_DELAYS = (0, 1)
 
 
+def uses_given_layout(setup: TrainSetup) -> bool:
+    """Whether ``setup``'s layout rests on a ``num_groups`` or ``shard_size`` that was given, not on a default."""
+    return (setup.federated and setup.num_groups is not None) or (setup.hybrid and setup.shard_size is not None)
+
+
+def does_not_fit(cluster: ClusterSpec, setup: TrainSetup, error: ValueError) -> ValueError:
+    """The error for a given layout that cannot cut the cluster's ranks: the strategy's message, with the cluster."""
+    return ValueError(
+        f"{setup.strategy} on {cluster.name} ({cluster.num_nodes} x {cluster.devices_per_node} ="
+        f" {cluster.world_size} ranks): {error}"
+    )
+
+
 def compare(model: ModelSpec, cluster: ClusterSpec, base: TrainSetup) -> list[Prediction]:
     """The four strategies with ``base``'s other settings (the baselines ignore the federation options).
 
-    A strategy whose layout does not fit the cluster (e.g. FL+HSDP's default two groups on one node) is left out.
+    A strategy whose default layout does not fit the cluster (e.g. FL+HSDP's default two groups on one node) is
+    left out.
+
+    Raises:
+        ValueError: If a strategy cannot use the given ``num_groups`` or ``shard_size`` on the cluster.
     """
     predictions = []
     for strategy in ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp"):
@@ -28,13 +45,30 @@ def compare(model: ModelSpec, cluster: ClusterSpec, base: TrainSetup) -> list[Pr
             setup = replace(setup, num_groups=None)
         try:
             predictions.append(predict(model, cluster, setup))
-        except ValueError:
-            continue
+        except ValueError as error:
+            if uses_given_layout(setup):
+                raise does_not_fit(cluster, setup, error) from None
     return predictions
 
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _group_counts(cluster: ClusterSpec, base: TrainSetup) -> list[int]:
+    """``base``'s own ``num_groups`` if given, else every count of two or more groups of whole nodes."""
+    if base.num_groups is not None:
+        return [base.num_groups]
+    return [groups for groups in _divisors(cluster.num_nodes) if groups >= 2]
+
+
+def _layouts(cluster: ClusterSpec, group_size: int, shard_size: int | None) -> list[tuple[str, int | None]]:
+    """FL+FSDP and FL+HSDP on groups of ``group_size`` ranks: the given shard size, or every one that fits."""
+    if shard_size is not None:  # FL+FSDP when the shard is the whole group, FL+HSDP otherwise
+        return [("fl_fsdp", None)] if shard_size == group_size else [("fl_hsdp", shard_size)]
+    d = cluster.devices_per_node
+    shards = [s for s in _divisors(group_size) if s < group_size and (s <= d or s % d == 0)]
+    return [("fl_fsdp", None), *(("fl_hsdp", s) for s in shards)]
 
 
 def candidates(
@@ -45,15 +79,12 @@ def candidates(
     reduce_dtypes: Sequence[str] = REDUCE_DTYPES,
     sync_delays: Sequence[int] = SYNC_DELAYS,
 ) -> Iterator[TrainSetup]:
-    """FL+FSDP and FL+HSDP setups: groups of whole nodes, shards that divide a node or a group, and every option."""
-    d = cluster.devices_per_node
-    for groups in _divisors(cluster.num_nodes):
-        if groups < 2:
-            continue
-        group_size = cluster.world_size // groups
-        layouts: list[tuple[str, int | None]] = [("fl_fsdp", None)]
-        layouts += [("fl_hsdp", s) for s in _divisors(group_size) if s < group_size and (s <= d or s % d == 0)]
-        for strategy, shard in layouts:
+    """FL+FSDP and FL+HSDP setups: groups of whole nodes, shards that divide a node or a group, and every option.
+
+    A ``num_groups`` or ``shard_size`` given in ``base`` is kept instead of varied.
+    """
+    for groups in _group_counts(cluster, base):
+        for strategy, shard in _layouts(cluster, max(cluster.world_size // groups, 1), base.shard_size):
             for h in sync_every:
                 for f in fragments:
                     for dtype in reduce_dtypes:
@@ -82,15 +113,24 @@ def sweep(
 
     Throughput only: a larger ``sync_every`` or a coarser ``reduce_dtype`` may cost perplexity per token, which this
     model does not predict (see docs/benchmarks.md for measured costs).
+
+    Raises:
+        ValueError: If the given ``num_groups`` or ``shard_size`` of ``base`` cannot cut the cluster's ranks.
     """
-    predictions = []
+    predictions, laid_out = [], False
+    refused: tuple[TrainSetup, ValueError] | None = None
     for setup in candidates(cluster, base, **grid):
         try:
             prediction = predict(model, cluster, setup)
-        except ValueError:
+        except ValueError as error:
+            refused = refused or (setup, error)
             continue
+        laid_out = True
         if prediction.fits:
             predictions.append(prediction)
+    given = base.num_groups is not None or base.shard_size is not None
+    if given and refused is not None and not laid_out:  # no setup can use the given layout
+        raise does_not_fit(cluster, *refused)
     if not predictions:
         return []
     # Within 0.5% of each other, setups are equally fast: prefer the one that sends fewer bytes between nodes.

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from lightning_fedshard.plan.command import plan
 
 
@@ -37,3 +39,39 @@ def test_bad_input_is_one_line_naming_the_value():
     assert run.returncode != 0
     assert run.stderr.strip().splitlines()[-1] == "fedshard plan: error: `micro_batch=0` must be a positive number."
     assert "Traceback" not in run.stderr
+
+
+def test_given_layout_that_does_not_fit_the_cluster_is_one_line_naming_it():
+    run = subprocess.run(
+        [sys.executable, "-m", "lightning_fedshard", "plan", "--num_groups", "3"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode != 0 and run.stdout == ""
+    assert run.stderr.strip().splitlines() == [
+        "fedshard plan: error: fl_fsdp on leonardo-512 (128 x 4 = 512 ranks): The world size (512 = 128 node(s) x 4"
+        " device(s)) must be divisible by `num_groups=3`."
+    ]
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"num_groups": 3}, r"\(128 x 4 = 512 ranks\).*`num_groups=3`"),
+        ({"num_groups": 3, "sweep": True}, r"\(128 x 4 = 512 ranks\).*`num_groups=3`"),
+        ({"shard_size": 3}, r"^hsdp on leonardo-512 \(128 x 4 = 512 ranks\).*`shard_size=3`"),
+        ({"shard_size": 3, "sweep": True}, r"\(128 x 4 = 512 ranks\).*`shard_size=3`"),
+    ],
+)
+def test_given_layout_is_kept_or_refused(capsys, given, message):
+    with pytest.raises(ValueError, match=message):
+        plan(**given)
+    assert capsys.readouterr().out == ""
+
+
+def test_default_layout_leaves_out_only_what_the_defaults_cannot_cut(capsys):
+    assert [p.setup.strategy for p in plan()] == ["fsdp", "hsdp", "fl_fsdp", "fl_hsdp"]
+    # One node: FL+HSDP's default two groups cannot be cut, so its row is left out without an error.
+    assert [p.setup.strategy for p in plan(cluster="emulated-4x2", nodes=1)] == ["fsdp", "hsdp", "fl_fsdp"]
+    swept = plan(num_groups=16, sweep=True, top=5)
+    assert {p.topology.num_groups for p in swept} == {16}
+    capsys.readouterr()
