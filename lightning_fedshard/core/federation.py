@@ -207,6 +207,15 @@ class Federation:
                     shard.copy_(local)
             self._on_write()
 
+    def state_nbytes(self) -> dict[str, int]:
+        """Bytes this rank holds for the federation: anchor, outer optimizer state, error-feedback residuals.
+
+        All zero before :meth:`start`.
+        """
+        if self._outer is None:
+            return {"anchor": 0, "outer_optimizer": 0, "residuals": 0}
+        return self._outer.state_nbytes()
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's federation state: outer step, schedule and the fragment sync in flight (its sum completed)."""
         return {

@@ -423,11 +423,20 @@ class OuterStep:
         for i in indices:
             self.shards[i].copy_(self.anchor[i], non_blocking=True)
 
+    def state_nbytes(self) -> dict[str, int]:
+        """Bytes of the anchor, of the outer optimizers' state and of the reducers' error-feedback residuals."""
+        optimizer_state = [v for o in self.optimizers for state in o.state.values() for v in state.values()]
+        residuals = [v for r in self.reducers if r is not None for v in r.state_dict().values()]
+        return {
+            "anchor": _nbytes(self.anchor),
+            "outer_optimizer": _nbytes(optimizer_state),
+            "residuals": _nbytes(residuals),
+        }
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's outer state: anchor shards, outer optimizer states (one per fragment) and the sync counter."""
         return {
             "anchor": [a.detach().clone() for a in self.anchor],
-            "optimizer": self.optimizers[0].state_dict(),
             "optimizers": [o.state_dict() for o in self.optimizers],
             "num_syncs": self.num_syncs,
         }
@@ -437,7 +446,7 @@ class OuterStep:
         anchors = state["anchor"]
         if len(anchors) != len(self.anchor):
             raise ValueError(f"The saved outer state holds {len(anchors)} shards, this rank has {len(self.anchor)}.")
-        optimizers = state.get("optimizers", [state["optimizer"]])
+        optimizers = state.get("optimizers", [state.get("optimizer")])  # one "optimizer" before fragments existed
         if len(optimizers) != len(self.optimizers):
             raise ValueError(
                 f"The saved outer state has {len(optimizers)} fragment optimizer(s), this run {len(self.optimizers)}."
@@ -520,6 +529,11 @@ class OuterStep:
         mean_sq_all = total_mean_sq / self.communicator.num_groups  # every group holds the same mean
         drift_sq = (total_own_sq - 2.0 * total_dot) / healthy + mean_sq_all
         return math.sqrt(max(mean_sq_all, 0.0)), math.sqrt(max(drift_sq, 0.0))
+
+
+def _nbytes(values: Iterable[Any]) -> int:
+    """Bytes of the tensors among ``values``."""
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, Tensor))
 
 
 def _dot(a: Tensor, b: Tensor, chunk: int = 1 << 24) -> float:
