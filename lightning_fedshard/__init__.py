@@ -9,7 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_fedshard import fabric
 from lightning_fedshard.checkpoint import CheckpointTopologyWarning
-from lightning_fedshard.core import FederationTopology, OuterStep, SyncStats
+from lightning_fedshard.core import BlockQuantizer, FederationTopology, FloatCodec, OuterStep, SyncStats
 from lightning_fedshard.core.outer import NonFiniteOuterGradientError
 from lightning_fedshard.export import export_consensus
 from lightning_fedshard.trainer import FLFSDP2Strategy, FLFSDPStrategy, FLHSDP2Strategy, FLHSDPStrategy, OuterSync
@@ -23,12 +23,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "fabric",
+    "BlockQuantizer",
     "CheckpointTopologyWarning",
     "FLFSDP2Strategy",
     "FLFSDPStrategy",
     "FLHSDP2Strategy",
     "FLHSDPStrategy",
     "FederationTopology",
+    "FloatCodec",
     "NonFiniteOuterGradientError",
     "OuterStep",
     "OuterSync",

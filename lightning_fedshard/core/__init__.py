@@ -1,29 +1,35 @@
 """Lightning-free core: the federation topology and mesh, and the outer step on local shards."""
 
+from lightning_fedshard.core.codecs import BlockQuantizer, Codec, FloatCodec
+from lightning_fedshard.core.comm import Communicator, ProcessGroupCommunicator
 from lightning_fedshard.core.config import OUTER_OPTIMIZERS, FederationConfig, resolve_outer_optimizer
-from lightning_fedshard.core.mesh import FederationMesh, ProcessGroupCommunicator, build_federation_mesh
-from lightning_fedshard.core.outer import (
-    NONFINITE_POLICIES,
-    Communicator,
-    NonFiniteOuterGradientError,
-    OuterStep,
-    SyncStats,
-)
+from lightning_fedshard.core.feedback import ErrorFeedback
+from lightning_fedshard.core.mesh import FederationMesh, build_federation_mesh
+from lightning_fedshard.core.outer import NONFINITE_POLICIES, NonFiniteOuterGradientError, OuterStep, SyncStats
+from lightning_fedshard.core.reducers import AllReduceSum, Reducer, ScatterGatherSum, make_reducer
 from lightning_fedshard.core.topology import AXES, Axis, FederationTopology
 
 __all__ = [
     "AXES",
     "NONFINITE_POLICIES",
     "OUTER_OPTIMIZERS",
+    "AllReduceSum",
     "Axis",
+    "BlockQuantizer",
+    "Codec",
     "Communicator",
+    "ErrorFeedback",
     "FederationConfig",
     "FederationMesh",
     "FederationTopology",
+    "FloatCodec",
     "NonFiniteOuterGradientError",
     "OuterStep",
     "ProcessGroupCommunicator",
+    "Reducer",
+    "ScatterGatherSum",
     "SyncStats",
     "build_federation_mesh",
+    "make_reducer",
     "resolve_outer_optimizer",
 ]

@@ -15,14 +15,14 @@ import torch
 from torch import Tensor
 from torch.optim import SGD, Optimizer
 
-from lightning_fedshard.core.compress import (
-    COMPRESSED_REDUCE_DTYPES,
+from lightning_fedshard.core.codecs import (
     DEFAULT_BLOCK_SIZE,
-    REDUCE_DTYPE_NAMES,
-    Reducer,
-    make_reducer,
+    BlockQuantizer,
+    Codec,
+    resolve_codec,
 )
 from lightning_fedshard.core.outer import NONFINITE_POLICIES, OuterOptimizerFactory, build_outer_optimizer
+from lightning_fedshard.core.reducers import Reducer, make_reducer
 from lightning_fedshard.core.topology import FederationTopology
 
 #: Named outer optimizers. "fedavg" (the default) replaces every group by the groups' mean, which is what the paper's
@@ -31,12 +31,6 @@ from lightning_fedshard.core.topology import FederationTopology
 OUTER_OPTIMIZERS: dict[str, OuterOptimizerFactory] = {
     "nesterov": functools.partial(SGD, lr=0.7, momentum=0.9, nesterov=True),
     "fedavg": functools.partial(SGD, lr=1.0),
-}
-
-_REDUCE_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
 }
 
 OuterOptimizerSpec = str | Callable[[Iterable[Tensor]], Optimizer]
@@ -65,9 +59,11 @@ class FederationConfig:
             ``"bfloat16"``, ``"float16"`` (or the matching ``torch.dtype``), summed by an all-reduce. int4 with error
             feedback is the default: its perplexity measured level with float32 (+0.6% mean over 3 paired seeds at
             64 steps, -4% over 2 at 120) at 1/8 of the bytes, which took FL+FSDP from 0.76 to 0.95 compute utilization
-            at 50 Mbit/s (see docs/benchmarks.md). ``"float32"`` reproduces plain averaging exactly.
-        quant_block_size: Values per quantization block (one float32 scale each) for ``"int8"`` / ``"int4"``
-            (default 128, measured as the smallest block that keeps int4 under 0.14x float32).
+            at 50 Mbit/s (see docs/benchmarks.md). ``"float32"`` reproduces plain averaging exactly. A codec object
+            carries its own parameters: ``lightning_fedshard.BlockQuantizer(bits=4, block_size=64)`` or
+            ``lightning_fedshard.FloatCodec("bfloat16")`` (in YAML a ``class_path`` with ``init_args``).
+        quant_block_size: Values per quantization block (one float32 scale each) for ``"int8"`` / ``"int4"`` given by
+            name (default 128, measured as the smallest block that keeps int4 under 0.14x float32).
         error_feedback: With ``"int8"`` / ``"int4"``, carry each rank's quantization residual into its next sync, so
             that rounding errors are delayed instead of lost (kept in checkpoints). Default ``None``: on with a
             quantized ``reduce_dtype``, off with a float one. ``True`` is rejected with a float ``reduce_dtype``,
@@ -103,7 +99,7 @@ class FederationConfig:
     shard_size: int | None = None
     sync_every: int = 8
     outer_optimizer: OuterOptimizerSpec = "fedavg"
-    reduce_dtype: str | torch.dtype = "int4"
+    reduce_dtype: str | torch.dtype | Codec = "int4"
     anchor_device: str = "cpu"
     on_nonfinite: str = "raise"
     fragments: int = 1
@@ -122,8 +118,13 @@ class FederationConfig:
         if self.error_feedback is not None and not isinstance(self.error_feedback, bool):
             raise ValueError(f"`error_feedback` must be True, False or None (automatic), got {self.error_feedback!r}.")
         _check_positive_int("quant_block_size", self.quant_block_size, allow_none=False)
+        if isinstance(self.reduce_dtype, Codec) and self.quant_block_size != DEFAULT_BLOCK_SIZE:
+            raise ValueError(
+                f"`quant_block_size={self.quant_block_size}` is for the named 'int8' / 'int4'; the codec"
+                f" {self.reduce_dtype!r} carries its own parameters."
+            )
         # Builds a reducer once: an unknown dtype, or error feedback with a float dtype, fail here.
-        make_reducer(self.reduce_dtype, self.quant_block_size, self.error_feedback)
+        self.reducer()
         if self.anchor_device not in ("cpu", "device"):
             raise ValueError(f"`anchor_device` must be 'cpu' or 'device', got {self.anchor_device!r}.")
         if self.on_nonfinite not in NONFINITE_POLICIES:
@@ -178,10 +179,9 @@ class FederationConfig:
     def describe(self) -> str:
         """The sync options in one line, e.g. for the log at the start of training."""
         outer = self.outer_optimizer if isinstance(self.outer_optimizer, str) else repr(self.outer_optimizer)
-        dtype = str(self.reduce_dtype).removeprefix("torch.")
+        dtype = self.codec.describe()
         if self.compressed:
-            feedback = "with" if self.error_feedback is not False else "without"
-            dtype += f" {feedback} error feedback (blocks of {self.quant_block_size})"
+            dtype += f" {'with' if self.error_feedback is not False else 'without'} error feedback"
         parts = [f"outer step every {self.sync_every} optimizer steps ({outer})", f"outer traffic {dtype}"]
         if self.fragments > 1:
             parts.append(f"{self.fragments} streaming fragments")
@@ -198,24 +198,28 @@ class FederationConfig:
         return resolve_outer_optimizer(self.outer_optimizer)
 
     @property
+    def codec(self) -> Codec:
+        """How the pseudo-gradient travels (see :mod:`~lightning_fedshard.core.codecs`)."""
+        return resolve_codec(self.reduce_dtype, self.quant_block_size)
+
+    @property
     def reduce_torch_dtype(self) -> torch.dtype:
         """The dtype of the pseudo-gradient buffer: ``reduce_dtype`` for floats, float32 before quantization."""
-        return torch.float32 if self.compressed else resolve_reduce_dtype(self.reduce_dtype)
+        return self.reducer().input_dtype
 
     @property
     def compressed(self) -> bool:
-        """Whether the outer traffic is quantized (``"int8"`` / ``"int4"``)."""
-        return str(self.reduce_dtype).removeprefix("torch.") in COMPRESSED_REDUCE_DTYPES
+        """Whether the outer traffic is quantized (``"int8"`` / ``"int4"`` or a quantizer codec)."""
+        return isinstance(self.codec, BlockQuantizer)
 
-    def reducer(self) -> Reducer | None:
-        """A new quantized reducer for one fragment, or ``None`` for a float all-reduce.
+    def reducer(self) -> Reducer:
+        """A new reducer for one fragment (see :mod:`~lightning_fedshard.core.reducers`).
 
         Its error-feedback residuals wait with the anchor: in host memory with ``anchor_device="cpu"``.
         """
-        if not self.compressed:
-            return None
         residual_device = "cpu" if self.anchor_device == "cpu" else None
-        return make_reducer(self.reduce_dtype, self.quant_block_size, self.error_feedback, residual_device)
+        block_size = None if isinstance(self.reduce_dtype, Codec) else self.quant_block_size
+        return make_reducer(self.reduce_dtype, block_size, self.error_feedback, residual_device)
 
 
 def federation_args_doc() -> str:
@@ -246,22 +250,6 @@ def resolve_outer_optimizer(spec: OuterOptimizerSpec) -> OuterOptimizerFactory:
     if not callable(spec):
         raise ValueError(f"`outer_optimizer` must be a name or a callable returning an optimizer, got {spec!r}.")
     return spec
-
-
-def resolve_reduce_dtype(value: str | torch.dtype) -> torch.dtype:
-    """Turn ``"bfloat16"``-style names (or dtypes) into a supported ``torch.dtype``.
-
-    Raises:
-        ValueError: For anything but float32, bfloat16 and float16.
-    """
-    if isinstance(value, torch.dtype):
-        if value in _REDUCE_DTYPES.values():
-            return value
-    elif isinstance(value, str):
-        name = value.removeprefix("torch.")
-        if name in _REDUCE_DTYPES:
-            return _REDUCE_DTYPES[name]
-    raise ValueError(f"Unsupported `reduce_dtype={value!r}`; choose one of {list(REDUCE_DTYPE_NAMES)}.")
 
 
 def _optimizer_class(spec: OuterOptimizerSpec) -> tuple[type[Optimizer] | None, dict[str, Any], bool]:

@@ -14,10 +14,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fedshard.core.comm import Communicator
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.fragments import cut_fragments, landing_fragment, starting_fragment
 from lightning_fedshard.core.lazy import required
-from lightning_fedshard.core.outer import Communicator, OuterStep, PendingSync, SyncStats
+from lightning_fedshard.core.outer import OuterStep, PendingSync, SyncStats
 
 
 class Federation:
@@ -89,7 +90,6 @@ class Federation:
             shards,
             self.config.outer_optimizer_factory,
             self.communicator,
-            reduce_dtype=self.config.reduce_torch_dtype,
             anchor_device=anchor_device,
             on_nonfinite=self.config.on_nonfinite,
             fragments=cut_fragments(unit_sizes or [s.numel() for s in shards], self.config.fragments),
@@ -193,7 +193,7 @@ class Federation:
         With a single group there is nothing to agree on: its current weights are the consensus and stay in place
         (so a one-group run validates and saves what plain FSDP would).
         """
-        if self._outer is None or self.communicator.num_groups == 1:
+        if self._outer is None or len(self.communicator.participants()) == 1:
             yield
             return
         saved = [s.detach().clone() for s in self._outer.shards]
@@ -253,6 +253,8 @@ class Federation:
         self._pending = None
         if pending is not None:
             self._pending = PendingSync.from_state_dict(pending, self.outer.shards[0].device)
+            if not self._pending.participants:  # saved before syncs recorded their participants: every group
+                self._pending.participants = self.communicator.participants()
 
 
 def _combined(stats: list[SyncStats], num_fragments: int) -> SyncStats | None:

@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_fedshard.core.comm import ProcessGroupCommunicator
 from lightning_fedshard.core.topology import AXES, Axis, FederationTopology
 
 
@@ -20,7 +21,7 @@ class FederationMesh:
     """A ``(G, R, S)`` device mesh with axes ``("fed", "replicate", "shard")`` and this rank's place in it.
 
     Build it with :func:`build_federation_mesh`. In-group FSDP uses :attr:`fsdp_process_group`; the outer
-    all-reduce runs over the ``"fed"`` axis only (see :class:`ProcessGroupCommunicator`).
+    all-reduce runs over the ``"fed"`` axis only (see :class:`~lightning_fedshard.core.comm.ProcessGroupCommunicator`).
 
     Attributes:
         topology: The job's shape.
@@ -90,8 +91,10 @@ class FederationMesh:
         return self.device_mesh["shard"]
 
     def communicator(self) -> ProcessGroupCommunicator:
-        """Collectives for :class:`~lightning_fedshard.core.outer.OuterStep` on this mesh."""
-        return ProcessGroupCommunicator(self.topology, self.outer_group or self.group(Axis.FED))
+        """The collectives of this rank's syncs on this mesh: its fed ring and its replica's shard group."""
+        t = self.topology
+        fed = (self.outer_group or self.group(Axis.FED)) if t.num_groups > 1 else None
+        return ProcessGroupCommunicator(t.num_groups, fed, self.group(Axis.SHARD) if t.shard_size > 1 else None)
 
     @torch.no_grad()
     def broadcast_shards(self, shards: Iterable[Tensor]) -> None:
@@ -108,61 +111,6 @@ class FederationMesh:
             group = self.group(axis)
             for shard in shards:
                 dist.broadcast(shard.data, group=group, group_src=0)
-
-
-@dataclass
-class ProcessGroupCommunicator:
-    """:class:`~lightning_fedshard.core.outer.Communicator` over real process groups.
-
-    Args:
-        topology: The job's shape.
-        fed_group: This rank's group along the ``"fed"`` axis.
-    """
-
-    topology: FederationTopology
-    fed_group: ProcessGroup
-
-    @property
-    def num_groups(self) -> int:
-        """Number of federation groups."""
-        return self.topology.num_groups
-
-    @property
-    def group_index(self) -> int:
-        """This rank's federation group (its rank along the ``"fed"`` axis, where groups are in order)."""
-        return dist.get_rank(self.fed_group) if self.num_groups > 1 else 0
-
-    def sum_across_groups(self, tensor: Tensor) -> None:
-        """Sum over the ``"fed"`` axis."""
-        if self.num_groups > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.fed_group)
-
-    def sum_across_model(self, tensor: Tensor) -> None:
-        """Sum over all ranks, then divide by the number of replicas, which hold identical data."""
-        if self.topology.world_size == 1:
-            return
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        tensor.div_(self.topology.num_replicas)
-
-    def all_to_all(self, output: Tensor, input: Tensor) -> None:
-        """Exchange equal parts over the ``"fed"`` axis: part ``j`` of ``input`` goes to group ``j``.
-
-        ``input`` and ``output`` are 1-D, of the same length, divisible by ``G``; ``output`` part ``j`` is what
-        group ``j`` sent to this rank.
-        """
-        if self.num_groups == 1:
-            output.copy_(input)
-            return
-        dist.all_to_all_single(output, input, group=self.fed_group)
-
-    def all_gather(self, output: Tensor, input: Tensor) -> None:
-        """Fill the 1-D ``output`` (``G`` times ``input``'s length) with every group's ``input``, in group order."""
-        if self.num_groups == 1:
-            output.copy_(input)
-            return
-        # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; both work on gloo and NCCL.
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(output, input, group=self.fed_group)
 
 
 def build_federation_mesh(topology: FederationTopology, device_type: str) -> FederationMesh:

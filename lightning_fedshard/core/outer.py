@@ -28,13 +28,15 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_fedshard.core.compress import Reducer
+from lightning_fedshard.core.codecs import FloatCodec
+from lightning_fedshard.core.comm import Communicator, sum_over_model
+from lightning_fedshard.core.reducers import AllReduceSum, Reducer
 
 OuterOptimizerFactory = Callable[[Iterable[Tensor]], Optimizer]
 
@@ -67,37 +69,6 @@ class NonFiniteOuterGradientError(FloatingPointError):
         return type(self), (self.groups, self.num_syncs, self.step)
 
 
-class Communicator(Protocol):
-    """Collectives the outer step needs; the real one wraps process groups, tests may pass a fake."""
-
-    @property
-    def num_groups(self) -> int:
-        """Number of federation groups ``G`` taking part in the mean."""
-
-    @property
-    def group_index(self) -> int:
-        """This rank's federation group."""
-
-    def sum_across_groups(self, tensor: Tensor) -> None:
-        """Replace ``tensor`` in place by its sum over the ranks at the same in-group position of every group."""
-
-    def all_to_all(self, output: Tensor, input: Tensor) -> None:
-        """Exchange equal parts over the ``"fed"`` axis: part ``j`` of ``input`` goes to group ``j``.
-
-        ``input`` and ``output`` are 1-D, of the same length, divisible by ``G``; ``output`` part ``j`` is what
-        group ``j`` sent to this rank.
-        """
-
-    def all_gather(self, output: Tensor, input: Tensor) -> None:
-        """Fill the 1-D ``output`` (``G`` times ``input``'s length) with every group's ``input``, in group order."""
-
-    def sum_across_model(self, tensor: Tensor) -> None:
-        """Replace a small statistics vector in place by its sum over all distinct shards of all groups.
-
-        Ranks that hold identical data (HSDP replicas) must be counted once.
-        """
-
-
 @dataclass(frozen=True)
 class SyncStats:
     """What one outer step did, for logging.
@@ -120,6 +91,8 @@ class SyncStats:
         compute_utilization: Over the round that this sync closes: compute time / (compute time + exposed sync
             time), where compute time is the round's wall time minus the exposed sync time. Set by the runtime.
         num_fragments: How many fragments the model is cut into (the fragment index is logged when > 1).
+        lost: Whether the communicator refused to commit this sync: every group went back to the anchor.
+        syncs_lost: Syncs lost so far, this one included (logged once there is one).
     """
 
     outer_grad_norm: float
@@ -132,6 +105,8 @@ class SyncStats:
     exposed_seconds: float = 0.0
     compute_utilization: float | None = None
     num_fragments: int = 1
+    lost: bool = False
+    syncs_lost: int = 0
 
     def as_dict(self, prefix: str = "fedshard/") -> dict[str, float]:
         """The statistics as a flat ``{name: value}`` dict for loggers."""
@@ -149,6 +124,8 @@ class SyncStats:
             stats[f"{prefix}fragment"] = float(self.fragment)
         if self.skipped_groups:
             stats[f"{prefix}skipped_groups"] = float(len(self.skipped_groups))
+        if self.syncs_lost:
+            stats[f"{prefix}syncs_lost"] = float(self.syncs_lost)
         return stats
 
 
@@ -161,6 +138,7 @@ class PendingSync:
 
     Attributes:
         fragment: Index of the fragment.
+        participants: The groups taking part in this sync, in fed-ring order (asked once, when it began).
         started_at: Optimizer step after which the pseudo-gradient was taken (``None`` if unknown).
         broken: Groups whose pseudo-gradient held NaN/Inf (``on_nonfinite="skip_group"``); known to every rank.
         own_sq: Squared L2 norm of this rank's own pseudo-gradient of the fragment (for the drift statistic).
@@ -173,6 +151,7 @@ class PendingSync:
     """
 
     fragment: int
+    participants: tuple[int, ...]
     started_at: int | None
     broken: tuple[int, ...]
     own_sq: float
@@ -205,6 +184,7 @@ class PendingSync:
         """Everything needed to land this sync later, e.g. after a resume: the reduction is completed first."""
         return {
             "fragment": self.fragment,
+            "participants": list(self.participants),
             "started_at": self.started_at,
             "broken": list(self.broken),
             "own_sq": self.own_sq,
@@ -218,6 +198,7 @@ class PendingSync:
         """Rebuild a completed :class:`PendingSync` from :meth:`state_dict`."""
         return cls(
             fragment=int(state["fragment"]),
+            participants=tuple(state.get("participants", ())),  # filled in by the federation for older checkpoints
             started_at=state["started_at"],
             broken=tuple(state["broken"]),
             own_sq=float(state["own_sq"]),
@@ -244,13 +225,13 @@ class OuterStep:
         outer_optimizer: Builds an outer optimizer from anchor tensors, e.g.
             ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``; one per fragment.
         communicator: Collectives over the federation (see :class:`Communicator`).
-        reduce_dtype: Data type of the pseudo-gradient on the wire.
+        reduce_dtype: Data type of the pseudo-gradient on the wire when no ``reducer`` is given.
         anchor_device: Where the anchor and the outer optimizer state live. ``"cpu"`` (default) costs the
             accelerator no memory; ``None`` keeps them next to the shards.
         on_nonfinite: ``"raise"`` (default) or ``"skip_group"``; see :meth:`step`.
         fragments: Shard indices of each fragment, covering every shard exactly once; default: one fragment.
-        reducer: Builds the quantized reducer of a fragment (see :mod:`~lightning_fedshard.core.compress`), called
-            once per fragment; ``None`` (default) sums in ``reduce_dtype`` with the communicator's all-reduce.
+        reducer: Builds the reducer of a fragment (see :mod:`~lightning_fedshard.core.reducers`), called once per
+            fragment; ``None`` (default): an all-reduce in ``reduce_dtype``.
 
     Raises:
         ValueError: If ``outer_optimizer`` does not return a ``torch.optim.Optimizer``, for an unknown
@@ -266,7 +247,7 @@ class OuterStep:
         anchor_device: torch.device | str | None = "cpu",
         on_nonfinite: str = "raise",
         fragments: Sequence[Sequence[int]] | None = None,
-        reducer: Callable[[], Reducer | None] | None = None,
+        reducer: Callable[[], Reducer] | None = None,
     ) -> None:
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"`on_nonfinite` must be one of {list(NONFINITE_POLICIES)}, got {on_nonfinite!r}.")
@@ -276,14 +257,14 @@ class OuterStep:
         if sorted(i for f in self.fragments for i in f) != list(range(len(self.shards))) or not all(self.fragments):
             raise ValueError(f"Fragments {self.fragments} must cover the {len(self.shards)} shards exactly once.")
         self.communicator = communicator
-        self.reduce_dtype = reduce_dtype
         self.num_syncs = 0
+        self.syncs_lost = 0
         self.anchor = [_new_anchor(s, anchor_device) for s in self.shards]
         self._flat_buffers: dict[int, Tensor] = {}  # one pseudo-gradient buffer per fragment, reused by every sync
         self.optimizers = [build_outer_optimizer(outer_optimizer, [self.anchor[i] for i in f]) for f in self.fragments]
-        self.reducers = [reducer() if reducer is not None else None for _ in self.fragments]
-        if any(r is not None for r in self.reducers):
-            self.reduce_dtype = torch.float32  # quantized from float32 pseudo-gradients
+        build = reducer or (lambda: AllReduceSum(FloatCodec(reduce_dtype)))
+        self.reducers: list[Reducer] = [build() for _ in self.fragments]
+        self.reduce_dtype = self.reducers[0].input_dtype  # the pseudo-gradient buffer's dtype
         self._executor: ThreadPoolExecutor | None = None
 
     @property
@@ -312,8 +293,9 @@ class OuterStep:
     def begin(self, fragment: int, step: int | None = None, background: bool = True) -> PendingSync:
         """Take the fragment's pseudo-gradient now and start summing it over the groups; collective.
 
-        The NaN/Inf check (one tiny all-reduce over all ranks) runs here, in the caller's thread, so that only the
-        ``"fed"`` ring is used from the background thread.
+        The communicator is asked for the participants of this sync once, here; the pending sync keeps them for every
+        divisor and flag of the sync. The NaN/Inf check (two tiny all-reduces: the fed ring, then the group) runs here,
+        in the caller's thread, so that only the fed ring is used from the background thread.
 
         Args:
             fragment: Which fragment.
@@ -326,25 +308,26 @@ class OuterStep:
         start = time.perf_counter()
         with torch.profiler.record_function("fedshard::pseudogradient"):
             local, finite = self._pseudogradient(fragment)
-        broken = self._nonfinite_groups(finite, local.device)
-        groups = self.communicator.num_groups
-        if broken and (self.on_nonfinite == "raise" or len(broken) == groups):
+        participants = self.communicator.participants()
+        broken = self._nonfinite_groups(finite, local.device, participants)
+        if broken and (self.on_nonfinite == "raise" or len(broken) == len(participants)):
             raise NonFiniteOuterGradientError(broken, self.num_syncs, step)
         if self.communicator.group_index in broken:
             local.zero_()  # a broken group adds nothing to the sum; the mean divides by the healthy groups
         pending = PendingSync(
             fragment=fragment,
+            participants=participants,
             started_at=step,
             broken=tuple(broken),
             own_sq=_squared_norm(local),
-            bytes_sent=self._wire_bytes(fragment, local),
+            bytes_sent=self.reducers[fragment].wire_bytes(local.numel(), len(participants)),
             clock=start,
             _own=local,
         )
         if background:
-            pending._future = self._background().submit(self._sum_across_groups, local, fragment)
+            pending._future = self._background().submit(self._sum_across_groups, local, fragment, len(participants))
         else:
-            pending._result = self._sum_across_groups(local, fragment)
+            pending._result = self._sum_across_groups(local, fragment, len(participants))
         pending.exposed = time.perf_counter() - start
         return pending
 
@@ -358,15 +341,16 @@ class OuterStep:
         start = time.perf_counter()
         with torch.profiler.record_function("fedshard::outer_all_reduce_wait"):
             local = pending.result()
-        groups = self.communicator.num_groups
-        healthy = groups - len(pending.broken)
+        if not self.communicator.should_commit():
+            return self._drop_lost(pending, start)
+        healthy = len(pending.participants) - len(pending.broken)
         local.div_(healthy)
         mean_sq = _squared_norm(local)
         if pending.own_dot_sum is not None:
             own_dot_mean = pending.own_dot_sum / healthy
         else:  # summed exactly in place: the mean is the groups' mean, <d_g, d> averages to |d|^2
             own_dot_mean = 0.0 if self.communicator.group_index in pending.broken else mean_sq
-        norm, drift = self._global_norms(pending.own_sq, own_dot_mean, mean_sq, local.device, healthy)
+        norm, drift = self._global_norms(pending, own_dot_mean, mean_sq, local.device)
         with torch.profiler.record_function("fedshard::outer_optimizer_step"):
             self._set_grads(local, pending.fragment)
             optimizer = self.optimizers[pending.fragment]
@@ -384,22 +368,37 @@ class OuterStep:
             skipped_groups=pending.broken,
             fragment=pending.fragment,
             exposed_seconds=pending.exposed + (now - start),
+            syncs_lost=self.syncs_lost,
         )
 
-    def _sum_across_groups(self, local: Tensor, fragment: int) -> Tensor:
-        reducer = self.reducers[fragment]
-        if reducer is not None:
-            return reducer.sum_across_groups(local, self.communicator)
-        if self.communicator.num_groups > 1:
-            self.communicator.sum_across_groups(local)
-        return local
+    def _drop_lost(self, pending: PendingSync, start: float) -> SyncStats:
+        """A sync the communicator did not commit: the fragment goes back to the anchor, its residuals are dropped.
 
-    def _wire_bytes(self, fragment: int, local: Tensor) -> int:
-        groups = self.communicator.num_groups
-        reducer = self.reducers[fragment]
-        if reducer is not None:
-            return reducer.wire_bytes(local.numel(), groups)
-        return int(2 * (groups - 1) / groups * local.numel() * local.element_size())  # ring all-reduce
+        Nothing of the sum is applied, so every group holds the anchor again (the anchor and the outer optimizer are
+        untouched) and the next round starts from it; the error-feedback residuals of the lost sum were never applied
+        either, so they are reset rather than carried.
+        """
+        self.copy_anchor_to_shards(pending.fragment)
+        feedback = getattr(self.reducers[pending.fragment], "feedback", None)
+        if feedback is not None:
+            feedback.reset()
+        self.syncs_lost += 1
+        now = time.perf_counter()
+        return SyncStats(
+            outer_grad_norm=0.0,
+            drift=0.0,
+            bytes_sent=pending.bytes_sent,
+            seconds=now - pending.clock,
+            num_syncs=self.num_syncs,
+            skipped_groups=pending.broken,
+            fragment=pending.fragment,
+            exposed_seconds=pending.exposed + (now - start),
+            lost=True,
+            syncs_lost=self.syncs_lost,
+        )
+
+    def _sum_across_groups(self, local: Tensor, fragment: int, members: int) -> Tensor:
+        return self.reducers[fragment].sum_across_groups(local, self.communicator, members)
 
     def _background(self) -> ThreadPoolExecutor:
         if self._executor is None:
@@ -426,7 +425,7 @@ class OuterStep:
     def state_nbytes(self) -> dict[str, int]:
         """Bytes of the anchor, of the outer optimizers' state and of the reducers' error-feedback residuals."""
         optimizer_state = [v for o in self.optimizers for state in o.state.values() for v in state.values()]
-        residuals = [v for r in self.reducers if r is not None for v in r.state_dict().values()]
+        residuals = [v for r in self.reducers for v in r.state_dict().values()]
         return {
             "anchor": _nbytes(self.anchor),
             "outer_optimizer": _nbytes(optimizer_state),
@@ -462,12 +461,12 @@ class OuterStep:
 
     def group_state_dict(self) -> dict[str, Any]:
         """State that differs between the groups: the quantization residuals of error feedback, per fragment."""
-        return {"reducers": [r.state_dict() if r is not None else None for r in self.reducers]}
+        return {"reducers": [r.state_dict() for r in self.reducers]}
 
     def load_group_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`group_state_dict` on the same rank of the same topology."""
         for reducer, saved in zip(self.reducers, state.get("reducers", [])):
-            if reducer is not None and saved is not None:
+            if saved is not None:
                 reducer.load_state_dict(saved)
 
     def _pseudogradient(self, fragment: int) -> tuple[Tensor, bool]:
@@ -495,13 +494,16 @@ class OuterStep:
             offset += n
         return flat, bool(finite)
 
-    def _nonfinite_groups(self, finite: bool, device: torch.device) -> list[int]:
-        """Groups whose pseudo-gradient holds NaN/Inf anywhere, known to every rank (one tiny all-reduce)."""
-        flags = torch.zeros(self.communicator.num_groups, dtype=torch.float64, device=device)
+    def _nonfinite_groups(self, finite: bool, device: torch.device, participants: tuple[int, ...]) -> list[int]:
+        """Taking-part groups whose pseudo-gradient holds NaN/Inf anywhere, known to every rank of the sync.
+
+        One flag per participant, summed over the fed ring and then inside the group (two tiny all-reduces).
+        """
+        flags = torch.zeros(len(participants), dtype=torch.float64, device=device)
         if not finite:
-            flags[self.communicator.group_index] = 1.0
-        self.communicator.sum_across_model(flags)
-        return [g for g, flag in enumerate(flags.tolist()) if flag > 0]
+            flags[participants.index(self.communicator.group_index)] = 1.0
+        sum_over_model(self.communicator, flags)
+        return [g for g, flag in zip(participants, flags.tolist()) if flag > 0]
 
     def _set_grads(self, flat: Tensor, fragment: int) -> None:
         offset = 0
@@ -513,20 +515,21 @@ class OuterStep:
             offset += n
 
     def _global_norms(
-        self, own_sq: float, own_dot_mean: float, mean_sq: float, device: torch.device, healthy: int
+        self, pending: PendingSync, own_dot_mean: float, mean_sq: float, device: torch.device
     ) -> tuple[float, float]:
         """Whole-fragment norm of the applied mean pseudo-gradient ``d``, and the healthy groups' RMS distance from it.
 
         The distance of group ``g``'s weights from the weights the sync applies is ``|d_g - d|``, and
-        ``mean_g |d_g - d|^2 = mean_g |d_g|^2 - 2 mean_g <d_g, d> + |d|^2``: one tiny all-reduce of three numbers
-        gives it for any reducer. When ``d`` is a quantized estimate of the groups' mean, this is the drift from the
-        exact mean plus the (squared) error of the estimate, never a negative number. Skipped groups contribute
-        ``own_sq = 0`` and ``<d_g, d> = 0`` and are left out of the mean over groups.
+        ``mean_g |d_g - d|^2 = mean_g |d_g|^2 - 2 mean_g <d_g, d> + |d|^2``: one tiny sum of three numbers over the
+        model (the fed ring, then the group) gives it for any reducer. When ``d`` is a quantized estimate of the
+        groups' mean, this is the drift from the exact mean plus the (squared) error of the estimate, never a negative
+        number. Skipped groups contribute ``own_sq = 0`` and ``<d_g, d> = 0`` and are left out of the mean over groups.
         """
-        sums = torch.tensor([own_sq, own_dot_mean, mean_sq], dtype=torch.float64, device=device)
-        self.communicator.sum_across_model(sums)
+        sums = torch.tensor([pending.own_sq, own_dot_mean, mean_sq], dtype=torch.float64, device=device)
+        sum_over_model(self.communicator, sums)
         total_own_sq, total_dot, total_mean_sq = sums.tolist()
-        mean_sq_all = total_mean_sq / self.communicator.num_groups  # every group holds the same mean
+        healthy = len(pending.participants) - len(pending.broken)
+        mean_sq_all = total_mean_sq / len(pending.participants)  # every group holds the same mean
         drift_sq = (total_own_sq - 2.0 * total_dot) / healthy + mean_sq_all
         return math.sqrt(max(mean_sq_all, 0.0)), math.sqrt(max(drift_sq, 0.0))
 

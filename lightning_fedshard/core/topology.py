@@ -105,19 +105,6 @@ class FederationTopology:
         """Ranks at the same in-group position in every group: the outer all-reduce runs among them."""
         return [self.rank(g, replica, shard) for g in range(self.num_groups)]
 
-    def sync_bytes_per_rank(self, num_parameters: int, bytes_per_value: int) -> float:
-        """Bytes one rank sends in one outer all-reduce over the ``"fed"`` axis: ``2 (G-1)/G * P * b / S``.
-
-        A ring all-reduce among ``G`` ranks sends ``2 (G-1)/G`` times its payload, and each rank's payload is its
-        local shard: ``P / S`` values (FSDP's padding of each unit to a multiple of ``S`` aside) of ``b`` bytes.
-
-        Args:
-            num_parameters: Parameters of the whole model ``P``.
-            bytes_per_value: Bytes per value on the wire ``b`` (the strategy's ``reduce_dtype``).
-        """
-        groups = self.num_groups
-        return 2 * (groups - 1) / groups * num_parameters * bytes_per_value / self.shard_size
-
     def __str__(self) -> str:
         return (
             f"{self.num_groups} group(s) x {self.num_replicas} replica(s) x {self.shard_size} shard(s)"

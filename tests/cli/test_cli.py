@@ -67,6 +67,25 @@ def test_registered_name_works_in_yaml(tmp_path):
     assert run.trainer.strategy.topology.mesh_shape == (2, 1, 2)
 
 
+def test_a_codec_with_its_parameters_is_given_in_yaml_and_on_the_command_line(tmp_path):
+    from lightning_fedshard import BlockQuantizer, FloatCodec
+
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 2\n  num_nodes: 2\n  logger: false\n  strategy:\n"
+        "    class_path: lightning_fedshard.FLHSDPStrategy\n    init_args:\n      reduce_dtype:\n"
+        "        class_path: lightning_fedshard.BlockQuantizer\n        init_args: {bits: 8, block_size: 64}\n"
+        "model:\n  class_path: lightning_fedshard.examples.LlamaLM\n  init_args: {size: xs, vocab_size: 256}\n"
+    )
+    federation = cli(args=["--config", str(config)], run=False).trainer.strategy.federation_config
+    assert federation.reduce_dtype == BlockQuantizer(bits=8, block_size=64) and federation.compressed
+    args = ["--config", str(config), "--trainer.strategy.reduce_dtype", "lightning_fedshard.FloatCodec"]
+    federation = cli(args=[*args, "--trainer.strategy.reduce_dtype.dtype", "bfloat16"], run=False).trainer.strategy
+    assert federation.federation_config.reduce_dtype == FloatCodec("bfloat16")
+    by_name = cli(args=["--config", str(config), "--trainer.strategy.reduce_dtype", "int4"], run=False)
+    assert by_name.trainer.strategy.federation_config.codec == BlockQuantizer(bits=4, block_size=128)
+
+
 @pytest.mark.parametrize(
     ("cls", "own"),
     [

@@ -61,6 +61,9 @@ class ThreadGroups:
 
 
 class _ThreadCommunicator:
+    """One group's :class:`~lightning_fedshard.core.comm.Communicator`: each group is one rank, so a fed ring is all
+    groups and a group has one shard (``sum_in_group`` does nothing)."""
+
     # Bytes this group sent through `all_to_all` / `all_gather`, as ring collectives send them.
     bytes_sent: int = 0
 
@@ -69,12 +72,20 @@ class _ThreadCommunicator:
         self._g = g
         self.num_groups = groups.num_groups
         self.group_index = g
+        #: What :meth:`should_commit` answers (a test may set it to make every rank vote no).
+        self.commit = True
 
-    def sum_across_groups(self, tensor: Tensor) -> None:
+    def participants(self) -> tuple[int, ...]:
+        return tuple(range(self.num_groups))
+
+    def sum_over_groups(self, tensor: Tensor) -> None:
         self._groups._all_reduce_sum(self._g, tensor)
 
-    def sum_across_model(self, tensor: Tensor) -> None:
-        self._groups._all_reduce_sum(self._g, tensor)
+    def sum_in_group(self, tensor: Tensor) -> None:
+        pass  # one rank per group
+
+    def should_commit(self) -> bool:
+        return self.commit
 
     def all_to_all(self, output: Tensor, input: Tensor) -> None:
         """Equal parts of ``input`` go to each group; ``output`` part ``j`` comes from group ``j``."""

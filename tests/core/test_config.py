@@ -64,8 +64,10 @@ _SHARED_DEFAULTS = ("sync_every", "outer_optimizer", "fragments", "sync_delay", 
 @pytest.mark.parametrize("entry", ["strategies", "fedshard plan", "TrainSetup"])
 def test_every_entry_point_has_the_federation_config_defaults(entry):
     """The defaults are chosen once, in `FederationConfig`; the strategies and the planner must not drift from them."""
-    if entry == "TrainSetup":
-        defaults = {f.name: f.default for f in dataclasses.fields(TrainSetup)}
+    if entry == "TrainSetup":  # embeds the record itself
+        defaults = {
+            f.name: getattr(TrainSetup("fl_fsdp").federation, f.name) for f in dataclasses.fields(FederationConfig)
+        }
     else:
         function = FederatedArguments.__init__ if entry == "strategies" else plan
         defaults = {name: p.default for name, p in inspect.signature(function).parameters.items()}
@@ -93,3 +95,15 @@ def test_an_outer_learning_rate_left_at_torchs_default_is_an_error_in_python_and
     assert "runs at lr=0.001, torch's default" in outer_learning_rate_warning(from_yaml)
     assert outer_learning_rate_warning(functools.partial(instantiate, object(), torch.optim.SGD, lr=0.7)) is None
     assert outer_learning_rate_warning("fedavg") is None
+
+
+def test_a_codec_object_is_the_same_sync_as_its_name_and_carries_its_own_parameters():
+    from lightning_fedshard.core.codecs import BlockQuantizer, FloatCodec
+
+    assert FederationConfig(reduce_dtype=BlockQuantizer(4, 64)).codec == FederationConfig(quant_block_size=64).codec
+    assert FederationConfig(reduce_dtype=FloatCodec("bfloat16")).reduce_torch_dtype == torch.bfloat16
+    assert FederationConfig(reduce_dtype=BlockQuantizer(8)).reducer().feedback is not None  # feedback on, as by name
+    with pytest.raises(ValueError, match=r"`quant_block_size=64` is for the named 'int8' / 'int4'"):
+        FederationConfig(reduce_dtype=BlockQuantizer(4), quant_block_size=64)
+    with pytest.raises(ValueError, match=r"`bits` must be one of \[4, 8\], got 2"):
+        BlockQuantizer(bits=2)

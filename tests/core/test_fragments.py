@@ -112,20 +112,30 @@ def test_one_fragment_no_delay_is_the_plain_outer_step():
 
 
 class _SlowComm:
-    """Wraps a thread communicator: each sum over the groups takes `delay` seconds and records when it ran."""
+    """Wraps a thread communicator: the sum of the pseudo-gradient (from the background thread) takes `delay` seconds
+    and records when it ran; the few numbers of the NaN flags and statistics (from the caller's thread) do not."""
 
     def __init__(self, inner: Any, delay: float, log: list[tuple[str, float]]) -> None:
         self._inner, self._delay, self._log = inner, delay, log
         self.num_groups, self.group_index = inner.num_groups, inner.group_index
 
-    def sum_across_groups(self, tensor: Tensor) -> None:
+    def participants(self) -> tuple[int, ...]:
+        return self._inner.participants()
+
+    def sum_over_groups(self, tensor: Tensor) -> None:
+        if not threading.current_thread().name.startswith("fedshard-outer"):
+            self._inner.sum_over_groups(tensor)
+            return
         self._log.append(("reduce_start", time.perf_counter()))
         time.sleep(self._delay)
-        self._inner.sum_across_groups(tensor)
+        self._inner.sum_over_groups(tensor)
         self._log.append(("reduce_end", time.perf_counter()))
 
-    def sum_across_model(self, tensor: Tensor) -> None:
-        self._inner.sum_across_model(tensor)
+    def sum_in_group(self, tensor: Tensor) -> None:
+        self._inner.sum_in_group(tensor)
+
+    def should_commit(self) -> bool:
+        return self._inner.should_commit()
 
     def all_to_all(self, output: Tensor, input: Tensor) -> None:
         time.sleep(self._delay)
@@ -172,19 +182,22 @@ def test_the_sum_really_runs_while_training_goes_on():
 
 
 def test_quantized_outer_traffic_is_accepted_with_its_options():
+    from lightning_fedshard.core.reducers import AllReduceSum, ScatterGatherSum
+
     config = FederationConfig(reduce_dtype="int4", quant_block_size=64, error_feedback=True)
     reducer = config.reducer()
-    assert reducer is not None and config.compressed and config.reduce_torch_dtype == torch.float32
-    assert FederationConfig(reduce_dtype="bfloat16").reducer() is None
+    assert isinstance(reducer, ScatterGatherSum) and config.compressed and config.reduce_torch_dtype == torch.float32
+    assert reducer.codec.block_size == 64
+    assert isinstance(FederationConfig(reduce_dtype="bfloat16").reducer(), AllReduceSum)
     # the residuals wait with the anchor: in host memory unless the anchor lives on the device
-    assert reducer.residual_device == "cpu"
-    assert FederationConfig(reduce_dtype="int8", anchor_device="device").reducer().residual_device is None
+    assert reducer.feedback.device == "cpu"
+    assert FederationConfig(reduce_dtype="int8", anchor_device="device").reducer().feedback.device is None
 
 
 def test_error_feedback_defaults_to_on_for_quantized_traffic_only():
-    assert FederationConfig().reducer().error_feedback  # the default: int4 with error feedback
-    assert not FederationConfig(reduce_dtype="int8", error_feedback=False).reducer().error_feedback
-    assert FederationConfig(reduce_dtype="float32").reducer() is None  # float traffic: no residual to carry
+    assert FederationConfig().reducer().feedback is not None  # the default: int4 with error feedback
+    assert FederationConfig(reduce_dtype="int8", error_feedback=False).reducer().feedback is None
+    assert not hasattr(FederationConfig(reduce_dtype="float32").reducer(), "feedback")  # no residual to carry
     with pytest.raises(ValueError, match="needs a quantized `reduce_dtype`"):
         FederationConfig(reduce_dtype="float32", error_feedback=True)
 

@@ -22,6 +22,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from lightning_fedshard.core.config import FederationConfig, resolve_outer_optimizer
 from lightning_fedshard.core.mesh import FederationMesh, build_federation_mesh
 from lightning_fedshard.core.outer import OuterStep
+from lightning_fedshard.core.reducers import make_reducer
 from lightning_fedshard.core.topology import Axis, FederationTopology
 
 NODES, GPUS_PER_NODE = 128, 4
@@ -135,15 +136,20 @@ def test_paper_layout_at_512_ranks(layout: Layout) -> None:
             _check_rank(mesh, layout)
 
 
+def _bf16_sync_bytes(topology: FederationTopology, num_parameters: int) -> int:
+    """What the reducer of a bfloat16 sync sends per rank: each rank's payload is its shard of ``P / S`` values."""
+    return make_reducer("bfloat16").wire_bytes(num_parameters // topology.shard_size, topology.num_groups)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
 def test_sync_bytes_per_rank_at_512_ranks(layout: Layout) -> None:
     topology = _topology(layout)
-    assert topology.sync_bytes_per_rank(LLAMA_8B_PARAMETERS, 2) == pytest.approx(layout.sync_bytes_bf16, rel=1e-12)
+    assert _bf16_sync_bytes(topology, LLAMA_8B_PARAMETERS) == pytest.approx(layout.sync_bytes_bf16, rel=1e-9)
     # FL+FSDP moves at each sync what HSDP's cross-node all-reduce moves at every step (up to (G-1)/G): 128 groups
     # of one node against 128 replicas of one node.
     if layout.name == "fl_fsdp":
         hsdp_every_step = 2 * (NODES - 1) / NODES * LLAMA_8B_PARAMETERS * 2 / GPUS_PER_NODE
-        assert topology.sync_bytes_per_rank(LLAMA_8B_PARAMETERS, 2) == pytest.approx(hsdp_every_step)
+        assert _bf16_sync_bytes(topology, LLAMA_8B_PARAMETERS) == pytest.approx(hsdp_every_step, rel=1e-9)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS[:2], ids=lambda layout: layout.name)
@@ -156,8 +162,7 @@ def test_outer_step_reports_the_formula_on_the_fake_backend(layout: Layout) -> N
         shard = torch.zeros(values_per_rank)
         outer = OuterStep([shard], resolve_outer_optimizer("fedavg"), mesh.communicator(), reduce_dtype=torch.bfloat16)
         stats = outer.step()
-    expected = topology.sync_bytes_per_rank(values_per_rank * topology.shard_size, 2)
-    assert stats.bytes_sent == expected
+    assert stats.bytes_sent == _bf16_sync_bytes(topology, values_per_rank * topology.shard_size)
 
 
 @pytest.mark.parametrize(

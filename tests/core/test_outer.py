@@ -120,7 +120,7 @@ def test_drift_under_a_quantized_sync_is_the_distance_from_the_applied_mean(redu
     the logged drift must match it to rounding at every sync (also the second one, where error feedback carries
     residuals: an estimate from the exact-mean identity came out negative there and was clamped to 0).
     """
-    from lightning_fedshard.core.compress import make_reducer
+    from lightning_fedshard.core.reducers import make_reducer
 
     num_groups, numel = 3, 3000
     generator = torch.Generator().manual_seed(0)
@@ -156,3 +156,57 @@ def test_drift_under_a_quantized_sync_is_the_distance_from_the_applied_mean(redu
             # within the codec's bound of the float32 value: off by at most the quantization error of the mean
             assert exact_drift - 1e-6 <= drift <= exact_drift + error + 1e-6
             assert error < 0.2 * exact_drift  # the bound is tight: int4 / int8 estimate the mean well
+
+
+def test_a_sync_the_communicator_does_not_commit_leaves_every_group_on_the_anchor_and_training_goes_on():
+    """Commit step: the sum completed, the vote said no; nothing is applied and the next round starts normally."""
+
+    def work(g, comm):
+        shard = torch.zeros(4)
+        outer = OuterStep([shard], OUTER_OPTIMIZERS["nesterov"], comm, reduce_dtype=torch.float32)
+        shard.fill_(float(g + 1))
+        comm.commit = False
+        lost = outer.step(step=2)
+        after_lost = (shard.clone(), outer.anchor[0].detach().clone(), outer.num_syncs)
+        shard.fill_(float(2 * (g + 1)))
+        comm.commit = True
+        kept = outer.step(step=4)
+        return lost, after_lost, kept, shard.clone()
+
+    results = ThreadGroups(2).run(work)
+    for lost, (shard, anchor, num_syncs), kept, final in results:
+        assert lost.lost and lost.syncs_lost == 1 and lost.as_dict()["fedshard/syncs_lost"] == 1.0
+        assert torch.equal(shard, torch.zeros(4)) and torch.equal(anchor, torch.zeros(4)) and num_syncs == 0
+        assert not kept.lost and kept.num_syncs == 1 and kept.syncs_lost == 1
+        # the next sync is a first Nesterov step from the untouched anchor: mean delta -3, lr 0.7 -> 0.7 * 1.9 * 3
+        assert_close(final, torch.full((4,), 0.7 * 1.9 * 3.0))
+    assert torch.equal(results[0][3], results[1][3])
+
+
+def test_each_sync_reads_its_participants_once_and_divides_by_them():
+    """The mean divides by the groups that take part in this sync (asked once, in `begin`), not the launch size."""
+
+    class TwoOfThree:
+        def __init__(self, inner):
+            self.inner, self.group_index, self.asked = inner, inner.group_index, 0
+
+        def participants(self):
+            self.asked += 1
+            return (0, 1, 2)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    def work(g, comm):
+        spy = TwoOfThree(comm)
+        shard = torch.zeros(2)
+        outer = OuterStep([shard], OUTER_OPTIMIZERS["fedavg"], spy, reduce_dtype=torch.float32)
+        shard.fill_(float(g))
+        pending = outer.begin(0, step=1, background=False)
+        stats = outer.complete(pending, step=1)
+        return spy.asked, pending.participants, shard.clone(), stats.bytes_sent
+
+    for asked, participants, shard, sent in ThreadGroups(3).run(work):
+        assert asked == 1 and participants == (0, 1, 2)
+        assert_close(shard, torch.full((2,), 1.0))  # (0 + 1 + 2) / 3
+        assert sent == 2 * 2 * 2 * 4 // 3  # a ring all-reduce of 2 float32 values over 3 members

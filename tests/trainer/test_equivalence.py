@@ -120,6 +120,19 @@ SCENARIOS_4 = [
         error_feedback=True,
         max_steps=6,
     ),
+    # every sync option that issues collectives at once, to check that none spans more than a ring or a group
+    dict(
+        BASE,
+        name="scope_int4_f2_d1",
+        strategy="fl_fsdp",
+        sync_every=4,
+        fragments=2,
+        sync_delay=1,
+        reduce_dtype="int4",
+        error_feedback=True,
+        wrap_linear=True,
+        max_steps=5,
+    ),
     # one-rank groups: the fed ring spans the world, where Lightning's own collectives run (it deadlocked once)
     dict(
         BASE, name="stream_one_rank_groups", strategy="fl_fsdp", num_groups=4, sync_every=2, sync_delay=1, max_steps=5
@@ -139,6 +152,20 @@ SCENARIOS_4 = [
     ),
 ]
 SCENARIOS_8 = [
+    dict(
+        BASE,
+        name="scope_int4_hsdp",
+        strategy="fl_hsdp",
+        num_groups=2,
+        shard_size=2,
+        sync_every=4,
+        fragments=2,
+        sync_delay=1,
+        reduce_dtype="int4",
+        error_feedback=True,
+        wrap_linear=True,
+        max_steps=5,
+    ),
     dict(
         BASE,
         name="hsdp_nesterov",
@@ -441,6 +468,21 @@ def test_every_sync_goes_through_the_runtime_entry_points(four, eight):
             assert calls.get("routed_syncs", 0) == r["num_syncs"], name
             assert "bypassed_syncs" not in calls, name
             assert calls["after_optimizer_step"] >= r["global_step"], name
+
+
+def test_no_collective_of_a_sync_spans_more_than_one_fed_ring_or_one_group(four, eight):
+    """NaN flags, statistics and sums run over the fed ring and inside the group; nothing over the whole job."""
+    for launch_ranks, world in ((four, 4), (eight, 8)):
+        for name, ranks in launch_ranks.items():
+            spec = _spec(name)
+            groups = spec.get("num_groups", 2)  # both launches have two nodes: one group per node by default
+            widest = max(groups, world // groups)  # a fed ring has one rank per group; a group world / G ranks
+            for r in ranks:
+                calls = r["runtime_calls"]
+                assert calls.get("sync_collective_max_ranks", 0) <= widest, (name, calls)
+    for name, ranks in (("scope_int4_f2_d1", four["scope_int4_f2_d1"]), ("scope_int4_hsdp", eight["scope_int4_hsdp"])):
+        for r in ranks:  # the check saw the syncs: fragments with an overlapped int4 sum, on FL+FSDP and FL+HSDP
+            assert r["num_syncs"] >= 2 and r["runtime_calls"]["sync_collectives"] > 0, name
 
 
 # -- streaming fragments, overlap and merging (issue 8) -------------------------------------------------------------

@@ -240,7 +240,7 @@ def test_the_federation_is_described_in_one_line():
     line = strategy.runtime.describe()
     assert line == (
         "fl_hsdp: 2 group(s) x 1 replica(s) x 2 shard(s) = 4 ranks; outer step every 4 optimizer steps (fedavg),"
-        " outer traffic int4 with error feedback (blocks of 128), 2 streaming fragments, sum overlapped with 1"
+        " outer traffic int4 (blocks of 128) with error feedback, 2 streaming fragments, sum overlapped with 1"
         " step(s), anchor on the CPU"
     )
     assert "float32, anchor" in FLFSDPStrategy(reduce_dtype="float32").federation_config.describe()

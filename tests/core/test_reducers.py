@@ -1,24 +1,15 @@
-"""Block-wise int8/int4 quantization and the compressed sum over federation groups (core.compress)."""
+"""The sums over the federation groups (core.reducers): quantized with error feedback, and float."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_fedshard.core.compress import (
-    DEFAULT_BLOCK_SIZE,
-    QMAX,
-    CompressedReducer,
-    FloatReducer,
-    dequantize,
-    make_reducer,
-    quantize,
-)
+from lightning_fedshard.core.codecs import DEFAULT_BLOCK_SIZE, QMAX, FloatCodec, dequantize, quantize
 from lightning_fedshard.core.mesh import build_federation_mesh
+from lightning_fedshard.core.reducers import AllReduceSum, ScatterGatherSum, make_reducer
 from lightning_fedshard.core.topology import FederationTopology
 from tests.core.fake_comm import ThreadGroups
 
@@ -44,6 +35,12 @@ def _inputs(groups: int, numel: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(numel, generator=gen) * ramp * (g + 1) for g in range(groups)]
 
 
+def _quantized(bits: int, block_size: int = DEFAULT_BLOCK_SIZE, error_feedback: bool = False) -> ScatterGatherSum:
+    reducer = make_reducer(f"int{bits}", block_size, error_feedback)
+    assert isinstance(reducer, ScatterGatherSum)
+    return reducer
+
+
 def _compressed_sums(
     inputs: list[list[torch.Tensor]], bits: int, block_size: int = DEFAULT_BLOCK_SIZE, error_feedback: bool = False
 ) -> list[tuple[list[torch.Tensor], int, dict]]:
@@ -51,89 +48,11 @@ def _compressed_sums(
     groups = ThreadGroups(len(inputs[0]))
 
     def work(g, comm):
-        reducer = CompressedReducer(bits, block_size, error_feedback)
-        outs = [reducer.sum_across_groups(call[g], comm) for call in inputs]
+        reducer = _quantized(bits, block_size, error_feedback)
+        outs = [reducer.sum_across_groups(call[g], comm, comm.num_groups) for call in inputs]
         return outs, comm.bytes_sent, reducer.state_dict()
 
     return groups.run(work)
-
-
-# --------------------------------------------------------------------------------------------------- quantizer
-
-
-@pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("block_size", [1, 7, 32, 128])
-@pytest.mark.parametrize(
-    "case",
-    ["normal_odd_length", "with_zero_blocks", "huge", "tiny", "mixed_magnitudes", "single_value", "outlier"],
-)
-def test_round_trip_within_documented_bound(bits, block_size, case):
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(1001, generator=gen)
-    if case == "with_zero_blocks":
-        x[:300] = 0.0
-        x[700:] = 0.0
-    elif case == "huge":
-        x = x * 1e30
-    elif case == "tiny":
-        x = x * 1e-30
-    elif case == "mixed_magnitudes":
-        x = x * torch.logspace(-20, 20, x.numel())
-    elif case == "single_value":
-        x = torch.tensor([-3.5])
-    elif case == "outlier":
-        x[500] = 1e6
-    q = quantize(x, bits, block_size)
-    y = dequantize(q)
-    assert y.shape == (x.numel(),) and y.dtype == torch.float32
-    assert torch.isfinite(y).all()
-    assert ((y - x).abs() <= _round_trip_bound(x, bits, block_size)).all()
-    assert q.scales.numel() == -(-q.codes.numel() * 8 // bits // block_size)
-    codes = q.codes.view(torch.int8).int() if bits == 8 else torch.stack((q.codes & 15, q.codes >> 4), 1).int() - 8
-    assert codes.abs().max() <= QMAX[bits]
-
-
-@pytest.mark.parametrize("bits", [8, 4])
-def test_bound_is_tight_and_rounding_is_to_nearest(bits):
-    qmax = QMAX[bits]
-    # One block with absmax qmax, so scale = 1: the codes are x rounded to the nearest integer (half to even).
-    x = torch.tensor([float(qmax), 0.49, 0.51, -1.5, 2.5, -2.2, 0.0, -float(qmax)])
-    y = dequantize(quantize(x, bits, block_size=8))
-    assert y.tolist() == [qmax, 0.0, 1.0, -2.0, 2.0, -2.0, 0.0, -qmax]
-    assert (y - x).abs().max().item() == pytest.approx(0.5)  # = scale / 2: the bound is reached
-
-
-def test_all_zero_blocks_have_zero_scale_and_decode_to_zero():
-    x = torch.zeros(300)
-    x[200:] = torch.linspace(-1, 1, 100)
-    for bits in (8, 4):
-        q = quantize(x, bits, block_size=100)
-        assert q.scales[:2].tolist() == [0.0, 0.0]
-        y = dequantize(q)
-        assert not torch.isnan(y).any()
-        assert y[:200].eq(0).all()
-
-
-def test_int4_packs_two_values_per_byte_and_int8_one():
-    x = torch.randn(1000)
-    assert quantize(x, 8, 100).codes.numel() == 1000
-    q4 = quantize(x, 4, 100)
-    assert q4.codes.dtype == torch.uint8 and q4.codes.numel() == 500 and q4.scales.numel() == 10
-    assert q4.nbytes == 500 + 4 * 10
-    # An odd block size with an odd number of blocks gets one padding block so the values pair up.
-    assert quantize(torch.randn(7), 4, 7).codes.numel() == 7
-    # The layout: element 2i in the low nibble, 2i+1 in the high nibble, each stored as q + 8.
-    q = quantize(torch.tensor([7.0, -7.0, 1.0, 0.0]), 4, 4)
-    assert q.codes.tolist() == [(7 + 8) | ((-7 + 8) << 4), (1 + 8) | (8 << 4)]
-
-
-def test_quantizer_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="bits"):
-        quantize(torch.ones(4), 2, 4)
-    with pytest.raises(ValueError, match="block_size"):
-        quantize(torch.ones(4), 8, 0)
-    with pytest.raises(ValueError, match="block_size"):
-        CompressedReducer(8, block_size=-1)
 
 
 # ------------------------------------------------------------------------------------------- compressed sum
@@ -171,15 +90,17 @@ def test_compressed_sum_is_deterministic_and_keeps_shape_and_input():
 
 def test_one_group_returns_an_exact_copy_and_sends_nothing():
     x = torch.randn(33)
-    results = ThreadGroups(1).run(lambda g, comm: (CompressedReducer(4).sum_across_groups(x, comm), comm.bytes_sent))
+    results = ThreadGroups(1).run(
+        lambda g, comm: (_quantized(4).sum_across_groups(x, comm, comm.num_groups), comm.bytes_sent)
+    )
     out, sent = results[0]
     assert torch.equal(out, x) and out.data_ptr() != x.data_ptr()
-    assert sent == 0 == CompressedReducer(4).wire_bytes(33, 1)
+    assert sent == 0 == _quantized(4).wire_bytes(33, 1)
 
 
 def test_rejects_non_float32_input():
     with pytest.raises(TypeError, match="float32"):
-        ThreadGroups(2).run(lambda g, comm: CompressedReducer(8).sum_across_groups(torch.ones(4).bfloat16(), comm))
+        ThreadGroups(2).run(lambda g, comm: _quantized(8).sum_across_groups(torch.ones(4).bfloat16(), comm, 2))
 
 
 # ---------------------------------------------------------------------------------------------- wire bytes
@@ -189,27 +110,27 @@ def test_rejects_non_float32_input():
 @pytest.mark.parametrize(("groups", "numel", "block_size"), [(2, 1, 128), (3, 10_007, 64), (4, 4096, 128), (4, 9, 3)])
 def test_counted_bytes_equal_wire_bytes(bits, groups, numel, block_size):
     results = _compressed_sums([_inputs(groups, numel)], bits, block_size)
-    expected = CompressedReducer(bits, block_size).wire_bytes(numel, groups)
+    expected = _quantized(bits, block_size).wire_bytes(numel, groups)
     assert [r[1] for r in results] == [expected] * groups
 
 
 def test_wire_bytes_formula_by_hand():
     # G = 3, 1000 values, B = 64, int8: padded to 3 chunks of 6 blocks (384 values) -> piece 6 * 4 + 384 = 408 bytes
     # (all_to_all sends 2 of its 3 pieces, the ring all_gather forwards 2 pieces): 2 * 2 * 408.
-    assert CompressedReducer(8, 64).wire_bytes(1000, 3) == 4 * 408
+    assert _quantized(8, 64).wire_bytes(1000, 3) == 4 * 408
     # int4 with an odd block size: chunks of pairs of blocks; 10 values, G = 2, B = 3 -> chunk 6, piece 2 * 4 + 3 = 11.
-    assert CompressedReducer(4, 3).wire_bytes(10, 2) == 2 * 11
-    assert FloatReducer("bfloat16").wire_bytes(1000, 4) == 2 * 3 * 1000 * 2 // 4
+    assert _quantized(4, 3).wire_bytes(10, 2) == 2 * 11
+    assert AllReduceSum(FloatCodec("bfloat16")).wire_bytes(1000, 4) == 2 * 3 * 1000 * 2 // 4
 
 
 @pytest.mark.parametrize(("bits", "limit", "expected"), [(8, 0.27, 0.2578125), (4, 0.14, 0.1328125)])
 def test_bytes_per_sync_vs_float32_at_default_block_size(bits, limit, expected):
     groups, numel = 4, 2**20
     results = _compressed_sums([_inputs(groups, numel)], bits)
-    ratio = results[0][1] / FloatReducer(torch.float32).wire_bytes(numel, groups)
+    ratio = results[0][1] / AllReduceSum(FloatCodec()).wire_bytes(numel, groups)
     assert ratio == expected <= limit  # bits / 32 + 1 / 128, no padding at 2**20
     # A million values is not a multiple of G * B: the padding costs < 0.1%.
-    ratio = CompressedReducer(bits).wire_bytes(10**6, groups) / FloatReducer().wire_bytes(10**6, groups)
+    ratio = _quantized(bits).wire_bytes(10**6, groups) / AllReduceSum(FloatCodec()).wire_bytes(10**6, groups)
     assert expected < ratio < expected * 1.001
 
 
@@ -239,17 +160,18 @@ def test_error_feedback_residual_has_the_input_shape_and_survives_state_dict():
     second = [x * 0.5 for x in xs]
 
     def work(g, comm):
-        reducer = CompressedReducer(4, 32, error_feedback=True)
-        reducer.sum_across_groups(xs[g], comm)
+        reducer = _quantized(4, 32, error_feedback=True)
+        reducer.sum_across_groups(xs[g], comm, comm.num_groups)
         # The residual of this rank's own quantization: blocks align with the chunks, so it is the plain round trip's.
-        assert reducer.residual is not None and reducer.residual.shape == (10, 50)
-        assert torch.equal(reducer.residual, xs[g] - dequantize(quantize(xs[g], 4, 32)).view(10, 50))
-        assert reducer.residual.abs().max() > 0
+        residual = reducer.feedback.get("residual")
+        assert residual is not None and residual.shape == (10, 50)
+        assert torch.equal(residual, xs[g] - dequantize(quantize(xs[g], 4, 32)).view(10, 50))
+        assert residual.abs().max() > 0
         state = reducer.state_dict()
-        restored = CompressedReducer(4, 32, error_feedback=True)
+        restored = _quantized(4, 32, error_feedback=True)
         restored.load_state_dict(state)
-        fresh = CompressedReducer(4, 32, error_feedback=True)
-        return [r.sum_across_groups(second[g], comm) for r in (reducer, restored, fresh)]
+        fresh = _quantized(4, 32, error_feedback=True)
+        return [r.sum_across_groups(second[g], comm, comm.num_groups) for r in (reducer, restored, fresh)]
 
     for carried, restored, fresh in ThreadGroups(2).run(work):
         assert torch.equal(carried, restored)
@@ -258,16 +180,16 @@ def test_error_feedback_residual_has_the_input_shape_and_survives_state_dict():
 
 def test_error_feedback_shape_change_raises_until_reset():
     def work(g, comm):
-        reducer = CompressedReducer(8, 16, error_feedback=True)
-        reducer.sum_across_groups(torch.randn(100), comm)
+        reducer = _quantized(8, 16, error_feedback=True)
+        reducer.sum_across_groups(torch.randn(100), comm, comm.num_groups)
         with pytest.raises(ValueError, match="reset"):
-            reducer.sum_across_groups(torch.randn(120), comm)
-        reducer.reset()
-        out = reducer.sum_across_groups(torch.ones(120), comm)
+            reducer.sum_across_groups(torch.randn(120), comm, comm.num_groups)
+        reducer.feedback.reset()
+        out = reducer.sum_across_groups(torch.ones(120), comm, comm.num_groups)
         # Same tensor, another ring size: the sum residual no longer fits this rank's chunk.
-        reducer.residual = None
+        reducer.feedback.residuals["residual"] = None
         with pytest.raises(ValueError, match="number of groups"):
-            reducer.sum_across_groups(torch.ones(120), SimpleNamespace(num_groups=3))
+            reducer.sum_across_groups(torch.ones(120), comm, 3)
         return out
 
     for out in ThreadGroups(2).run(work):
@@ -287,23 +209,26 @@ def test_float_reducer_casts_sums_and_returns_float32():
     exact = xs[0].bfloat16() + xs[1].bfloat16()  # the sum as a bfloat16 all-reduce computes it
 
     def work(g, comm):
-        return FloatReducer("bfloat16").sum_across_groups(xs[g], comm)
+        return AllReduceSum(FloatCodec("bfloat16")).sum_across_groups(xs[g].bfloat16(), comm, comm.num_groups)
 
     for out in ThreadGroups(2).run(work):
-        assert out.dtype == torch.float32
-        assert torch.equal(out, exact.float())
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, exact)
+    float32 = AllReduceSum(FloatCodec())
     assert torch.equal(
-        ThreadGroups(2).run(lambda g, comm: FloatReducer().sum_across_groups(xs[g], comm))[0], xs[0] + xs[1]
+        ThreadGroups(2).run(lambda g, comm: float32.sum_across_groups(xs[g].clone(), comm, comm.num_groups))[0],
+        xs[0] + xs[1],
     )
-    assert FloatReducer().state_dict() == {}
+    assert float32.state_dict() == {}
 
 
 def test_make_reducer_names_and_errors():
-    assert isinstance(make_reducer("float32"), FloatReducer)
-    assert make_reducer(torch.bfloat16).dtype == torch.bfloat16
+    assert isinstance(make_reducer("float32"), AllReduceSum)
+    assert make_reducer(torch.bfloat16).codec.torch_dtype == torch.bfloat16
     int4 = make_reducer("int4", block_size=64, error_feedback=True)
-    assert isinstance(int4, CompressedReducer) and (int4.bits, int4.block_size, int4.error_feedback) == (4, 64, True)
-    assert make_reducer("int8").block_size == DEFAULT_BLOCK_SIZE
+    assert isinstance(int4, ScatterGatherSum) and (int4.codec.bits, int4.codec.block_size) == (4, 64)
+    assert int4.feedback is not None
+    assert make_reducer("int8").codec.block_size == DEFAULT_BLOCK_SIZE
     with pytest.raises(ValueError, match="reduce_dtype"):
         make_reducer("int2")
     with pytest.raises(ValueError, match="error_feedback"):
@@ -322,8 +247,8 @@ def _gloo_worker(rank: int, store: str, out_dir: str, calls: list[list[torch.Ten
         comm = build_federation_mesh(FederationTopology(world_size=2, num_groups=2, shard_size=1), "cpu").communicator()
         results = {}
         for bits in (8, 4):
-            reducer = CompressedReducer(bits, 32, error_feedback=True)
-            results[bits] = [reducer.sum_across_groups(call[rank], comm) for call in calls]
+            reducer = _quantized(bits, 32, error_feedback=True)
+            results[bits] = [reducer.sum_across_groups(call[rank], comm, comm.num_groups) for call in calls]
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()

@@ -1,0 +1,126 @@
+"""The communicator: every collective a sync issues, scoped to this rank's fed ring or to its own group.
+
+A sync moves each in-group position's shard across the groups over its *fed ring* (the ranks at the same in-group
+position of every taking-part group) and adds up a few statistics *inside the group* (over its shards). Nothing a sync
+issues spans more ranks than one ring or one group: groups never wait for the slowest rank of another group's other
+positions, and groups that run as separate jobs (with no world of their own) implement the same protocol.
+
+:class:`Communicator` is the seam; :class:`ProcessGroupCommunicator` implements it on the federation mesh's process
+groups (one job). Tests use an in-process fake with threads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+
+class Communicator(Protocol):
+    """Collectives of one rank's syncs.
+
+    The fed-ring operations (:meth:`sum_over_groups`, :meth:`all_to_all`, :meth:`all_gather`) run over the ranks at
+    this rank's in-group position of every group that takes part in the sync, in the order of :meth:`participants`;
+    :meth:`sum_in_group` runs over the distinct shards of this rank's own group.
+    """
+
+    @property
+    def group_index(self) -> int:
+        """This rank's federation group."""
+
+    def participants(self) -> tuple[int, ...]:
+        """The groups that take part in the next sync, in fed-ring order; asked once per sync, when it begins."""
+
+    def sum_over_groups(self, tensor: Tensor) -> None:
+        """Replace ``tensor`` in place by its sum over the fed ring."""
+
+    def all_to_all(self, output: Tensor, input: Tensor) -> None:
+        """Exchange equal parts over the fed ring: part ``j`` of ``input`` goes to ring rank ``j``.
+
+        ``input`` and ``output`` are 1-D, of the same length, divisible by the ring size; ``output`` part ``j`` is what
+        ring rank ``j`` sent to this rank.
+        """
+
+    def all_gather(self, output: Tensor, input: Tensor) -> None:
+        """Fill the 1-D ``output`` (ring size times ``input``'s length) with every ring rank's ``input``, in order."""
+
+    def sum_in_group(self, tensor: Tensor) -> None:
+        """Replace a small statistics vector in place by its sum over the distinct shards of this rank's group.
+
+        Replicas of a shard (FL+HSDP) hold identical values and are not added again.
+        """
+
+    def should_commit(self) -> bool:
+        """Whether the sync whose sum just completed may be applied; the same answer on every rank of the sync."""
+
+
+@dataclass
+class ProcessGroupCommunicator:
+    """:class:`Communicator` over the process groups of one job's federation mesh.
+
+    Every group takes part in every sync and every sync commits.
+
+    Args:
+        num_groups: Groups of the job.
+        fed_group: This rank's fed ring (its rank along the ``"fed"`` axis is its group index).
+        shard_group: The ranks that shard this rank's replica (``None`` when a replica is one rank).
+    """
+
+    num_groups: int
+    fed_group: ProcessGroup | None
+    shard_group: ProcessGroup | None
+
+    @property
+    def group_index(self) -> int:
+        """This rank's federation group (groups are in order along the ``"fed"`` axis)."""
+        return dist.get_rank(self.fed_group) if self.fed_group is not None else 0
+
+    def participants(self) -> tuple[int, ...]:
+        """Every group of the job."""
+        return tuple(range(self.num_groups))
+
+    def sum_over_groups(self, tensor: Tensor) -> None:
+        """All-reduce over the fed ring."""
+        if self.fed_group is not None:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.fed_group)
+
+    def all_to_all(self, output: Tensor, input: Tensor) -> None:
+        """``all_to_all_single`` over the fed ring."""
+        if self.fed_group is None:
+            output.copy_(input)
+            return
+        dist.all_to_all_single(output, input, group=self.fed_group)
+
+    def all_gather(self, output: Tensor, input: Tensor) -> None:
+        """All-gather into one tensor over the fed ring."""
+        if self.fed_group is None:
+            output.copy_(input)
+            return
+        # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; both work on gloo and NCCL.
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(output, input, group=self.fed_group)
+
+    def sum_in_group(self, tensor: Tensor) -> None:
+        """All-reduce over the ranks that shard this rank's replica."""
+        if self.shard_group is not None:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.shard_group)
+
+    def should_commit(self) -> bool:
+        """Always: in one job a failed collective raises instead of returning."""
+        return True
+
+
+def sum_over_model(communicator: Communicator, tensor: Tensor) -> None:
+    """Sum a statistics vector over every distinct shard of every taking-part group: over the ring, then the group.
+
+    Each fed ring adds one in-group position over the groups; the group then adds its positions. Two small
+    collectives, neither wider than a ring or a group.
+    """
+    communicator.sum_over_groups(tensor)
+    communicator.sum_in_group(tensor)
+
+
+__all__ = ["Communicator", "ProcessGroupCommunicator", "sum_over_model"]
