@@ -23,9 +23,10 @@ import torch.distributed as dist
 
 # Private: Lightning's FSDP wrapping steps, reused so that wrapping on CPU does exactly what Lightning does elsewhere.
 from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 
+from lightning_fedshard.core.codecs import Codec
 from lightning_fedshard.core.config import (
     FederationConfig,
     OuterOptimizerSpec,
@@ -41,7 +42,9 @@ from lightning_fedshard.core.fsdp2 import (
     mixed_precision_policy,
     shard_model,
 )
+from lightning_fedshard.core.listeners import SyncListener, UtilizationClock
 from lightning_fedshard.core.sharding import ShardingBackend, StateDictType
+from lightning_fedshard.plan.check import PlanCheck
 from lightning_fedshard.runtime import FederatedRuntime
 
 #: How a strategy's ``state_dict_type`` may be set.
@@ -131,7 +134,7 @@ class FederatedArguments:
         anchor_device: str = "cpu",
         on_nonfinite: str = "raise",
         fragments: int = 1,
-        reduce_dtype: str | torch.dtype = "int4",
+        reduce_dtype: str | torch.dtype | Codec = "int4",
         quant_block_size: int = 128,
         error_feedback: bool | None = None,
         sync_delay: int = 0,
@@ -147,11 +150,12 @@ class FederatedArguments:
         # Every FederationConfig field is an argument of this constructor, with the same default (a test checks it).
         arguments = locals()
         config = FederationConfig(**{f.name: arguments[f.name] for f in dataclasses.fields(FederationConfig)})
+        listeners: list[SyncListener] = [UtilizationClock()]
+        self._plan_check: PlanCheck | None = None
         if plan is not None:
-            from lightning_fedshard.plan.check import cluster_of
-
-            cluster_of(plan, 1, 1)  # a bad preset or field fails here, before any process starts
-        self.runtime = FederatedRuntime(config, self.hybrid, self.strategy_name, self.backend, plan)
+            self._plan_check = PlanCheck(plan, log=rank_zero_info)  # a bad preset or field fails here
+            listeners.append(self._plan_check)
+        self.runtime = FederatedRuntime(config, self.hybrid, self.strategy_name, self.backend, listeners=listeners)
         check_keywords(type(self), kwargs)
         _silence_lightning_internals()
         lr_warning = outer_learning_rate_warning(outer_optimizer)
@@ -171,9 +175,11 @@ class FederatedArguments:
     fragment_parameter_names = _from_runtime(
         "fragment_parameter_names", "The model's parameter names in each streaming fragment, once it is set up."
     )
-    plan_report = _from_runtime(
-        "plan_report", "Predicted and measured step and sync times at the end of training (with ``plan=...``)."
-    )
+
+    @property
+    def plan_report(self) -> dict[str, float] | None:
+        """Predicted and measured step and sync times at the end of training (with ``plan=...``)."""
+        return self._plan_check.report if self._plan_check is not None else None
 
     # -- Lightning hooks of the strategy behind this class (no @override: this class has no such base) --------------
 
@@ -344,6 +350,8 @@ class FSDP2Arguments(FederatedArguments):
         self._device_mesh = self.runtime.group_mesh
         module = getattr(self, "lightning_module", None)  # the Trainer's; `configure_model` reads `self.device_mesh`
         if module is not None:
+            # Private, and set by Lightning's own ModelParallelStrategy in the same way: `LightningModule.device_mesh`
+            # is a read-only property over this attribute, and the mesh exists only now, after the process groups.
             module._device_mesh = self._device_mesh
 
     def _shard(self, module: Module, roots: Sequence[Module]) -> None:

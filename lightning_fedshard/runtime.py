@@ -10,11 +10,8 @@ one call of :meth:`FederatedRuntime.after_optimizer_step` after every real optim
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,10 +23,12 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fedshard.checkpoint import FederationCheckpointer
+from lightning_fedshard.core.comm import Communicator
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fsdp import FSDP1
 from lightning_fedshard.core.lazy import required
+from lightning_fedshard.core.listeners import SyncListener, UtilizationClock
 from lightning_fedshard.core.mesh import FederationMesh, build_federation_mesh
 from lightning_fedshard.core.outer import SyncStats
 from lightning_fedshard.core.quiet import torch_choices_silenced
@@ -37,27 +36,6 @@ from lightning_fedshard.core.sharding import ShardingBackend
 from lightning_fedshard.core.topology import FederationTopology
 
 log = logging.getLogger(__name__)
-
-
-class _Measured:
-    """Wall time, steps and syncs of training since :meth:`FederatedRuntime.start`, for the plan check."""
-
-    def __init__(self, start_step: int = 0) -> None:
-        self.start_step, self.clock = start_step, time.perf_counter()
-        self.steps, self.seconds = 0, 0.0
-        self.syncs, self.sync_seconds, self.exposed_seconds = 0, 0.0, 0.0
-        self._stopped = False
-
-    def add(self, stats: SyncStats) -> None:
-        if not self._stopped:
-            self.syncs += 1
-            self.sync_seconds += stats.seconds
-            self.exposed_seconds += stats.exposed_seconds
-
-    def stop(self, step: int) -> None:
-        if not self._stopped:
-            self.steps, self.seconds = step - self.start_step, time.perf_counter() - self.clock
-            self._stopped = True
 
 
 class FederatedRuntime:
@@ -76,9 +54,10 @@ class FederatedRuntime:
         hybrid: FL+HSDP (HYBRID_SHARD inside a group) instead of FL+FSDP (FULL_SHARD).
         name: The strategy's registered name, for messages.
         backend: How the model is sharded: FSDP1 (default) or FSDP2 (see :mod:`lightning_fedshard.core.sharding`).
-        plan: A cluster for the planner (a preset name or a dict, see :func:`lightning_fedshard.plan.check.cluster_of`):
-            at the end of training the predicted and measured step and sync times are logged and kept in
-            :attr:`plan_report`. ``None``: no check.
+        communicator: Builds the collectives of this rank's syncs once the mesh exists (see
+            :mod:`lightning_fedshard.core.comm`); default: the mesh's process groups.
+        listeners: Told of the start and end of training and of every sync that lands, in order (see
+            :mod:`lightning_fedshard.core.listeners`); default: the compute-utilization clock.
     """
 
     def __init__(
@@ -87,7 +66,8 @@ class FederatedRuntime:
         hybrid: bool,
         name: str,
         backend: ShardingBackend = FSDP1,
-        plan: str | dict[str, Any] | None = None,
+        communicator: Callable[[FederationMesh], Communicator] | None = None,
+        listeners: Sequence[SyncListener] | None = None,
     ) -> None:
         self.config = config
         self.hybrid = hybrid
@@ -95,15 +75,14 @@ class FederatedRuntime:
         self.backend = backend
         self.step = 0
         self.last_sync_stats: SyncStats | None = None
+        self.devices_per_node = 1
+        self.listeners: list[SyncListener] = list(listeners) if listeners is not None else [UtilizationClock()]
+        self._make_communicator = communicator or _mesh_communicator
         self._topology: FederationTopology | None = None
         self._mesh: FederationMesh | None = None
         self._federation: Federation | None = None
         self._module: Module | None = None
         self._optimizers: list[Optimizer] = []
-        self._round_clock = time.perf_counter()
-        self.plan = plan
-        self.plan_report: dict[str, float] | None = None
-        self._measured = _Measured()
 
     # -- topology and mesh ------------------------------------------------------------------------------------
 
@@ -159,9 +138,9 @@ class FederatedRuntime:
         topology = self.resolve_topology(num_nodes, devices_per_node)
         if self._mesh is not None and self._mesh.topology == topology:
             return
-        self._devices_per_node = devices_per_node
+        self.devices_per_node = devices_per_node
         self._mesh = build_federation_mesh(topology, device.type)
-        self._federation = Federation(self.config, self._mesh.communicator())
+        self._federation = Federation(self.config, self._make_communicator(self._mesh))
         log.info(f"{self.name}: rank {self._mesh.rank} at {self._mesh.coords} of {topology}")
 
     @property
@@ -224,7 +203,7 @@ class FederatedRuntime:
         """
         if self._federation is not None:
             self._federation.finish_pending()
-            self._federation = Federation(self.config, self.mesh.communicator())
+            self._federation = Federation(self.config, self._make_communicator(self.mesh))
         self._module = None
         self._optimizers = []
         self.step = 0
@@ -280,7 +259,8 @@ class FederatedRuntime:
         optimizer step and the sync), that sync runs now, as it did in the uninterrupted run.
         """
         self.step = step
-        self._measured = _Measured(start_step=step)
+        for listener in self.listeners:
+            listener.on_start(step)
         federation = self.federation
         federation.start(
             self.local_shards(),
@@ -288,7 +268,6 @@ class FederatedRuntime:
             on_write=self.free_unsharded_params,
             unit_sizes=self.backend.unit_sizes(self.module),
         )
-        self._round_clock = time.perf_counter()
         rank_zero_info(self.describe())
         if federation.config.fragments > 1:
             rank_zero_info(f"{self.name}: streaming fragments (in module order): {self._fragment_summary()}")
@@ -320,24 +299,25 @@ class FederatedRuntime:
         """End of training: sync once more if it stopped between two syncs, so every group holds the consensus."""
         if self.syncs_are_identity:
             return None
-        self._measured.stop(self.step)  # the end-of-training sync is not part of the training pace
+        for listener in self.listeners:
+            listener.on_stop(self.step)  # the end-of-training sync is not part of the training pace
         stats = self._synced(self.federation.finish(self.step))
-        if self.plan is not None:
-            self.plan_report = self._check_plan()
+        for listener in self.listeners:
+            listener.on_finish(self)
         return stats
 
     def _synced(self, stats: SyncStats | None) -> SyncStats | None:
         if stats is None:
             return None
-        now = time.perf_counter()
-        round_seconds = now - self._round_clock
-        self._round_clock = now
-        if round_seconds > 0:
-            utilization = max(0.0, 1.0 - stats.exposed_seconds / round_seconds)
-            stats = replace(stats, compute_utilization=utilization)
+        for listener in self.listeners:
+            stats = listener.on_sync(stats)
         self.last_sync_stats = stats
-        self._measured.add(stats)
         self._restart_skipped_groups(stats)
+        if stats.lost:
+            rank_zero_warn(
+                f"The sync of fragment {stats.fragment} at optimizer step {self.step} was not committed: every group"
+                f" went back to the last consensus ({stats.syncs_lost} sync(s) lost so far)."
+            )
         return stats
 
     @property
@@ -372,48 +352,6 @@ class FederatedRuntime:
             for optimizer in self._optimizers:
                 optimizer.state.clear()
 
-    def _check_plan(self) -> dict[str, float]:
-        """The planner's prediction for this run next to what it measured (collective: sums the model's size)."""
-        from lightning_fedshard.plan.check import RunFacts, check_run
-        from lightning_fedshard.plan.specs import TrainSetup
-
-        t, config, m = self.topology, self.config, self._measured
-        local = torch.tensor(float(sum(s.numel() for s in self.local_shards())), dtype=torch.float64)
-        if t.shard_size > 1:
-            dist.all_reduce(local, group=self.mesh.group("shard"))
-        facts = RunFacts(
-            num_nodes=t.world_size // self._devices_per_node,
-            devices_per_node=self._devices_per_node,
-            hybrid=self.hybrid,
-            num_groups=t.num_groups,
-            shard_size=t.shard_size,
-            num_parameters=int(local.item()),
-            num_units=len(self.local_shards()),
-            steps=m.steps,
-            seconds=m.seconds,
-            syncs=m.syncs,
-            sync_seconds=m.sync_seconds,
-            exposed_seconds=m.exposed_seconds,
-        )
-        setup = TrainSetup(
-            strategy="fl_hsdp" if self.hybrid else "fl_fsdp",
-            sync_every=config.sync_every,
-            fragments=config.fragments,
-            sync_delay=config.sync_delay,
-            reduce_dtype=config.reduce_dtype if isinstance(config.reduce_dtype, str) else "float32",
-            quant_block_size=config.quant_block_size,
-            error_feedback=config.error_feedback,
-        )
-        report = check_run(self.plan, setup, facts)  # type: ignore[arg-type]
-        rank_zero_info(
-            f"{self.name}: plan vs run over {m.steps} step(s): step {report['predicted_step_seconds']:.3g} s predicted,"
-            f" {report['measured_step_seconds']:.3g} s measured; outer sum {report['predicted_sync_seconds']:.3g} s"
-            f" predicted, {report['measured_sync_seconds']:.3g} s measured; training waited"
-            f" {report['predicted_exposed_sync_per_step']:.3g} s per step predicted,"
-            f" {report['measured_exposed_sync_per_step']:.3g} s measured."
-        )
-        return report
-
     @contextmanager
     def consensus_weights(self) -> Iterator[None]:
         """Within the block the model holds the consensus of the last sync; its own weights come back on exit."""
@@ -437,3 +375,8 @@ class FederatedRuntime:
             self.free_unsharded_params,
             self.backend,
         )
+
+
+def _mesh_communicator(mesh: FederationMesh) -> Communicator:
+    """The default communicator: the process groups of one job's mesh."""
+    return mesh.communicator()

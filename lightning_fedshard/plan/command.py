@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
 
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.plan.predict import Prediction
 from lightning_fedshard.plan.specs import CLUSTERS, GIB, MODELS, ClusterSpec, ModelSpec, TrainSetup
 from lightning_fedshard.plan.sweep import compare
@@ -96,8 +97,7 @@ def plan(
         intra_gbytes_per_s, intra_latency_us, inter_gbit_per_s, inter_latency_us,
     )  # fmt: skip
     wide = 4 if precision == "fp32" else 2
-    base = TrainSetup(
-        strategy="fl_fsdp",
+    federation = FederationConfig(
         num_groups=num_groups,
         shard_size=shard_size,
         sync_every=sync_every,
@@ -106,6 +106,10 @@ def plan(
         reduce_dtype=reduce_dtype,
         error_feedback=error_feedback,
         outer_optimizer=outer_optimizer,
+    )
+    base = TrainSetup(
+        strategy="fl_fsdp",
+        federation=federation,
         micro_batch=micro_batch,
         grad_accum=grad_accum,
         param_bytes=wide,
@@ -151,10 +155,10 @@ def summary(p: Prediction) -> dict[str, Any]:
     return {
         "strategy": s.strategy,
         "topology": str(p.topology),
-        "sync_every": s.sync_every if s.federated else None,
-        "fragments": s.fragments if s.federated else None,
-        "sync_delay": s.sync_delay if s.federated else None,
-        "reduce_dtype": s.reduce_dtype if s.federated else None,
+        "sync_every": s.federation.sync_every if s.federated else None,
+        "fragments": s.federation.fragments if s.federated else None,
+        "sync_delay": s.federation.sync_delay if s.federated else None,
+        "reduce_dtype": s.federation.reduce_dtype if s.federated else None,
         "step_seconds": p.step_seconds,
         "compute_seconds": p.compute_seconds,
         "collective_seconds": p.collective_seconds,
@@ -194,7 +198,8 @@ def table(predictions: list[Prediction]) -> str:
     rows = []
     for p in predictions:
         s, t = p.setup, p.topology
-        fed = f"{s.sync_every} / {s.fragments} / {s.sync_delay} / {s.reduce_dtype}" if s.federated else "-"
+        f = s.federation
+        fed = f"{f.sync_every} / {f.fragments} / {f.sync_delay} / {f.reduce_dtype}" if s.federated else "-"
         rows.append(
             f"| {s.strategy} | {t.num_groups} x {t.num_replicas} x {t.shard_size} | {fed} | {p.step_seconds:.3g} |"
             f" {p.tokens_per_second:,.0f} | {p.sequences_per_second:,.1f} | {p.compute_utilization:.2f} |"

@@ -17,8 +17,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_fedshard.core.compress import CompressedReducer, FloatReducer, make_reducer
 from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.core.reducers import AllReduceSum, Reducer
 from lightning_fedshard.core.topology import FederationTopology
 from lightning_fedshard.plan.specs import ClusterSpec, ModelSpec, TrainSetup
 
@@ -141,7 +141,7 @@ class Prediction:
         """Bytes all nodes send into the network per optimizer step, syncs amortized (the link counters' view)."""
         step = sum(c.link_bytes * c.calls for c in self.step_collectives)
         sync = sum(c.link_bytes * c.calls for c in self.sync_collectives)
-        return step + sync * self.setup.fragments / self.setup.sync_every
+        return step + sync * self.setup.federation.fragments / self.setup.federation.sync_every
 
     @property
     def link_bytes_per_sync(self) -> float:
@@ -156,9 +156,11 @@ def topology_of(setup: TrainSetup, cluster: ClusterSpec) -> FederationTopology:
         ValueError: If the ranks cannot be cut so, with the strategy's message.
     """
     num_groups = (
-        (setup.num_groups or (cluster.num_nodes if setup.strategy == "fl_fsdp" else 2)) if setup.federated else 1
+        (setup.federation.num_groups or (cluster.num_nodes if setup.strategy == "fl_fsdp" else 2))
+        if setup.federated
+        else 1
     )
-    config = FederationConfig(num_groups=num_groups, shard_size=setup.shard_size if setup.hybrid else None)
+    config = FederationConfig(num_groups=num_groups, shard_size=setup.federation.shard_size if setup.hybrid else None)
     return config.topology(cluster.num_nodes, cluster.devices_per_node, setup.hybrid)
 
 
@@ -246,13 +248,13 @@ def sync_collectives(model: ModelSpec, setup: TrainSetup, t: FederationTopology,
     """The outer sum of one fragment over the ``"fed"`` axis, with the bytes the core's reducer sends."""
     if not setup.federated or t.num_groups < 2:
         return []
-    reducer = make_reducer(setup.reduce_dtype, setup.quant_block_size, setup.error_feedback)
-    numel = math.ceil(model.num_parameters / t.shard_size / setup.fragments)
+    reducer = setup.federation.reducer()
+    numel = math.ceil(model.num_parameters / t.shard_size / setup.federation.fragments)
     per_rank = reducer.wire_bytes(numel, t.num_groups)
     fed_rings = [t.fed_ranks(r, s) for r in range(t.num_replicas) for s in range(t.shard_size)]
     # Express the reducer's bytes as a ring all-gather-like collective of the same per-rank volume.
     tensor = per_rank * t.num_groups / (t.num_groups - 1)
-    return [ring(f"outer sum ({setup.reduce_dtype})", fed_rings, tensor, 1.0, 1.0, c)]
+    return [ring(f"outer sum ({setup.federation.codec.describe()})", fed_rings, tensor, 1.0, 1.0, c)]
 
 
 def memory(model: ModelSpec, setup: TrainSetup, t: FederationTopology) -> Memory:
@@ -269,9 +271,9 @@ def memory(model: ModelSpec, setup: TrainSetup, t: FederationTopology) -> Memory
         activations = model.num_layers * per_layer + _layer_activations(model, tokens, setup.flash_attention)
     else:
         activations = model.num_layers * _layer_activations(model, tokens, setup.flash_attention)
-    reducer = make_reducer(setup.reduce_dtype, setup.quant_block_size, setup.error_feedback)
-    residuals = 2 if reducer.error_feedback else 0
-    outer_state = (1 if setup.outer_optimizer == "nesterov" else 0) + residuals
+    reducer = setup.federation.reducer()
+    residuals = 2 if getattr(reducer, "feedback", None) is not None else 0
+    outer_state = (1 if setup.federation.outer_optimizer == "nesterov" else 0) + residuals
     federated = setup.federated and t.num_groups > 1
     return Memory(
         parameters=shard * setup.master_bytes,
@@ -281,20 +283,20 @@ def memory(model: ModelSpec, setup: TrainSetup, t: FederationTopology) -> Memory
         activations=activations,
         host_anchor=shard * 4 if federated else 0.0,
         host_outer=shard * 4 * outer_state if federated else 0.0,
-        sync=_sync_bytes(reducer, shard / setup.fragments) if federated else 0.0,
-        sync_overlaps_training=setup.sync_delay > 0,
+        sync=_sync_bytes(reducer, shard / setup.federation.fragments) if federated else 0.0,
+        sync_overlaps_training=setup.federation.sync_delay > 0,
     )
 
 
-def _sync_bytes(reducer: CompressedReducer | FloatReducer, local: float) -> float:
+def _sync_bytes(reducer: Reducer, local: float) -> float:
     """Device bytes of one fragment's sync over ``local`` values of this rank.
 
     A float reduce holds the buffer in ``reduce_dtype`` and, below float32, the float32 result. int8 / int4 hold the
-    float32 buffer, its padded copy and the quantization's float32 temporaries (``core/compress.py``): about three
+    float32 buffer, its padded copy and the quantization's float32 temporaries (``core/reducers.py``): about three
     float32 copies at the peak.
     """
-    if isinstance(reducer, FloatReducer):
-        size = reducer.dtype.itemsize
+    if isinstance(reducer, AllReduceSum):
+        size = reducer.codec.element_size
         return local * (size + (4 if size < 4 else 0))
     return local * 4 * 3
 
@@ -320,15 +322,6 @@ def predict(model: ModelSpec, cluster: ClusterSpec, setup: TrainSetup) -> Predic
     Raises:
         ValueError: If the topology does not fit the cluster, or an option is invalid (the strategy's own messages).
     """
-    FederationConfig(
-        sync_every=setup.sync_every,
-        fragments=setup.fragments,
-        sync_delay=setup.sync_delay,
-        reduce_dtype=setup.reduce_dtype,
-        quant_block_size=setup.quant_block_size,
-        error_feedback=setup.error_feedback,
-        outer_optimizer=setup.outer_optimizer,
-    )  # the strategy's validation of the sync options, with its messages
     t = topology_of(setup, cluster)
     compute = compute_seconds(model, setup, cluster)
     step = step_collectives(model, setup, t, cluster)
@@ -336,8 +329,8 @@ def predict(model: ModelSpec, cluster: ClusterSpec, setup: TrainSetup) -> Predic
     inner = max(compute, collective) if cluster.overlap_collectives else compute + collective
     syncs = sync_collectives(model, setup, t, cluster)
     sync = sum(col.seconds for col in syncs)
-    hidden = setup.sync_delay * inner  # the sum travels while `sync_delay` steps train
-    exposed = max(0.0, sync - hidden) * setup.fragments / setup.sync_every
+    hidden = setup.federation.sync_delay * inner  # the sum travels while `sync_delay` steps train
+    exposed = max(0.0, sync - hidden) * setup.federation.fragments / setup.federation.sync_every
     step_seconds = inner + exposed
     mem = memory(model, setup, t)
     intra = sum(col.seconds * col.calls for col in step if not col.crosses_nodes)

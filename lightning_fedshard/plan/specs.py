@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from lightning_fedshard.core.config import FederationConfig
 
 #: The four ways to train that the planner compares.
 Strategy = Literal["fsdp", "hsdp", "fl_fsdp", "fl_hsdp"]
@@ -206,15 +208,10 @@ class TrainSetup:
 
     Attributes:
         strategy: ``"fsdp"``, ``"hsdp"``, ``"fl_fsdp"`` or ``"fl_hsdp"``.
-        num_groups: Federation groups (FL only; default: one per node for FL+FSDP, 2 for FL+HSDP).
-        shard_size: Ranks one replica is sharded over (HSDP, FL+HSDP; default: one node).
-        sync_every: Optimizer steps between two outer steps ``H``.
-        fragments: Streaming fragments (each syncs once every ``H`` steps, one every ``H / fragments``).
-        sync_delay: Optimizer steps the outer sum travels while training goes on.
-        reduce_dtype: Outer traffic: ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"int8"`` or ``"int4"``.
-        quant_block_size: Values per scale of int8/int4.
-        error_feedback: int8/int4 keep quantization residuals (host memory).
-        outer_optimizer: ``"fedavg"`` (no state) or ``"nesterov"`` (one momentum buffer).
+        federation: The strategies' own options record, with their defaults: ``num_groups`` (FL only; here
+            ``None`` means one group per node for FL+FSDP and 2 for FL+HSDP), ``shard_size`` (HSDP, FL+HSDP; default:
+            one node) and the sync options (``sync_every``, ``fragments``, ``sync_delay``, ``reduce_dtype``,
+            ``quant_block_size``, ``error_feedback``, ``outer_optimizer``; the baselines ignore them).
         micro_batch: Sequences per rank per micro-batch.
         grad_accum: Micro-batches per optimizer step.
         param_bytes: Bytes per value of gathered parameters (2 with bf16 mixed precision, 4 in float32).
@@ -226,15 +223,7 @@ class TrainSetup:
     """
 
     strategy: Strategy
-    num_groups: int | None = None
-    shard_size: int | None = None
-    sync_every: int = 8
-    fragments: int = 1
-    sync_delay: int = 0
-    reduce_dtype: str = "int4"
-    quant_block_size: int = 128
-    error_feedback: bool | None = None
-    outer_optimizer: str = "fedavg"
+    federation: FederationConfig = field(default_factory=FederationConfig)
     micro_batch: int = 1
     grad_accum: int = 1
     param_bytes: int = 4

@@ -18,7 +18,9 @@ SYNC_DELAYS = (0, 1)
 
 def uses_given_layout(setup: TrainSetup) -> bool:
     """Whether ``setup``'s layout rests on a ``num_groups`` or ``shard_size`` that was given, not on a default."""
-    return (setup.federated and setup.num_groups is not None) or (setup.hybrid and setup.shard_size is not None)
+    return (setup.federated and setup.federation.num_groups is not None) or (
+        setup.hybrid and setup.federation.shard_size is not None
+    )
 
 
 def does_not_fit(cluster: ClusterSpec, setup: TrainSetup, error: ValueError) -> ValueError:
@@ -42,7 +44,7 @@ def compare(model: ModelSpec, cluster: ClusterSpec, base: TrainSetup) -> list[Pr
     for strategy in ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp"):
         setup = replace(base, strategy=strategy)  # type: ignore[arg-type]
         if not setup.federated:
-            setup = replace(setup, num_groups=None)
+            setup = replace(setup, federation=replace(setup.federation, num_groups=None))
         try:
             predictions.append(predict(model, cluster, setup))
         except ValueError as error:
@@ -57,8 +59,8 @@ def _divisors(n: int) -> list[int]:
 
 def _group_counts(cluster: ClusterSpec, base: TrainSetup) -> list[int]:
     """``base``'s own ``num_groups`` if given, else every count of two or more groups of whole nodes."""
-    if base.num_groups is not None:
-        return [base.num_groups]
+    if base.federation.num_groups is not None:
+        return [base.federation.num_groups]
     return [groups for groups in _divisors(cluster.num_nodes) if groups >= 2]
 
 
@@ -84,24 +86,24 @@ def candidates(
     A ``num_groups`` or ``shard_size`` given in ``base`` is kept instead of varied.
     """
     for groups in _group_counts(cluster, base):
-        for strategy, shard in _layouts(cluster, max(cluster.world_size // groups, 1), base.shard_size):
+        for strategy, shard in _layouts(cluster, max(cluster.world_size // groups, 1), base.federation.shard_size):
             for h in sync_every:
                 for f in fragments:
                     for dtype in reduce_dtypes:
                         for delay in sync_delays:
                             if h % f or (delay and delay >= h // f):
                                 continue
-                            yield replace(
-                                base,
-                                strategy=strategy,  # type: ignore[arg-type]
+                            federation = replace(
+                                base.federation,
                                 num_groups=groups,
                                 shard_size=shard,
                                 sync_every=h,
                                 fragments=f,
                                 reduce_dtype=dtype,
-                                error_feedback=dtype in ("int8", "int4"),
+                                error_feedback=None,  # on for int8/int4, as the strategies default to
                                 sync_delay=delay,
                             )
+                            yield replace(base, strategy=strategy, federation=federation)  # type: ignore[arg-type]
 
 
 def sweep(
@@ -128,7 +130,7 @@ def sweep(
         laid_out = True
         if prediction.fits:
             predictions.append(prediction)
-    given = base.num_groups is not None or base.shard_size is not None
+    given = base.federation.num_groups is not None or base.federation.shard_size is not None
     if given and refused is not None and not laid_out:  # no setup can use the given layout
         raise does_not_fit(cluster, *refused)
     if not predictions:

@@ -70,8 +70,9 @@ class OuterSync(Callback):
         stats = runtime.finish()
         if stats is not None and self.log_stats:
             _log_to_loggers(trainer, stats)  # `self.log` is not allowed in `on_train_end`
-        if runtime.plan_report is not None:
-            report = {f"fedshard/plan/{k}": v for k, v in runtime.plan_report.items()}
+        plan_report = getattr(trainer.strategy, "plan_report", None)
+        if plan_report is not None:
+            report = {f"fedshard/plan/{k}": v for k, v in plan_report.items()}
             for logger in trainer.loggers:
                 logger.log_metrics(report, step=trainer.global_step)
 

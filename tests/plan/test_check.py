@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.plan.check import RunFacts, check_run, cluster_of
 from lightning_fedshard.plan.specs import TrainSetup
 
@@ -25,7 +26,9 @@ def test_cluster_from_a_preset_or_a_dict_with_the_runs_nodes():
 
 def test_check_run_predicts_the_sum_from_the_network_and_keeps_the_measured_step():
     plan = {"cluster": "emulated-4x2", "inter_bandwidth": 1e3, "inter_latency": 0.0, "intra_bandwidth": 1e12}
-    report = check_run(plan, TrainSetup("fl_fsdp", sync_every=4, reduce_dtype="float32"), FACTS)
+    report = check_run(
+        plan, TrainSetup("fl_fsdp", federation=FederationConfig(sync_every=4, reduce_dtype="float32")), FACTS
+    )
     assert report["measured_step_seconds"] == pytest.approx(10.0 / 8)
     assert report["measured_sync_seconds"] == pytest.approx(0.5)
     assert report["measured_exposed_sync_per_step"] == pytest.approx(0.1)

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.plan import CLUSTERS, MODELS, ClusterSpec, ModelSpec, TrainSetup, compare, predict, sweep
 from lightning_fedshard.plan.predict import ring
 
@@ -50,7 +51,9 @@ def test_gloo_reduce_scatter_sends_an_all_reduce():
 
 
 def test_fl_fsdp_sends_nothing_across_nodes_between_syncs():
-    p = predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", sync_every=4, reduce_dtype="float32"))
+    p = predict(
+        MODEL, CLUSTER, TrainSetup("fl_fsdp", federation=FederationConfig(sync_every=4, reduce_dtype="float32"))
+    )
     assert p.topology.num_groups == 2 and all(not c.crosses_nodes for c in p.step_collectives)
     (outer,) = p.sync_collectives
     # each rank all-reduces its 500-value shard over 2 groups: 2 (G-1)/G x 500 x 4 = 2,000 bytes, 2 ranks per node
@@ -68,16 +71,24 @@ def test_hsdp_all_reduces_gradient_shards_across_nodes():
 
 
 def test_compressed_outer_traffic_uses_the_core_byte_count():
-    from lightning_fedshard.core.compress import make_reducer
+    from lightning_fedshard.core.reducers import make_reducer
 
-    p = predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", reduce_dtype="int8", error_feedback=True))
+    p = predict(
+        MODEL, CLUSTER, TrainSetup("fl_fsdp", federation=FederationConfig(reduce_dtype="int8", error_feedback=True))
+    )
     assert p.sync_collectives[0].rank_bytes == pytest.approx(make_reducer("int8", 128, True).wire_bytes(500, 2))
 
 
 def test_overlap_hides_the_sum_for_sync_delay_steps():
     slow = ClusterSpec(**{**CLUSTER.__dict__, "inter_bandwidth": 500.0})  # the sum takes 8 s
-    blocking = predict(MODEL, slow, TrainSetup("fl_fsdp", sync_every=4, reduce_dtype="float32"))
-    overlapped = predict(MODEL, slow, TrainSetup("fl_fsdp", sync_every=4, sync_delay=1, reduce_dtype="float32"))
+    blocking = predict(
+        MODEL, slow, TrainSetup("fl_fsdp", federation=FederationConfig(sync_every=4, reduce_dtype="float32"))
+    )
+    overlapped = predict(
+        MODEL,
+        slow,
+        TrainSetup("fl_fsdp", federation=FederationConfig(sync_every=4, sync_delay=1, reduce_dtype="float32")),
+    )
     assert blocking.exposed_sync_seconds == pytest.approx(blocking.sync_seconds / 4)
     inner = overlapped.step_seconds - overlapped.exposed_sync_seconds
     assert overlapped.exposed_sync_seconds == pytest.approx((overlapped.sync_seconds - inner) / 4)
@@ -85,7 +96,11 @@ def test_overlap_hides_the_sum_for_sync_delay_steps():
 
 
 def test_memory_per_rank_by_hand():
-    p = predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", outer_optimizer="nesterov", reduce_dtype="float32"))
+    p = predict(
+        MODEL,
+        CLUSTER,
+        TrainSetup("fl_fsdp", federation=FederationConfig(outer_optimizer="nesterov", reduce_dtype="float32")),
+    )
     m = p.memory  # shard of 500 values
     assert (m.parameters, m.gradients, m.optimizer) == (2000, 2000, 4000)
     assert m.gathered == 2 * 400 * 4 and m.host_anchor == 2000 and m.host_outer == 2000
@@ -94,20 +109,24 @@ def test_memory_per_rank_by_hand():
     assert m.sync == 2000 and m.device == 8000 + training
     # The default int4 traffic keeps error-feedback residuals on the host: two more shards of float32; on the device
     # its sync holds about three float32 copies of the shard, more than training's transients here.
-    default = predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", outer_optimizer="nesterov")).memory
+    default = predict(
+        MODEL, CLUSTER, TrainSetup("fl_fsdp", federation=FederationConfig(outer_optimizer="nesterov"))
+    ).memory
     assert default.host_outer == 2000 + 2 * 2000
     assert default.sync == 3 * 2000 > training and default.device == 8000 + 3 * 2000
     # overlapped with training (sync_delay > 0) the two add up; 2 fragments halve the sync's share
-    overlapped = predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", sync_every=4, fragments=2, sync_delay=1)).memory
+    overlapped = predict(
+        MODEL, CLUSTER, TrainSetup("fl_fsdp", federation=FederationConfig(sync_every=4, fragments=2, sync_delay=1))
+    ).memory
     assert overlapped.sync == 3 * 1000 and overlapped.device == 8000 + training + 3 * 1000
     assert m.activations == 2 * 1 * 4 * 8 * 34  # layers x tokens x hidden x 34 (fused attention)
 
 
 def test_bad_layouts_and_options_fail_with_the_strategy_messages():
     with pytest.raises(ValueError, match=r"divisible by `num_groups=3`"):
-        predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", num_groups=3))
+        predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", federation=FederationConfig(num_groups=3)))
     with pytest.raises(ValueError, match=r"reduce_dtype"):
-        predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", reduce_dtype="fp8"))
+        predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", federation=FederationConfig(reduce_dtype="fp8")))
 
 
 def test_compare_and_sweep():
