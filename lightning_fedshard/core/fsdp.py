@@ -54,7 +54,9 @@ def free_unsharded_params(module: Module) -> None:
     """
     for unit in FullyShardedDataParallel.fsdp_modules(module):
         handle = unit._handle  # private: FSDP1 has no public way to free its gathered parameters outside a backward
-        # Before FSDP's lazy initialization (the first forward) no unsharded storage exists, so nothing is stale.
+        # Before FSDP's lazy initialization (the first forward) no unsharded storage exists, so nothing is stale. The
+        # private `_full_param_padded` is that storage: FSDP1 creates it lazily and offers no public way to ask
+        # whether it exists, and resharding before it does raises inside FSDP.
         if handle is None or not hasattr(handle.flat_param, "_full_param_padded"):
             continue
         if handle.uses_sharded_strategy and not handle.needs_unshard():

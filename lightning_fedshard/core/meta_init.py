@@ -89,6 +89,9 @@ class ModuleReset:
         adopted = set()
         for name, peers in self.ties.items():
             for peer, peer_name in peers:
+                # Private `_parameters`: re-tying needs the Parameter object itself, and `register_parameter` (the
+                # public way) refuses a name that exists, while `setattr` would go through `__setattr__` hooks that
+                # wrappers such as FSDP install; reading and writing the dict is what `nn.Module` itself does.
                 shared = peer._parameters.get(peer_name)
                 if shared is not None and not shared.is_meta:
                     self.module._parameters[name] = shared
