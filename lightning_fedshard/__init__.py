@@ -9,7 +9,14 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_fedshard import fabric
 from lightning_fedshard.checkpoint import CheckpointTopologyWarning
-from lightning_fedshard.core import BlockQuantizer, FederationTopology, FloatCodec, OuterStep, SyncStats
+from lightning_fedshard.core import (
+    BlockQuantizer,
+    FederationConfig,
+    FederationTopology,
+    FloatCodec,
+    OuterStep,
+    SyncStats,
+)
 from lightning_fedshard.core.outer import NonFiniteOuterGradientError
 from lightning_fedshard.export import export_consensus
 from lightning_fedshard.trainer import FLFSDP2Strategy, FLFSDPStrategy, FLHSDP2Strategy, FLHSDPStrategy, OuterSync
@@ -29,6 +36,7 @@ __all__ = [
     "FLFSDPStrategy",
     "FLHSDP2Strategy",
     "FLHSDPStrategy",
+    "FederationConfig",
     "FederationTopology",
     "FloatCodec",
     "NonFiniteOuterGradientError",
