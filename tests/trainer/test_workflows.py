@@ -21,10 +21,28 @@ NODES, DEVICES = 2, 2
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
+def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("workflows")
     launch(WORKER, [str(root)], NODES, DEVICES, root / "logs", timeout=400)
+    return root
+
+
+@pytest.fixture(scope="module")
+def ranks(root) -> list[dict]:
     return [torch.load(root / f"rank{r}.pt", weights_only=False) for r in range(NODES * DEVICES)]
+
+
+def test_the_console_names_the_federation_once_and_stays_free_of_warnings_nobody_can_act_on(root):
+    logs = [(root / "logs" / f"rank{r}.log").read_text() for r in range(NODES * DEVICES)]
+    line = (
+        "fl_hsdp: 2 group(s) x 1 replica(s) x 2 shard(s) = 4 ranks; outer step every 8 optimizer steps (fedavg),"
+        " outer traffic int4 (blocks of 128) with error feedback, anchor on the CPU"
+    )
+    assert line in logs[0] and not any(line in log for log in logs[1:])  # rank zero only, at the start of each fit
+    for log in logs:
+        assert "LeafSpec" not in log and "ShardedTensor" not in log and "NO_SHARD" not in log
+    for log in logs[1:]:
+        assert "FutureWarning" not in log and "DeprecationWarning" not in log  # deprecations: rank zero only
 
 
 def _peers(ranks: list[dict], name: str, key: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
