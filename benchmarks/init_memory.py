@@ -28,7 +28,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 #: Llama shapes, untied embeddings. "1.1b" is TinyLlama-1.1B's; "0.5b" the largest whose eager run fits here.
-SHAPES: dict[str, dict[str, int]] = {
+SHAPES: dict[str, dict[str, Any]] = {
     "1.1b": {
         "hidden_size": 2048,
         "num_layers": 22,
@@ -93,6 +93,7 @@ def run_rank(shape: str, mode: str, num_groups: int, out: Path) -> None:
     class Measure(L.Callback):
         def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             # The model is wrapped and broadcast; the federation has not copied its anchor yet.
+            assert trainer.strategy.model is not None
             shards = local_shards(trainer.strategy.model)
             report["shard_bytes"] = sum(s.numel() * s.element_size() for s in shards)
             report["peak_rss_wrapped_bytes"] = peak_rss_bytes()
@@ -106,7 +107,8 @@ def run_rank(shape: str, mode: str, num_groups: int, out: Path) -> None:
             trainer.should_stop = True  # measured: stop before the first step
 
     tokens = torch.zeros(8, SEQ_LEN, dtype=torch.long)
-    data = DataLoader([{"input_ids": row, "labels": row} for row in tokens], batch_size=1)
+    samples: list[dict[str, Any]] = [{"input_ids": row, "labels": row} for row in tokens]
+    data: DataLoader[dict[str, Any]] = DataLoader(samples, batch_size=1)  # type: ignore[arg-type]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
@@ -130,6 +132,7 @@ def run_rank(shape: str, mode: str, num_groups: int, out: Path) -> None:
 
 
 def free_port() -> int:
+    """A TCP port free on the loopback interface now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -206,6 +209,7 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main() -> None:
+    """Command line entry point (also each rank's, with ``--rank-worker``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="1.1b")
     parser.add_argument("--modes", nargs="+", choices=["eager", "meta"], default=["eager", "meta"])

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.race import next_lr, run_name
-from benchmarks.race_report import analyze, at_time, budget_table, link_table, target_row, wall_time_table
+from benchmarks.race import next_lr
+from benchmarks.reports.race import analyze, at_time, budget_table, link_table, wall_time_table
+from benchmarks.reports.targets import race_row
 
 
-def _run(strategy: str, steps: int, lr: float, seed: int, ppl: float, option: str = "") -> dict:
+def _run(configuration: str, steps: int, lr: float, seed: int, ppl: float) -> dict:
     return {
-        "name": run_name(strategy, steps, lr, seed, option),
-        "kind": [strategy, steps, option],
+        "name": f"{configuration}-s{steps}-lr{lr:g}-seed{seed}",
+        "identity": {"preset": "race", "configuration": configuration, "repeat": seed, "link_mbit": None, "seed": seed},
         "config": {"max_steps": steps, "lr": lr, "seed": seed},
         "vals": [{"step": steps, "val_ppl": ppl}],
     }
@@ -32,7 +33,7 @@ def _race() -> dict:
     for steps, base in ((8, 600.0), (16, 520.0)):
         runs += [_run("fl_fsdp", steps, 3e-3, seed, base + seed) for seed in (0, 1, 2)]
     # a sync option, run at the shortest budget only (and no better there)
-    runs += [_run("fl_fsdp", 8, 3e-3, seed, 900.0, option="int8") for seed in (0, 1, 2)]
+    runs += [_run("fl_fsdp-int8", 8, 3e-3, seed, 900.0) for seed in (0, 1, 2)]
     runs.append(_run("hsdp", 16, 3e-3, 0, 500.5))
     return {"runs": runs}
 
@@ -47,11 +48,10 @@ def test_budgets_choose_the_seed0_winner_and_average_its_seeds():
     analysis = analyze(_race(), {})
     fsdp = analysis["curves"]["fsdp"]
     assert fsdp[8]["lr"] == 3e-3 and not fsdp[8]["lr_at_edge"]
-    assert fsdp[8]["ppl"] == {"mean": pytest.approx(700.0), "min": 690.0, "max": 710.0, "n": 3}
+    assert fsdp[8]["ppl"] == {"median": 700.0, "mean": pytest.approx(700.0), "min": 690.0, "max": 710.0, "n": 3}
     assert analysis["hsdp_check"]["rel"] == pytest.approx(0.001)
-    assert "| fsdp | 8 | 0.0015: 800, 0.003: 700, 0.006: 750 | 0.003 | 700.0 (690.0-710.0), 3 |" in budget_table(
-        analysis
-    )
+    table = budget_table(analysis)
+    assert "| fsdp | 8 | 0.0015: 800, 0.003: 700, 0.006: 750 | 0.003 | 700.0 (690.0-710.0), 3 |" in table
 
 
 def test_at_time_picks_the_best_budget_that_fits():
@@ -84,15 +84,21 @@ def test_the_race_target_is_met_only_where_the_federated_curve_is_ahead_at_every
     assert slow["times"][1]["ratio"] == pytest.approx(521.0 / 700.0)
     fast = next(link for link in analysis["links"] if link["link"] == 200.0)
     assert [t["ratio"] for t in fast["times"]] == [pytest.approx(601.0 / 700.0), pytest.approx(521.0 / 500.0)]
-    row = target_row(analysis)
+    row = race_row(analysis)
+    assert row["id"] == "race-equal-time"
     assert row["measured"] == pytest.approx(521.0 / 500.0) and not row["met"]
-    assert "200mbit" in row["note"]
+    assert "200 Mbit/s" in row["note"]
     assert "no model yet" in wall_time_table(analysis)
-    assert "| 200mbit | 2 | 1 of 2 | 1.042 (16) | 0.859 (8) | 1.042 (16) |" in link_table(analysis)
+    assert "| 200 Mbit/s | 2 | 1 of 2 | 1.042 (16) | 0.859 (8) | 1.042 (16) |" in link_table(analysis)
 
     paces["fsdp-200mbit"] = paces["hsdp-200mbit"] = _pace(2.0)
-    row = target_row(analyze(_race(), paces))
+    row = race_row(analyze(_race(), paces))
     assert row["measured"] == pytest.approx(521.0 / 700.0)
     assert not row["met"]  # the 50 Mbit/s link was not raced: no pass by absence
     paces.update({f"{kind}-50mbit": paces[f"{kind}-20mbit"] for kind in ("fsdp", "hsdp", "fl_fsdp")})
-    assert target_row(analyze(_race(), paces))["met"]
+    assert race_row(analyze(_race(), paces))["met"]
+
+
+def test_without_the_race_its_target_says_not_run():
+    row = race_row(None)
+    assert row["measured"] is None and row["met"] is False and row["runs"] == 0

@@ -1,0 +1,143 @@
+"""What one benchmark run is: its configuration (handed to every rank) and its place in a sweep (its identity).
+
+The sync options are the package's own record, :class:`~lightning_fedshard.core.config.FederationConfig`, with the
+package's defaults: a configuration states only what it changes, and the run's JSON records every field, as the
+strategy received it. The baselines are the same strategy classes with one group averaging with itself, which never
+runs an outer step: exactly FSDP and HSDP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from lightning_fedshard.core.config import FederationConfig
+
+STRATEGIES = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp")
+BASELINES = ("fsdp", "hsdp")
+#: The federation of a baseline: one group, plain averaging (one group averaging with itself runs no outer step).
+BASELINE_FEDERATION: dict[str, Any] = {"num_groups": 1, "outer_optimizer": "fedavg"}
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """Where a run sits in its sweep, as the driver planned it (recorded with the run, never parsed from its name).
+
+    Attributes:
+        preset: The sweep (``"throughput"``, ``"race"``, ...).
+        configuration: The configuration's name, without link or repeat (``"fl_fsdp-int8"``).
+        repeat: Index of the repeat within the sweep (the race: the seed).
+        link_mbit: The link rate the run trained on (Mbit/s; ``None``: unthrottled).
+        seed: The run's seed (data order and initial weights).
+    """
+
+    preset: str
+    configuration: str
+    repeat: int
+    link_mbit: float | None
+    seed: int
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> RunIdentity:
+        """The identity from a run's JSON ``identity`` entry."""
+        return cls(**record)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One benchmark run, as every rank reads it (``train.py --config '<JSON>'``).
+
+    Args:
+        strategy: One of :data:`STRATEGIES`.
+        num_nodes: Emulated nodes.
+        devices: Ranks per node.
+        out: Folder of the run's ``run.json``, logs and CSV metrics.
+        cache_dir: The tokenized corpus.
+        federation: The sync options (``FederationConfig``'s fields, the package's defaults unless changed); a
+            baseline runs them with :data:`BASELINE_FEDERATION`.
+        max_steps: Optimizer steps.
+        val_every: Optimizer steps between validations.
+        size: ``LlamaLM`` size.
+        seq_len: Tokens per sequence.
+        batch_size: Sequences per rank and step.
+        vocab_size: Tokenizer vocabulary.
+        lr: Inner (AdamW) learning rate; the schedule spans ``max_steps``.
+        max_train_windows: Training windows used (``None``: all).
+        max_val_windows: Validation windows.
+        model_overrides: ``LlamaLM`` arguments replacing those of ``size``.
+        seed: ``seed_everything``: the data order (the initial weights depend on ``init_seed`` only).
+        init_seed: ``LlamaLM``'s ``init_seed``: the initial weights.
+    """
+
+    strategy: str
+    num_nodes: int
+    devices: int
+    out: str
+    cache_dir: str
+    federation: FederationConfig = field(default_factory=FederationConfig)
+    max_steps: int = 64
+    val_every: int = 16
+    size: str = "xs"
+    seq_len: int = 128
+    batch_size: int = 8
+    vocab_size: int = 4096
+    lr: float = 3e-3
+    max_train_windows: int | None = None
+    max_val_windows: int = 64
+    model_overrides: dict[str, int] = field(default_factory=dict)
+    seed: int = 0
+    init_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"`strategy` must be one of {STRATEGIES}, got {self.strategy!r}.")
+
+    @property
+    def federated(self) -> bool:
+        """FL+FSDP or FL+HSDP."""
+        return self.strategy.startswith("fl_")
+
+    @property
+    def strategy_federation(self) -> FederationConfig:
+        """The federation the strategy is built with: :attr:`federation`, or a baseline's single group."""
+        return self.federation if self.federated else replace(self.federation, **BASELINE_FEDERATION)
+
+    def strategy_kwargs(self) -> dict[str, Any]:
+        """The strategy's federation keyword arguments (every field of :attr:`strategy_federation`)."""
+        return federation_fields(self.strategy_federation)
+
+    def record(self) -> dict[str, Any]:
+        """The configuration as a JSON-ready dict, the federation as the strategy received it."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "federation"}
+        return {**fields, "federation": self.strategy_kwargs()}
+
+    def to_json(self) -> str:
+        """:meth:`record` as one JSON object."""
+        return json.dumps(self.record())
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> RunConfig:
+        """Read :meth:`record`'s dict back; the federation is validated by ``FederationConfig``."""
+        return cls(**{**record, "federation": FederationConfig(**record.get("federation", {}))})
+
+
+def federation_fields(config: FederationConfig) -> dict[str, Any]:
+    """Every field of ``config`` by name: the strategies' federation keyword arguments."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run of a sweep.
+
+    Attributes:
+        name: Unique in the sweep's results: the run's folder and key.
+        identity: Where it sits in the sweep.
+        config: What every rank runs.
+    """
+
+    name: str
+    identity: RunIdentity
+    config: RunConfig

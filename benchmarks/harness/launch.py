@@ -1,0 +1,130 @@
+"""Start one benchmark run on an emulated cluster: one Lightning launcher per node, inside the node's namespace."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import IO, Any
+
+from benchmarks.harness.cluster import NODE_IFACE, EmulatedCluster
+from benchmarks.harness.config import RunConfig, RunIdentity
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN_SCRIPT = REPO / "benchmarks" / "harness" / "train.py"
+LOG_TAIL_CHARS = 3000
+
+Node = tuple[subprocess.Popen[bytes], IO[bytes]]
+
+
+class RunFailed(RuntimeError):
+    """A benchmark run exited with an error, ran past its timeout or wrote no results."""
+
+
+def node_env(cluster: EmulatedCluster, node: int, port: int, out: Path) -> dict[str, str]:
+    """Environment of node ``node``'s launcher: Lightning's multi-node variables plus the emulated interface."""
+    return {
+        "NODE_RANK": str(node),
+        "MASTER_ADDR": cluster.address(0),
+        "MASTER_PORT": str(port),
+        # Gloo picks its interface from the host name otherwise; each node must use its own link.
+        "GLOO_SOCKET_IFNAME": NODE_IFACE,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HOME": str(out / "hf_home"),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def launch(
+    cluster: EmulatedCluster, cfg: RunConfig, identity: RunIdentity, port: int, timeout: float
+) -> dict[str, Any]:
+    """Run ``cfg`` on every node of ``cluster``; return rank 0's ``run.json`` plus its identity and the driver's view.
+
+    Raises:
+        RunFailed: Naming the first node that failed, its exit code and the tail of its log.
+    """
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "run.json").unlink(missing_ok=True)  # a result left by an earlier attempt must not pass for this one
+    argv = [sys.executable, str(TRAIN_SCRIPT), "--config", cfg.to_json()]
+    tx_before = cluster.tx_bytes()
+    start = time.perf_counter()
+    nodes: list[Node] = []
+    try:
+        for index in range(cluster.num_nodes):
+            nodes.append(_start_node(cluster, index, argv, node_env(cluster, index, port, out), out))
+        _wait(nodes, out, timeout)
+    finally:
+        for proc, log in nodes:
+            _kill_session(proc)
+            log.close()
+    result = _read_result(out)
+    result["identity"] = asdict(identity)
+    result["driver"] = {
+        "wall_seconds": time.perf_counter() - start,
+        "link_mbit": cluster.rate_mbit,
+        "link_tx_total": sum(b - a for a, b in zip(tx_before, cluster.tx_bytes())),
+    }
+    return result
+
+
+def _start_node(cluster: EmulatedCluster, index: int, argv: list[str], env: dict[str, str], out: Path) -> Node:
+    log = open(out / f"node{index}.log", "wb")
+    command = cluster.command(index, argv, env)
+    # A session per node launcher, so that it and the local ranks Lightning spawns can be killed together.
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log
+
+
+def _kill_session(proc: subprocess.Popen[bytes]) -> None:
+    """Kill whatever is left of a node's session (its launcher, and local ranks still exiting)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _wait(nodes: list[Node], out: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        codes = [proc.poll() for proc, _ in nodes]
+        failed = [node for node, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            node = failed[0]
+            raise RunFailed(f"node {node} exited with {describe_exit(codes[node])}:\n{log_tail(out, node)}")
+        if all(code == 0 for code in codes):
+            return
+        time.sleep(0.2)
+    raise RunFailed(f"the run did not finish within {timeout:.0f} s:\n{log_tail(out, 0)}")
+
+
+def _read_result(out: Path) -> dict[str, Any]:
+    path = out / "run.json"
+    if not path.exists():
+        raise RunFailed(f"every node exited with 0, but global rank 0 wrote no {path}:\n{log_tail(out, 0)}")
+    result: dict[str, Any] = json.loads(path.read_text())
+    return result
+
+
+def describe_exit(code: int | None) -> str:
+    """``-6`` -> ``"-6 (SIGABRT)"``; a positive code as it is."""
+    if code is None or code >= 0:
+        return str(code)
+    try:
+        return f"{code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return str(code)
+
+
+def log_tail(out: Path, node: int, chars: int = LOG_TAIL_CHARS) -> str:
+    """The end of node ``node``'s log."""
+    path = out / f"node{node}.log"
+    return path.read_text(errors="replace")[-chars:] if path.exists() else f"(no log at {path})"

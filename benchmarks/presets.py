@@ -1,0 +1,271 @@
+"""The sweeps, as data: which configurations run on which links, how often, with which model and batch.
+
+A :class:`Configuration` names a strategy and states only what it changes from the package's defaults
+(``FederationConfig``: int4 outer traffic with error feedback, ``"fedavg"``, ``sync_every=8``, ...). Most sweeps
+compare the sync options against float32 outer traffic, so their federated configurations say ``float32`` where
+they mean it; ``fl_fsdp-int4ef`` is the package's default sync. A :class:`Preset` is a sweep: the cluster's shape,
+the settings every run shares and one repeat's list of (configuration, link) cells, run round robin (the order
+reversed every other repeat) so that the machine's load drifts over every configuration alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness.config import Job, RunConfig, RunIdentity
+from benchmarks.metrics import link_slug
+from lightning_fedshard.core.config import FederationConfig
+
+FLOAT32: dict[str, Any] = {"reduce_dtype": "float32"}
+INT8: dict[str, Any] = {"reduce_dtype": "int8", "error_feedback": False}  # measured without error feedback
+NOSYNC: dict[str, Any] = {"sync_every": 1024}  # longer than any run: no outer step during training
+FL_HSDP: dict[str, Any] = {"num_groups": 2}  # 2 groups of 2 nodes: shard inside a node, 2 replicas per group
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """A strategy and what it changes from the package's defaults.
+
+    Attributes:
+        name: Its name in every sweep (``"fl_fsdp-int8"``).
+        strategy: ``"fsdp"``, ``"hsdp"``, ``"fl_fsdp"`` or ``"fl_hsdp"``.
+        federation: ``FederationConfig`` fields that differ from the package's defaults.
+        training: Other ``RunConfig`` fields that differ from the sweep's (e.g. a longer run).
+    """
+
+    name: str
+    strategy: str
+    federation: Mapping[str, Any] = field(default_factory=dict)
+    training: Mapping[str, Any] = field(default_factory=dict)
+
+    def run_config(self, training: Mapping[str, Any], **changes: Any) -> RunConfig:
+        """The ``RunConfig`` of this configuration on top of a sweep's ``training`` settings."""
+        settings = {**training, **self.training, **changes}
+        return RunConfig(strategy=self.strategy, federation=FederationConfig(**self.federation), **settings)
+
+
+def _catalogue(*configurations: Configuration) -> dict[str, Configuration]:
+    return {c.name: c for c in configurations}
+
+
+#: Every configuration a sweep or the race runs, by name.
+CONFIGURATIONS = _catalogue(
+    Configuration("fsdp", "fsdp"),
+    Configuration("hsdp", "hsdp"),
+    Configuration("fl_fsdp", "fl_fsdp", FLOAT32),
+    Configuration("fl_hsdp", "fl_hsdp", {**FLOAT32, **FL_HSDP}),
+    Configuration("fl_fsdp-nosync", "fl_fsdp", {**FLOAT32, **NOSYNC}),
+    Configuration("fl_hsdp-nosync", "fl_hsdp", {**FLOAT32, **FL_HSDP, **NOSYNC}),
+    Configuration("fl_fsdp-int4ef", "fl_fsdp"),  # the package's default sync
+    Configuration("fl_fsdp-int4ef-d1", "fl_fsdp", {"sync_delay": 1}),
+    Configuration("fl_fsdp-int4ef-f4-d1", "fl_fsdp", {"fragments": 4, "sync_delay": 1}),
+    Configuration("fl_fsdp-int8", "fl_fsdp", INT8),
+    Configuration("fl_fsdp-int8-d4", "fl_fsdp", {**INT8, "sync_delay": 4}),
+    Configuration("fl_fsdp-bf16", "fl_fsdp", {"reduce_dtype": "bfloat16"}),
+    Configuration("fl_fsdp-f4-d1", "fl_fsdp", {**FLOAT32, "fragments": 4, "sync_delay": 1}),
+    Configuration("fl_fsdp-d2", "fl_fsdp", {**FLOAT32, "sync_delay": 2}),
+    # One whole round, like sync_every=8's 16 steps.
+    Configuration("fl_fsdp-H32", "fl_fsdp", {**FLOAT32, "sync_every": 32}, {"max_steps": 32, "val_every": 32}),
+    Configuration("fl_fsdp-nesterov", "fl_fsdp", {**FLOAT32, "outer_optimizer": "nesterov"}),
+)
+
+Cell = tuple[Configuration, float | None]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A sweep.
+
+    Attributes:
+        name: The ``--preset`` name; its results go to ``benchmarks/results/<name>.json``.
+        summary: One line for ``--help`` and the docs.
+        minutes: About how long it takes on 2 CPU cores.
+        num_nodes: Emulated nodes.
+        devices: Ranks per node.
+        training: ``RunConfig`` fields every run shares.
+        cells: One repeat: (configuration, link rate in Mbit/s or ``None`` for unthrottled), in order.
+        repeats: Repeats of the cells.
+        timeout: Seconds one run may take.
+    """
+
+    name: str
+    summary: str
+    minutes: float
+    num_nodes: int
+    devices: int
+    training: Mapping[str, Any]
+    cells: tuple[Cell, ...]
+    repeats: int = 1
+    timeout: float = 900.0
+
+    def jobs(self, work: Path, repeats: int | None = None) -> list[Job]:
+        """Every run, round robin over the cells, the order reversed every other repeat."""
+        return [self.job(work, cell, repeat) for repeat, cell in self._schedule(repeats or self.repeats)]
+
+    def job(self, work: Path, cell: Cell, repeat: int) -> Job:
+        """The run of ``cell`` in repeat ``repeat``, its files under ``work``."""
+        configuration, link = cell
+        name = f"{configuration.name}-{link_slug(link)}-r{repeat}"
+        config = configuration.run_config(self.shape(work), out=str(work / name))
+        return Job(name, RunIdentity(self.name, configuration.name, repeat, link, config.seed), config)
+
+    def shape(self, work: Path) -> dict[str, Any]:
+        """The settings every run shares, with the cluster's shape and the data cache under ``work``."""
+        return {"num_nodes": self.num_nodes, "devices": self.devices, "cache_dir": str(work / "data"), **self.training}
+
+    def _schedule(self, repeats: int) -> Iterator[tuple[int, Cell]]:
+        for repeat in range(repeats):
+            for cell in self.cells if repeat % 2 == 0 else self.cells[::-1]:
+                yield repeat, cell
+
+
+#: The model, batch and length of every sweep on the 4 x 2 cluster: 16 steps, the pace window is steps 9-16, one
+#: whole round after the first sync (see :func:`benchmarks.metrics.pace_window`).
+TRAINING_4X2: dict[str, Any] = {
+    "max_steps": 16,
+    "val_every": 16,
+    "size": "xs",
+    "seq_len": 128,
+    "batch_size": 4,
+    "max_val_windows": 8,
+}
+#: Link rates of the throughput sweep (Mbit/s; None: unthrottled).
+THROUGHPUT_LINKS: tuple[float | None, ...] = (None, 200.0, 50.0, 20.0)
+#: Sync options measured beside float32 on the slow links of the throughput sweep.
+THROUGHPUT_OPTIONS = ("fl_fsdp-int8", "fl_fsdp-int4ef-f4-d1")
+SYNC_GRID_OPTIONS = (
+    "fl_fsdp",
+    "fl_fsdp-bf16",
+    "fl_fsdp-int8",
+    "fl_fsdp-int4ef",
+    "fl_fsdp-f4-d1",
+    "fl_fsdp-d2",
+    "fl_fsdp-int8-d4",
+    "fl_fsdp-H32",
+)
+
+
+def _cells(*names: str, link: float | None) -> list[Cell]:
+    return [(CONFIGURATIONS[name], link) for name in names]
+
+
+def _throughput_cells(link: float | None) -> list[Cell]:
+    """One link's cells of the throughput sweep."""
+    cells = _cells("fsdp", "hsdp", "fl_fsdp", "fl_hsdp", "fl_hsdp-nosync", link=link)
+    if link is None:  # FL+FSDP's groups are whole nodes, which send nothing across links between syncs
+        cells += _cells("fl_fsdp-nosync", link=None)
+    if link is not None and link <= 50:
+        cells += _cells(*THROUGHPUT_OPTIONS, link=link)
+    return cells
+
+
+SMOKE = Configuration(
+    "smoke",
+    "fl_fsdp",
+    {"sync_every": 2},
+    {
+        "max_steps": 4,
+        "val_every": 4,
+        "seq_len": 32,
+        "batch_size": 2,
+        "vocab_size": 256,
+        "max_train_windows": 64,
+        "max_val_windows": 4,
+        "model_overrides": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64},
+    },
+)
+
+PRESETS: dict[str, Preset] = {
+    preset.name: preset
+    for preset in (
+        Preset(
+            "throughput",
+            "FSDP, HSDP, FL+FSDP and FL+HSDP on every link, with their no-sync pace and two sync options",
+            60,
+            4,
+            2,
+            TRAINING_4X2,
+            tuple(cell for link in THROUGHPUT_LINKS for cell in _throughput_cells(link)),
+            repeats=3,
+        ),
+        Preset(
+            "sync_grid",
+            "FL+FSDP's sync options one at a time at 50 Mbit/s, with the unthrottled no-sync pace",
+            18,
+            4,
+            2,
+            TRAINING_4X2,
+            (*_cells("fl_fsdp-nosync", link=None), *_cells(*SYNC_GRID_OPTIONS, link=50.0)),
+            repeats=3,
+        ),
+        Preset(
+            "defaults",
+            "the package's default sync and float32 against FSDP at 20 Mbit/s",
+            12,
+            4,
+            2,
+            TRAINING_4X2,
+            tuple(_cells("fsdp", "fl_fsdp", "fl_fsdp-int4ef", link=20.0)),
+            repeats=3,
+        ),
+        Preset(
+            "quick",
+            "a check of a change: FSDP and FL+FSDP with the default sync at 50 Mbit/s, once",
+            3,
+            4,
+            2,
+            TRAINING_4X2,
+            tuple(_cells("fsdp", "fl_fsdp-int4ef", link=50.0)),
+        ),
+        Preset(
+            "smoke",
+            "2 nodes x 1 rank, a tiny model, 4 FL+FSDP steps on a 20 Mbit/s link: keeps the harness working",
+            0.5,
+            2,
+            1,
+            {},
+            ((SMOKE, 20.0),),
+            timeout=120.0,
+        ),
+    )
+}
+
+# -- the race to perplexity ------------------------------------------------------------------------------------------
+
+#: Step budgets per curve. HSDP shares FSDP's curve (see ``benchmarks.race``). The federated runs end on a sync step,
+#: so their final model is the consensus.
+RACE_BUDGETS: dict[str, tuple[int, ...]] = {
+    "fsdp": (8, 16, 24, 32, 48, 64),
+    "fl_fsdp": (8, 16, 32, 64),
+    "fl_hsdp": (8, 16, 32, 64),
+}
+#: The learning rates tried at every budget (seed 0), by budget: the two shortest budgets preferred the largest
+#: rate everywhere, with 1.5e-3 far behind, so the longer budgets start one step higher.
+RACE_LEARNING_RATES: dict[int, tuple[float, ...]] = {8: (1.5e-3, 3e-3, 6e-3), 16: (1.5e-3, 3e-3, 6e-3)}
+RACE_LONGER_BUDGET_RATES: tuple[float, ...] = (3e-3, 6e-3, 1.2e-2)
+RACE_MAX_EXTENSIONS = 1
+RACE_SEEDS: tuple[int, ...] = (0, 1, 2)
+#: FL+FSDP's sync options compared at its largest budget and learning rate.
+RACE_OPTIONS = (
+    "fl_fsdp-bf16",
+    "fl_fsdp-int8",
+    "fl_fsdp-int4ef-f4-d1",
+    "fl_fsdp-nesterov",
+    "fl_fsdp-int4ef",
+    "fl_fsdp-int4ef-d1",
+)
+#: Every race run trains on the unthrottled 4 x 2 cluster with the sweeps' model and batch, scored on a larger
+#: validation set.
+RACE_TRAINING: dict[str, Any] = {**TRAINING_4X2, "max_val_windows": 128}
+RACE = Preset("race", "the race to perplexity", 75, 4, 2, RACE_TRAINING, (), timeout=900.0)
+
+
+def race_job(work: Path, configuration: str, steps: int, lr: float, seed: int) -> Job:
+    """One race run: ``configuration`` with a schedule sized to ``steps``, learning rate ``lr`` and ``seed``."""
+    name = f"{configuration}-s{steps}-lr{lr:g}-seed{seed}"
+    changes = {"max_steps": steps, "val_every": steps, "lr": lr, "seed": seed, "init_seed": seed}
+    config = CONFIGURATIONS[configuration].run_config(RACE.shape(work), out=str(work / name), **changes)
+    return Job(name, RunIdentity(RACE.name, configuration, seed, None, seed), config)

@@ -1,0 +1,186 @@
+"""The benchmark's targets, each measured: ``benchmarks/results/targets.json`` and the docs' table of them.
+
+Every row is ``{"id", "target", "measured", "bound", "met", "runs"}`` plus what it was measured on. ``id`` is stable
+(short kebab-case) so that other tools can follow a target across regenerations; ``target`` says it in words.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from benchmarks.metrics import UTILIZATION_TARGET, link_label, link_slug
+from benchmarks.reports import race as race_report
+from benchmarks.reports.sweep import config_key
+from benchmarks.reports.throughput import CALIBRATION_TOLERANCE, calibration_errors
+
+#: The paper's throughput factor of FL+FSDP over FSDP.
+PAPER_FACTOR = 8.04
+#: Link bytes within this relative distance of the byte model.
+BYTES_TOLERANCE = 0.03
+#: The link of the throughput factor and of the utilization target.
+SPEEDUP_LINK = 20.0
+UTILIZATION_LINK = 50.0
+#: Every target's id, in the order of the table.
+TARGET_IDS = (
+    "utilization-50mbit",
+    "utilization-50mbit-in-run",
+    "fl-fsdp-float32-speedup-20mbit",
+    "fl-fsdp-float32-speedup-20mbit-true-reduce-scatter",
+    "fl-fsdp-fastest-speedup-20mbit",
+    "fl-fsdp-fastest-speedup-20mbit-true-reduce-scatter",
+    "fl-fsdp-speedup-20mbit",
+    "fl-fsdp-speedup-20mbit-true-reduce-scatter",
+    "race-equal-time",
+    "link-bytes-model",
+    "planner-calibration",
+)
+
+Row = dict[str, Any]
+
+
+def targets(
+    summary: dict[str, Any],
+    grid: dict[str, Any] | None = None,
+    race: dict[str, Any] | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> list[Row]:
+    """Every target, measured.
+
+    Args:
+        summary: The throughput sweep's configurations.
+        grid: The ``sync_grid`` sweep's configurations: more sync options for the utilization and byte targets.
+        race: :func:`benchmarks.reports.race.analyze`'s result; without it the race's row says "not run".
+        defaults: The ``defaults`` sweep's configurations: the throughput factor of the package's default sync, side
+            by side with FSDP in that sweep.
+    """
+    options = {**summary, **{f"{k} (sync_grid)": v for k, v in (grid or {}).items()}}
+    rows = utilization_rows(options)
+    rows += speedup_rows(summary, "fl-fsdp-float32", config_key("fl_fsdp", SPEEDUP_LINK), "float32 outer traffic")
+    if (fastest := _fastest(summary)) is not None:
+        rows += speedup_rows(summary, "fl-fsdp-fastest", fastest, f"fastest option: {fastest}")
+    if defaults:
+        default = config_key("fl_fsdp-int4ef", SPEEDUP_LINK)
+        rows += speedup_rows(defaults, "fl-fsdp", default, "the default sync, int4 + error feedback")
+    rows += [race_row(race), bytes_row(options), calibration_row(summary)]
+    return rows
+
+
+def _row(target_id: str, target: str, measured: float | None, bound: float, met: bool, runs: int, **more: Any) -> Row:
+    return {"id": target_id, "target": target, "measured": measured, "bound": bound, "met": met, "runs": runs, **more}
+
+
+def _best(options: dict[str, Any], metric: str) -> tuple[str, dict[str, Any]] | None:
+    at_link = {k: v for k, v in options.items() if v["kind"].startswith("fl_fsdp") and v["link"] == UTILIZATION_LINK}
+    return max(at_link.items(), key=lambda kv: _finite(kv[1][metric]["median"]), default=None)
+
+
+def utilization_rows(options: dict[str, Any]) -> list[Row]:
+    """FL+FSDP's best compute utilization at 50 Mbit/s, against the no-sync run and as the strategy measures it."""
+    rows = []
+    measures = (
+        (
+            "utilization",
+            "",
+            f"FL+FSDP compute utilization at {link_label(UTILIZATION_LINK)}, sync_every=8, best sync option",
+        ),
+        ("inrun_utilization", "-in-run", "the same, as the strategy measures it in-run (1 - exposed sync time / time)"),
+    )
+    for metric, suffix, words in measures:
+        best = _best(options, metric)
+        value = best[1][metric]["median"] if best else None
+        met = value is not None and value >= UTILIZATION_TARGET
+        rows.append(
+            _row(
+                f"utilization-{link_slug(UTILIZATION_LINK)}{suffix}",
+                words,
+                value,
+                UTILIZATION_TARGET,
+                met,
+                best[1][metric]["n"] if best else 0,
+                configuration=best[0] if best else None,
+                spread=best[1][metric] if best else None,
+            )
+        )
+    return rows
+
+
+def _fastest(summary: dict[str, Any]) -> str | None:
+    at_link = {k: v for k, v in summary.items() if v["kind"].startswith("fl_fsdp") and v["link"] == SPEEDUP_LINK}
+    return max(at_link, key=lambda k: _finite(at_link[k]["tokens_per_s"]["median"]), default=None)
+
+
+def speedup_rows(sweep: dict[str, Any], prefix: str, config: str, option: str) -> list[Row]:
+    """FL+FSDP's tokens/s over FSDP's from one sweep, against FSDP on gloo and corrected to a true reduce-scatter."""
+    fsdp, fl = sweep.get(config_key("fsdp", SPEEDUP_LINK)), sweep.get(config)
+    rows = []
+    for corrected, suffix, how in ((False, "", "FSDP on gloo"), (True, "-true-reduce-scatter", _TRUE_RS)):
+        ratio, runs = None, 0
+        if fl and fsdp:
+            base = (
+                fsdp.get("tokens_per_s_true_reduce_scatter", math.nan) if corrected else fsdp["tokens_per_s"]["median"]
+            )
+            ratio, runs = fl["tokens_per_s"]["median"] / base, min(fl["tokens_per_s"]["n"], fsdp["tokens_per_s"]["n"])
+        words = f"FL+FSDP / FSDP tokens/s at {link_label(SPEEDUP_LINK)} ({option}; {how})"
+        met = ratio is not None and ratio >= PAPER_FACTOR
+        rows.append(_row(f"{prefix}-speedup-{link_slug(SPEEDUP_LINK)}{suffix}", words, ratio, PAPER_FACTOR, met, runs))
+    return rows
+
+
+_TRUE_RS = "FSDP corrected to a true reduce-scatter"
+
+
+def race_row(race: dict[str, Any] | None) -> Row:
+    """The race to perplexity: the worst ratio of the best federated to the best baseline model over links and times."""
+    if race is None:
+        note = "not run: benchmarks/results/race.json is missing"
+        return _row("race-equal-time", race_report.RACE_TARGET, None, 1.0, False, 0, note=note)
+    ratios = race_report.compared(race)
+    worst = max(ratios, default=None)
+    seeds = race_report.min_seeds(race)
+    # Every target link must have a moment at which a baseline has a model: no link passes by having none.
+    links = {link for _, link, _ in ratios}
+    met = links == set(race_report.TARGET_LINKS) and all(r < 1 for r, _, _ in ratios) and seeds >= 3
+    note = (
+        "measured: the worst ratio of mean perplexities (best federated / best of FSDP, HSDP) over the links and the"
+        " moments compared"
+        + (f"; reached on the {link_label(worst[1])} link at {worst[2]:.0f} s" if worst else "")
+        + f"; seeds per budget: at least {seeds}"
+    )
+    measured = worst[0] if worst else None
+    return _row("race-equal-time", race_report.RACE_TARGET, measured, 1.0, met, race["runs"], note=note)
+
+
+def bytes_row(options: dict[str, Any]) -> Row:
+    """The largest relative distance of the link counters from the byte model, over every configuration."""
+    errors = {k: abs(v["bytes_ratio"] - 1) for k, v in options.items() if math.isfinite(v["bytes_ratio"])}
+    worst = max(errors, key=errors.__getitem__, default=None)
+    words = "link bytes within 3% of the byte model, every strategy, dtype and link rate"
+    measured = errors[worst] if worst else None
+    met = measured is not None and measured <= BYTES_TOLERANCE
+    runs = sum(s["link_bytes_per_step"]["n"] for s in options.values())
+    return _row("link-bytes-model", words, measured, BYTES_TOLERANCE, met, runs, worst=worst)
+
+
+def calibration_row(summary: dict[str, Any]) -> Row:
+    """The planner's largest error on the throughput sweep, given only the measured compute times and link rates."""
+    errors = calibration_errors(summary)
+    measured = max(errors) if errors else None
+    met = measured is not None and measured <= CALIBRATION_TOLERANCE
+    words = "planner's tokens/s within 15% of the measured median, every configuration but its inputs"
+    within = sum(e <= CALIBRATION_TOLERANCE for e in errors)
+    return _row("planner-calibration", words, measured, CALIBRATION_TOLERANCE, met, len(errors), within=within)
+
+
+def _finite(value: float, default: float = -math.inf) -> float:
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else default
+
+
+def targets_table(rows: list[Row]) -> str:
+    """The targets with what was measured."""
+    lines = ["| id | target | measured | bound | met | runs |", "|---|---|---|---|---|---|"]
+    for t in rows:
+        measured = "not run" if t["measured"] is None else f"{t['measured']:.3g}"
+        met = "yes" if t["met"] else "**no**"
+        lines.append(f"| `{t['id']}` | {t['target']} | {measured} | {t['bound']:g} | {met} | {t['runs']} |")
+    return "\n".join(lines)

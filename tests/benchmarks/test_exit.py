@@ -1,0 +1,66 @@
+"""A rank that ends while a gloo worker thread still holds Python state: aborts when Python finalizes, not without.
+
+Rank 0 ends with a collective in flight on a subgroup that stays referenced (as a trained FSDP model keeps its
+groups); rank 1 joins it late. When it completes, rank 0's gloo worker thread runs Python (a callback chained to the
+collective) and needs the GIL, while rank 0's main thread is already finalizing the interpreter: the same path as a
+worker that drops the last reference to a Python-owned tensor of the rank's final collective.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RANK = """
+import os, sys, time
+import torch, torch.distributed as dist
+from benchmarks.harness.process import exit_without_finalization
+rank, ending = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", rank=rank, world_size=2)
+group = dist.new_group([0, 1])
+tensor = torch.ones(1 << 16)
+if rank == 0:  # the callback runs in gloo's worker thread once the collective completes, and takes the GIL
+    dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda f: f.value())
+else:
+    time.sleep(1)
+    try:
+        dist.all_reduce(tensor, group=group)
+    except RuntimeError:
+        pass  # rank 0 ended without finalization: its side of the collective is gone
+if ending == "without_finalization":
+    exit_without_finalization()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_zero_exit_code(ending: str) -> int:
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "PYTHONPATH": str(REPO)}
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", RANK, str(rank), ending], env=env, stderr=subprocess.DEVNULL)
+        for rank in (0, 1)
+    ]
+    codes = [proc.wait(timeout=120) for proc in ranks]
+    assert codes[1] == 0
+    return codes[0]
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_ending_without_finalization_exits_cleanly():
+    assert _rank_zero_exit_code("without_finalization") == 0
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 14), reason="Python 3.14 no longer ends such threads with pthread_exit")
+@pytest.mark.timeout(180)
+def test_the_same_rank_aborts_when_python_finalizes():
+    assert _rank_zero_exit_code("finalize") == -6  # SIGABRT: "terminate called without an active exception"
