@@ -158,25 +158,29 @@ def test_getting_started_sync_bytes_are_the_byte_formula_of_the_example():
     config = yaml.safe_load(_read("configs/shakespeare/fl_hsdp.yaml"))
     strategy = config["trainer"]["strategy"]["init_args"]
     groups, shard = strategy["num_groups"], strategy["shard_size"]
+    replicas = config["trainer"]["devices"] * config["trainer"]["num_nodes"] // groups // shard
     local = LlamaLM(**config["model"]["init_args"]).num_parameters() // shard
+    part = -(-local // replicas)  # each replica sums its part of the shard across the groups
     defaults = _federation_defaults()
     int4 = make_reducer(defaults["reduce_dtype"], defaults["quant_block_size"], defaults["error_feedback"])
-    layout = ChunkLayout.of(local, groups, int4.codec)
+    layout = ChunkLayout.of(part, groups, int4.codec)
 
     text = " ".join(_read("docs/getting-started.md").split())
     sentence = re.search(
-        r"over the (\d+) groups\. With the default `reduce_dtype=\"(\w+)\"` \(and error feedback\) its ([\d,]+) local"
-        r" values .* one float32 scale per block of (\d+) values: padded to (\d+) chunks of ([\d,]+) values \(([\d,]+)"
-        r" blocks\), one chunk is `P = 4 · [\d,]+ \+ [\d,]+ / 2 = ([\d,]+)` bytes, .* `2 \(G-1\) P` = ([\d,]+) bytes,"
-        r" about 1/([\d.]+) of the ([\d,]+) bytes that `reduce_dtype=\"float32\"` sends",
+        r"over the (\d+) groups\. Each rank holds ([\d,]+) local values, and so does the other replica .* each sending"
+        r" its half, ([\d,]+) values, across the groups .* With the default `reduce_dtype=\"(\w+)\"` \(and error"
+        r" feedback\) a half travels as 4-bit codes with one float32 scale per block of (\d+) values: padded to (\d+)"
+        r" chunks of ([\d,]+) values \(([\d,]+) blocks\), one chunk is `P = 4 · [\d,]+ \+ [\d,]+ / 2 = ([\d,]+)`"
+        r" bytes, .* `2 \(G-1\) P` = ([\d,]+) bytes, about 1/([\d.]+) of the ([\d,]+) bytes that"
+        r" `reduce_dtype=\"float32\"` sent",
         text,
     )
     assert sentence, "the sync_bytes sentence of docs/getting-started.md changed its wording"
-    g, dtype, values, block, chunks, chunk, blocks, piece, sent, ratio, float_bytes = sentence.groups()
-    assert (int(g), int(chunks), dtype, int(block)) == (groups, groups, defaults["reduce_dtype"], int4.codec.block_size)
-    assert _number(values) == local
+    g, values, half, dtype, block, chunks, chunk, blocks, piece, sent, ratio, float_bytes = sentence.groups()
+    assert replicas == 2 and (int(g), int(chunks), dtype) == (groups, groups, defaults["reduce_dtype"])
+    assert int(block) == int4.codec.block_size and (_number(values), _number(half)) == (local, part)
     assert (_number(chunk), _number(blocks), _number(piece)) == (layout.chunk, layout.blocks, layout.piece_bytes)
-    assert _number(sent) == int4.wire_bytes(local, groups)
+    assert _number(sent) == int4.wire_bytes(part, groups)
     assert _number(float_bytes) == make_reducer("float32").wire_bytes(local, groups)
     assert float(ratio) == round(_number(float_bytes) / _number(sent), 1)
 
@@ -185,4 +189,4 @@ def test_getting_started_sync_bytes_are_the_byte_formula_of_the_example():
     header, *rows = [line.split(",") for line in sample[1].strip().splitlines()]
     column = header.index("fedshard/sync_bytes")
     logged = {float(row[column]) for row in rows if row[column]}
-    assert logged == {float(int4.wire_bytes(local, groups))}
+    assert logged == {float(int4.wire_bytes(part, groups))}

@@ -33,6 +33,7 @@ from lightning_fedshard.checkpoint.format import (
     outer_entry,
     pop_state_dict,
     read_full,
+    replica_entry,
     rng_entry,
     section,
 )
@@ -135,14 +136,19 @@ class FederationCheckpointer:
     def _local_entries(self, optimizer_states: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """The entries this rank owns (see :mod:`lightning_fedshard.checkpoint`), on the CPU."""
         entries: dict[str, Any] = {rng_entry(self.rank): RNGState().state_dict()}
-        if not self.federation.started or self.replica != 0:
+        if not self.federation.started:
+            return entries
+        # Every rank first: completing a sum in flight puts the replicas' parts together, a collective among them.
+        own_state = _to_cpu(self.federation.group_state_dict())  # e.g. error-feedback residuals
+        if self.replica != 0:
+            entries[replica_entry(self.group, self.replica, self.shard)] = {"federation": own_state}
             return entries
         weights = [s.detach().to("cpu", copy=True) for s in self.backend.local_shards(self.module)]
         optimizers = _to_cpu(list(optimizer_states))
         entries[group_entry(self.group, self.shard)] = {
             "weights": weights,
             "optimizers": optimizers,
-            "federation": _to_cpu(self.federation.group_state_dict()),  # e.g. error-feedback residuals
+            "federation": own_state,
         }
         if self.group == 0:
             # The local shard sizes of this in-group position: with FSDP2 they differ between positions.
@@ -326,7 +332,9 @@ class FederationCheckpointer:
                 f" configures {len(optimizers)} optimizer(s)."
             )
         self.federation.load_state_dict(outer)
-        self.federation.load_group_state_dict(group.get("federation", {}))
+        # The residuals are a replica's own: replicas other than the first keep theirs in an entry of their own.
+        own = group if self.replica == 0 else read(replica_entry(self.group, self.replica, self.shard))
+        self.federation.load_group_state_dict((own or {}).get("federation", {}))
         with torch.no_grad():
             for shard, saved in zip(self.backend.local_shards(self.module), group["weights"]):
                 shard.copy_(saved)

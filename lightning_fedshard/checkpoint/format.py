@@ -89,6 +89,14 @@ def group_entry(group: int, shard: int) -> str:
     return f"group{group}/shard{shard}"
 
 
+def replica_entry(group: int, replica: int, shard: int) -> str:
+    """Name of the entry with what replica ``replica`` of group ``group``'s shard ``shard`` holds alone.
+
+    That is the error-feedback residuals of the part of the shard this replica sums over the groups.
+    """
+    return f"group{group}/replica{replica}/shard{shard}"
+
+
 def outer_entry(shard: int) -> str:
     """Name of the entry with the anchor and outer optimizer state at shard position ``shard``."""
     return f"outer/shard{shard}"

@@ -53,6 +53,20 @@ class Communicator(Protocol):
         Replicas of a shard (FL+HSDP) hold identical values and are not added again.
         """
 
+    @property
+    def num_replicas(self) -> int:
+        """Ranks of this rank's group that hold the same shard (FL+HSDP's replicas; 1 for FL+FSDP)."""
+
+    @property
+    def replica_index(self) -> int:
+        """This rank's place among them."""
+
+    def gather_replicas(self, output: Tensor, input: Tensor) -> None:
+        """Fill the 1-D ``output`` (``num_replicas`` times ``input``'s length) with every replica's ``input``, in order.
+
+        Inside the group: the replicas of a shard split its sum over the groups and put the parts back together.
+        """
+
     def should_commit(self) -> bool:
         """Whether the sync whose sum just completed may be applied; the same answer on every rank of the sync."""
 
@@ -67,11 +81,31 @@ class ProcessGroupCommunicator:
         num_groups: Groups of the job.
         fed_group: This rank's fed ring (its rank along the ``"fed"`` axis is its group index).
         shard_group: The ranks that shard this rank's replica (``None`` when a replica is one rank).
+        replicate_group: The replicas of this rank's shard inside its group (``None`` with one replica).
     """
 
     num_groups: int
     fed_group: ProcessGroup | None
     shard_group: ProcessGroup | None
+    replicate_group: ProcessGroup | None = None
+
+    @property
+    def num_replicas(self) -> int:
+        """The size of the replicate group."""
+        return dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
+
+    @property
+    def replica_index(self) -> int:
+        """This rank's rank in the replicate group."""
+        return dist.get_rank(self.replicate_group) if self.replicate_group is not None else 0
+
+    def gather_replicas(self, output: Tensor, input: Tensor) -> None:
+        """All-gather into one tensor over the replicate group."""
+        if self.replicate_group is None:
+            output.copy_(input)
+            return
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(output, input, group=self.replicate_group)
 
     @property
     def group_index(self) -> int:

@@ -94,7 +94,9 @@ class FederationMesh:
         """The collectives of this rank's syncs on this mesh: its fed ring and its replica's shard group."""
         t = self.topology
         fed = (self.outer_group or self.group(Axis.FED)) if t.num_groups > 1 else None
-        return ProcessGroupCommunicator(t.num_groups, fed, self.group(Axis.SHARD) if t.shard_size > 1 else None)
+        shard = self.group(Axis.SHARD) if t.shard_size > 1 else None
+        replicate = self.group(Axis.REPLICATE) if t.num_replicas > 1 else None
+        return ProcessGroupCommunicator(t.num_groups, fed, shard, replicate)
 
     @torch.no_grad()
     def broadcast_shards(self, shards: Iterable[Tensor]) -> None:

@@ -160,25 +160,33 @@ class PendingSync:
     exposed: float = 0.0
     own_dot_sum: float | None = None
     _future: Future[Tensor] | None = field(default=None, repr=False)
+    _part: Tensor | None = field(default=None, repr=False)
     _result: Tensor | None = field(default=None, repr=False)
     _own: Tensor | None = field(default=None, repr=False)
+    _finish: Callable[[Tensor], Tensor] | None = field(default=None, repr=False)
 
     def result(self) -> Tensor:
-        """The pseudo-gradient summed over the groups (waits for the reduction if it still runs)."""
+        """The pseudo-gradient summed over the groups (waits for the reduction if it still runs).
+
+        The sum travels in its wire form; the first call decodes it. With replicas (FL+HSDP) each one summed its part
+        of the shard over the groups, and the first call also gathers the parts (still encoded) over the replicas, a
+        collective among them: every rank of the sync makes it at the same point.
+        """
         if self._result is None:
-            assert self._future is not None
-            self._result = self._future.result()
-            self._future = None
-        if self._own is not None:
-            if self._own.data_ptr() != self._result.data_ptr():
+            if self._part is None:
+                assert self._future is not None
+                self._part, self._future = self._future.result(), None
+            self._result = self._finish(self._part) if self._finish is not None else self._part
+            self._part = None
+            if self._own is not None:  # a reducer that left this rank's own pseudo-gradient intact
                 self.own_dot_sum = _dot(self._own, self._result)
-            self._own = None  # the buffer is the fragment's, and its next sync reuses it
+                self._own = None  # the buffer is the fragment's, and its next sync reuses it
         return self._result
 
     @property
     def done(self) -> bool:
-        """Whether the sum is available without waiting."""
-        return self._result is not None or (self._future is not None and self._future.done())
+        """Whether the sum over the groups is available without waiting."""
+        return self._result is not None or self._part is not None or (self._future is not None and self._future.done())
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to land this sync later, e.g. after a resume: the reduction is completed first."""
@@ -314,20 +322,23 @@ class OuterStep:
             raise NonFiniteOuterGradientError(broken, self.num_syncs, step)
         if self.communicator.group_index in broken:
             local.zero_()  # a broken group adds nothing to the sum; the mean divides by the healthy groups
+        reducer, members = self.reducers[fragment], len(participants)
+        part, finish = self._replica_part(fragment, local, members)
         pending = PendingSync(
             fragment=fragment,
             participants=participants,
             started_at=step,
             broken=tuple(broken),
             own_sq=_squared_norm(local),
-            bytes_sent=self.reducers[fragment].wire_bytes(local.numel(), len(participants)),
+            bytes_sent=reducer.wire_bytes(part.numel(), members),
             clock=start,
-            _own=local,
+            _own=None if reducer.sums_in_place else local,
+            _finish=finish,
         )
         if background:
-            pending._future = self._background().submit(self._sum_across_groups, local, fragment, len(participants))
+            pending._future = self._background().submit(self._sum_across_groups, part, fragment, members)
         else:
-            pending._result = self._sum_across_groups(local, fragment, len(participants))
+            pending._part = self._sum_across_groups(part, fragment, members)
         pending.exposed = time.perf_counter() - start
         return pending
 
@@ -397,8 +408,33 @@ class OuterStep:
             syncs_lost=self.syncs_lost,
         )
 
+    def _replica_part(self, fragment: int, local: Tensor, members: int) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+        """The part of ``local`` this replica sums over the groups, and how its encoded sum becomes the whole result.
+
+        The ``R`` replicas of a shard (FL+HSDP) hold the same pseudo-gradient: each sums ``1 / R`` of it over the
+        groups (so the shard crosses the groups' links once, not ``R`` times); the summed parts, still in their wire
+        form (int4 codes and scales, or the float dtype), are gathered over the replicas inside the group and decoded.
+        The fragment's buffer is padded to ``R`` equal parts. One replica: the whole shard, only decoded.
+        """
+        reducer, numel = self.reducers[fragment], local.numel()
+        replicas = self.communicator.num_replicas
+        if replicas == 1:
+            return local, lambda encoded: reducer.decode(encoded, numel, members)
+        buffer = self._flat_buffers[fragment]
+        part_size = buffer.numel() // replicas
+        start = self.communicator.replica_index * part_size
+
+        def gather_and_decode(encoded: Tensor) -> Tensor:
+            pieces = torch.empty(replicas * encoded.numel(), dtype=encoded.dtype, device=encoded.device)
+            with torch.profiler.record_function("fedshard::gather_replicas"):
+                self.communicator.gather_replicas(pieces, encoded)
+            parts = [reducer.decode(piece, part_size, members) for piece in pieces.view(replicas, -1)]
+            return torch.cat(parts)[:numel]
+
+        return buffer[start : start + part_size], gather_and_decode
+
     def _sum_across_groups(self, local: Tensor, fragment: int, members: int) -> Tensor:
-        return self.reducers[fragment].sum_across_groups(local, self.communicator, members)
+        return self.reducers[fragment].sum_encoded(local, self.communicator, members)
 
     def _background(self) -> ThreadPoolExecutor:
         if self._executor is None:
@@ -464,10 +500,24 @@ class OuterStep:
         return {"reducers": [r.state_dict() for r in self.reducers]}
 
     def load_group_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`group_state_dict` on the same rank of the same topology."""
-        for reducer, saved in zip(self.reducers, state.get("reducers", [])):
-            if saved is not None:
-                reducer.load_state_dict(saved)
+        """Restore :meth:`group_state_dict` on the same rank of the same topology.
+
+        A residual of another size than this rank's part of its fragment (written before the replicas of a shard
+        split its sum) cannot be carried on and is dropped: that sync's rounding errors are then lost, not delayed.
+        """
+        for fragment, (reducer, saved) in enumerate(zip(self.reducers, state.get("reducers", []))):
+            if saved is None:
+                continue
+            residual = saved.get("residual")
+            if residual is not None and residual.numel() != self._part_numel(fragment):
+                continue
+            reducer.load_state_dict(saved)
+
+    def _part_numel(self, fragment: int) -> int:
+        """Values of the part of a fragment this rank sums over the groups (see :meth:`_replica_part`)."""
+        numel = sum(self.shards[i].numel() for i in self.fragments[fragment])
+        replicas = self.communicator.num_replicas
+        return numel if replicas == 1 else -(-numel // replicas)
 
     def _pseudogradient(self, fragment: int) -> tuple[Tensor, bool]:
         """``anchor - shard`` for a fragment's shards, in one flat buffer of ``reduce_dtype`` on the shards' device.
@@ -480,9 +530,13 @@ class OuterStep:
         indices = self.fragments[fragment]
         device = self.shards[indices[0]].device
         numel = sum(self.shards[i].numel() for i in indices)
-        flat = self._flat_buffers.get(fragment)
-        if flat is None or (flat.numel(), flat.dtype, flat.device) != (numel, self.reduce_dtype, device):
-            flat = self._flat_buffers[fragment] = torch.empty(numel, dtype=self.reduce_dtype, device=device)
+        replicas = self.communicator.num_replicas
+        padded = -(-numel // replicas) * replicas  # R equal parts (see `_replica_part`)
+        buffer = self._flat_buffers.get(fragment)
+        if buffer is None or (buffer.numel(), buffer.dtype, buffer.device) != (padded, self.reduce_dtype, device):
+            buffer = self._flat_buffers[fragment] = torch.zeros(padded, dtype=self.reduce_dtype, device=device)
+        buffer[numel:].zero_()  # an in-place sum of the last part writes its padding
+        flat = buffer[:numel]
         finite = torch.ones((), dtype=torch.bool, device=device)
         offset = 0
         for i in indices:

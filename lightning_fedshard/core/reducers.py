@@ -68,11 +68,24 @@ class Reducer(Protocol):
     def input_dtype(self) -> torch.dtype:
         """The dtype of the vector :meth:`sum_across_groups` takes (the outer step writes its pseudo-gradient in it)."""
 
+    @property
+    def sums_in_place(self) -> bool:
+        """Whether :meth:`sum_across_groups` overwrites its input with the sum (and returns it)."""
+
     def sum_across_groups(self, x: Tensor, communicator: Communicator, members: int) -> Tensor:
         """The sum of ``x`` over the ``members`` ranks of the fed ring; collective. ``x`` may be overwritten."""
 
+    def sum_encoded(self, x: Tensor, communicator: Communicator, members: int) -> Tensor:
+        """The same sum, still in its wire form (1-D): what the replicas of a shard gather to share their parts."""
+
+    def decode(self, encoded: Tensor, numel: int, members: int) -> Tensor:
+        """The ``numel`` values that :meth:`sum_encoded`'s result over ``members`` ring ranks stands for."""
+
     def wire_bytes(self, numel: int, members: int) -> int:
         """Bytes this rank sends for one call on ``numel`` values over a ring of ``members`` ranks."""
+
+    def encoded_bytes(self, numel: int, members: int) -> int:
+        """Bytes of :meth:`sum_encoded`'s result (what each replica of a shard shares with the others)."""
 
     def state_dict(self) -> dict[str, Any]:
         """What must survive a checkpoint."""
@@ -87,6 +100,9 @@ class AllReduceSum:
     Args:
         codec: The float dtype on the wire.
     """
+
+    #: The sum overwrites the input.
+    sums_in_place = True
 
     def __init__(self, codec: FloatCodec) -> None:
         self.codec = codec
@@ -106,9 +122,21 @@ class AllReduceSum:
             communicator.sum_over_groups(x)
         return x
 
+    def sum_encoded(self, x: Tensor, communicator: Communicator, members: int) -> Tensor:
+        """The sum in the wire dtype is its own wire form: :meth:`sum_across_groups`, flattened."""
+        return self.sum_across_groups(x, communicator, members).reshape(-1)
+
+    def decode(self, encoded: Tensor, numel: int, members: int) -> Tensor:
+        """The first ``numel`` values, as they are."""
+        return encoded[:numel]
+
     def wire_bytes(self, numel: int, members: int) -> int:
         """A ring all-reduce: ``2 (G - 1) / G * numel * element_size`` bytes (rounded down)."""
         return 2 * (members - 1) * numel * self.codec.element_size // members
+
+    def encoded_bytes(self, numel: int, members: int) -> int:
+        """The summed values in the wire dtype."""
+        return numel * self.codec.element_size
 
     def state_dict(self) -> dict[str, Any]:
         """Nothing: a float sum keeps no state."""
@@ -175,6 +203,8 @@ class ScatterGatherSum:
 
     #: The slots of :class:`~lightning_fedshard.core.feedback.ErrorFeedback` this reducer uses.
     SLOTS = ("residual", "sum_residual")
+    #: The sum is a new tensor; the input is left as it was.
+    sums_in_place = False
 
     def __init__(self, codec: BlockQuantizer, feedback: ErrorFeedback | None = None) -> None:
         self.codec = codec
@@ -200,10 +230,18 @@ class ScatterGatherSum:
             ValueError: With error feedback, if ``x``'s shape (or the ring size) differs from the calls the held
                 residuals come from; call ``feedback.reset()`` first when that is intended.
         """
+        return self.decode(self.sum_encoded(x, communicator, members), x.numel(), members).view(x.shape)
+
+    @torch.no_grad()
+    def sum_encoded(self, x: Tensor, communicator: Communicator, members: int) -> Tensor:
+        """The sum as the ``(G, P)`` quantized pieces every ring rank gathers (flattened), before decoding.
+
+        With one member (or no values) nothing is quantized: an exact float32 copy of ``x``, flattened.
+        """
         if x.dtype != torch.float32:
             raise TypeError(f"{type(self).__name__} sums float32 tensors, got {x.dtype}.")
         if members == 1 or x.numel() == 0:
-            return x.clone()
+            return x.reshape(-1).clone()
         layout = ChunkLayout.of(x.numel(), members, self.codec)
         self._check_residuals(x, layout)  # before any collective or state change
         padded = torch.zeros(layout.parts * layout.chunk, dtype=torch.float32, device=x.device)  # (G * C,)
@@ -224,8 +262,14 @@ class ScatterGatherSum:
         gathered = torch.empty(layout.parts, layout.piece_bytes, dtype=torch.uint8, device=x.device)
         with torch.profiler.record_function("fedshard::all_gather"):
             communicator.all_gather(gathered.view(-1), _to_pieces(codes, scales, layout.single()).view(-1))
-        result = _from_pieces(gathered, layout, self.codec).reshape(-1)
-        return result[: flat.numel()].view(x.shape)
+        return gathered.view(-1)
+
+    def decode(self, encoded: Tensor, numel: int, members: int) -> Tensor:
+        """The float32 sum of ``numel`` values from the pieces over ``members`` ring ranks (or its exact copy)."""
+        if encoded.dtype == torch.float32:
+            return encoded[:numel]
+        layout = ChunkLayout.of(numel, members, self.codec)
+        return _from_pieces(encoded.view(layout.parts, layout.piece_bytes), layout, self.codec).reshape(-1)[:numel]
 
     def wire_bytes(self, numel: int, members: int) -> int:
         """Bytes this rank sends in one :meth:`sum_across_groups` of ``numel`` values over ``members`` ring ranks.
@@ -237,6 +281,12 @@ class ScatterGatherSum:
         if members == 1 or numel == 0:
             return 0
         return 2 * (members - 1) * ChunkLayout.of(numel, members, self.codec).piece_bytes
+
+    def encoded_bytes(self, numel: int, members: int) -> int:
+        """``G`` pieces of ``P`` bytes (a float32 copy with one member)."""
+        if members == 1 or numel == 0:
+            return 4 * numel
+        return members * ChunkLayout.of(numel, members, self.codec).piece_bytes
 
     def state_dict(self) -> dict[str, Any]:
         """The error-feedback residuals of this rank (``None`` before the first call or without feedback)."""

@@ -245,16 +245,26 @@ def step_collectives(model: ModelSpec, setup: TrainSetup, t: FederationTopology,
 
 
 def sync_collectives(model: ModelSpec, setup: TrainSetup, t: FederationTopology, c: ClusterSpec) -> list[Collective]:
-    """The outer sum of one fragment over the ``"fed"`` axis, with the bytes the core's reducer sends."""
+    """The outer sum of one fragment over the ``"fed"`` axis, with the bytes the core's reducer sends.
+
+    With ``R`` replicas (FL+HSDP) each replica sums ``1 / R`` of its shard over the groups, then the replicas gather
+    the summed parts inside the group (in the reducer's output dtype: float32, or the float wire dtype).
+    """
     if not setup.federated or t.num_groups < 2:
         return []
     reducer = setup.federation.reducer()
     numel = math.ceil(model.num_parameters / t.shard_size / setup.federation.fragments)
-    per_rank = reducer.wire_bytes(numel, t.num_groups)
+    part = math.ceil(numel / t.num_replicas)
+    per_rank = reducer.wire_bytes(part, t.num_groups)
     fed_rings = [t.fed_ranks(r, s) for r in range(t.num_replicas) for s in range(t.shard_size)]
     # Express the reducer's bytes as a ring all-gather-like collective of the same per-rank volume.
     tensor = per_rank * t.num_groups / (t.num_groups - 1)
-    return [ring(f"outer sum ({setup.federation.codec.describe()})", fed_rings, tensor, 1.0, 1.0, c)]
+    collectives = [ring(f"outer sum ({setup.federation.codec.describe()})", fed_rings, tensor, 1.0, 1.0, c)]
+    if t.num_replicas > 1:  # the summed parts, still encoded, gathered inside the group
+        replica_rings = [t.replicate_ranks(g, s) for g in range(t.num_groups) for s in range(t.shard_size)]
+        gathered = t.num_replicas * reducer.encoded_bytes(part, t.num_groups)
+        collectives.append(ring("outer sum: gather over replicas", replica_rings, gathered, 1.0, 1.0, c))
+    return collectives
 
 
 def memory(model: ModelSpec, setup: TrainSetup, t: FederationTopology) -> Memory:

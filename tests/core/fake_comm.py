@@ -84,6 +84,12 @@ class _ThreadCommunicator:
     def sum_in_group(self, tensor: Tensor) -> None:
         pass  # one rank per group
 
+    num_replicas = 1
+    replica_index = 0
+
+    def gather_replicas(self, output: Tensor, input: Tensor) -> None:
+        output.copy_(input)  # one replica
+
     def should_commit(self) -> bool:
         return self.commit
 

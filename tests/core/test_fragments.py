@@ -137,6 +137,8 @@ class _SlowComm:
     def should_commit(self) -> bool:
         return self._inner.should_commit()
 
+    num_replicas, replica_index = 1, 0
+
     def all_to_all(self, output: Tensor, input: Tensor) -> None:
         time.sleep(self._delay)
         self._inner.all_to_all(output, input)

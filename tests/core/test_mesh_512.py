@@ -154,15 +154,19 @@ def test_sync_bytes_per_rank_at_512_ranks(layout: Layout) -> None:
 
 @pytest.mark.parametrize("layout", LAYOUTS[:2], ids=lambda layout: layout.name)
 def test_outer_step_reports_the_formula_on_the_fake_backend(layout: Layout) -> None:
-    """The outer step's own byte count on a real mesh agrees with the formula (a shard of n values per rank)."""
+    """The outer step's own byte count on a real mesh agrees with the formula (a shard of n values per rank).
+
+    FL+HSDP's R replicas of a shard each send 1/R of it across the groups (the paper's layout: 8 replicas).
+    """
     topology = _topology(layout)
-    values_per_rank = 3 * topology.num_groups  # keeps 2 (G-1)/G * payload a whole number
+    values_per_rank = 3 * topology.num_groups * topology.num_replicas  # whole numbers of bytes and parts
     with _as_rank(WORLD - 1):
         mesh = build_federation_mesh(topology, "cpu")
         shard = torch.zeros(values_per_rank)
         outer = OuterStep([shard], resolve_outer_optimizer("fedavg"), mesh.communicator(), reduce_dtype=torch.bfloat16)
         stats = outer.step()
-    assert stats.bytes_sent == _bf16_sync_bytes(topology, values_per_rank * topology.shard_size)
+    full_shard = _bf16_sync_bytes(topology, values_per_rank * topology.shard_size)
+    assert stats.bytes_sent * topology.num_replicas == full_shard
 
 
 @pytest.mark.parametrize(

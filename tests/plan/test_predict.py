@@ -161,3 +161,17 @@ def test_paper_scale_compute_from_flops():
 def test_nonsense_inputs_are_refused_naming_the_value(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_fl_hsdp_sends_each_shard_across_groups_once_and_gathers_it_over_the_replicas():
+    """The paper's FL+HSDP layout (16 groups x 8 replicas x shard 4): each replica sends 1/8 of its shard."""
+    from lightning_fedshard.core.reducers import make_reducer
+
+    federation = FederationConfig(num_groups=16, shard_size=4, reduce_dtype="bfloat16")
+    p = predict(MODELS["llama-3.1-8b"], CLUSTERS["leonardo-512"], TrainSetup("fl_hsdp", federation=federation))
+    outer_sum, gather = p.sync_collectives
+    shard = math.ceil(MODELS["llama-3.1-8b"].num_parameters / 4)
+    assert outer_sum.rank_bytes == pytest.approx(make_reducer("bfloat16").wire_bytes(math.ceil(shard / 8), 16))
+    part = math.ceil(shard / 8)
+    assert "gather over replicas" in gather.name  # inside a group, over its 8 nodes: bf16 parts, 7/8 of them sent
+    assert gather.rank_bytes == pytest.approx(7 / 8 * part * 8 * 2)

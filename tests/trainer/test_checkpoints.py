@@ -174,7 +174,11 @@ def test_checkpoint_between_syncs_holds_each_groups_own_state(four, eight, world
     path = root / run / "ckpts" / "step=4.ckpt"
     if sharded:
         files = sorted(p.name for p in (path / FEDSHARD_KEY).iterdir())
-        assert files[:4] == ["group0.shard0.pt", "group0.shard1.pt", "group1.shard0.pt", "group1.shard1.pt"]
+        groups = [f for f in files if f.startswith("group") and ".replica" not in f]
+        assert groups == ["group0.shard0.pt", "group0.shard1.pt", "group1.shard0.pt", "group1.shard1.pt"]
+        # FL+HSDP: each further replica keeps the error-feedback residuals of the part of the shard it sums
+        replicas = [f for f in files if ".replica" in f]
+        assert replicas == ([f"group{g}.replica1.shard{s}.pt" for g in (0, 1) for s in (0, 1)] if world == 8 else [])
         entries = {f.removesuffix(".pt").replace(".", "/"): torch.load(path / FEDSHARD_KEY / f) for f in files}
     else:
         entries = torch.load(path, weights_only=False)[FEDSHARD_KEY]["entries"]
