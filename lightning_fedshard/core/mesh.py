@@ -140,9 +140,12 @@ def build_federation_mesh(topology: FederationTopology, device_type: str) -> Fed
 def _destroy_process_groups_at_exit() -> None:
     """Destroy every process group when the interpreter exits, while it is still whole (registered once).
 
-    Gloo's worker threads outlive a process that exits without ``destroy_process_group``, and one in a while the
-    process then aborts in its teardown ("terminate called without an active exception", SIGABRT) after training has
-    finished. Lightning destroys the groups at exit for NCCL only; the meshes built here add a gloo ring per position.
+    Lightning destroys the groups at exit for NCCL only; the meshes built here add a gloo ring per position. This
+    unregisters them, which narrows but does not close a rare abort at exit on gloo ("terminate called without an
+    active exception", SIGABRT, after training finished): modules and meshes still hold the groups, so a gloo worker
+    thread can outlive the handler and drop the last reference to a tensor while the interpreter finalizes, and
+    Python then stops the thread inside torch's destructor. A script that must never end that way can leave with
+    ``os._exit`` once its results are written, as the benchmark harness does (``benchmarks/harness/process.py``).
     """
     global _EXIT_HANDLER_REGISTERED
     if not _EXIT_HANDLER_REGISTERED:
