@@ -98,8 +98,8 @@ def fsdp_state_dict_type(
     """FSDP's state-dict context with the settings Lightning's ``FSDPStrategy`` uses, safe for models on the CPU.
 
     ``"sharded"``: the sharded state dict, offloaded to the CPU. ``"full"``: the full state dict, on global rank 0 only
-    unless ``rank0_only=False``, offloaded to the CPU on accelerators; on the CPU offloading would segfault (pytorch
-    issue 188989), so it is not asked for. A root module that FSDP does not wrap needs no context.
+    unless ``rank0_only=False``, offloaded to the CPU on accelerators; on the CPU offloading would segfault
+    (pytorch/pytorch#188989), so it is not asked for. A root module that FSDP does not wrap needs no context.
     """
     if not isinstance(module, FullyShardedDataParallel):
         return nullcontext()
