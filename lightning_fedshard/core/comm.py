@@ -101,11 +101,7 @@ class ProcessGroupCommunicator:
 
     def gather_replicas(self, output: Tensor, input: Tensor) -> None:
         """All-gather into one tensor over the replicate group."""
-        if self.replicate_group is None:
-            output.copy_(input)
-            return
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(output, input, group=self.replicate_group)
+        _gather_into(output, input, self.replicate_group)
 
     @property
     def group_index(self) -> int:
@@ -130,12 +126,7 @@ class ProcessGroupCommunicator:
 
     def all_gather(self, output: Tensor, input: Tensor) -> None:
         """All-gather into one tensor over the fed ring."""
-        if self.fed_group is None:
-            output.copy_(input)
-            return
-        # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; both work on gloo and NCCL.
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(output, input, group=self.fed_group)
+        _gather_into(output, input, self.fed_group)
 
     def sum_in_group(self, tensor: Tensor) -> None:
         """All-reduce over the ranks that shard this rank's replica."""
@@ -145,6 +136,16 @@ class ProcessGroupCommunicator:
     def should_commit(self) -> bool:
         """Always: in one job a failed collective raises instead of returning."""
         return True
+
+
+def _gather_into(output: Tensor, input: Tensor, group: ProcessGroup | None) -> None:
+    """All-gather ``input`` of every rank of ``group`` into ``output``, in rank order; a copy without a group."""
+    if group is None:
+        output.copy_(input)
+        return
+    # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; both work on gloo and NCCL.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, input, group=group)
 
 
 def sum_over_model(communicator: Communicator, tensor: Tensor) -> None:

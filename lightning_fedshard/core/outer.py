@@ -369,10 +369,12 @@ class OuterStep:
             optimizer.zero_grad(set_to_none=True)
             self._write_anchor(pending.fragment, merge_alpha)
         self.num_syncs += 1
+        return self._stats(pending, start, outer_grad_norm=norm, drift=drift)
+
+    def _stats(self, pending: PendingSync, start: float, **measured: Any) -> SyncStats:
+        """The statistics of ``pending``'s sync, whose completion started at ``start``."""
         now = time.perf_counter()
         return SyncStats(
-            outer_grad_norm=norm,
-            drift=drift,
             bytes_sent=pending.bytes_sent,
             seconds=now - pending.clock,
             num_syncs=self.num_syncs,
@@ -380,6 +382,7 @@ class OuterStep:
             fragment=pending.fragment,
             exposed_seconds=pending.exposed + (now - start),
             syncs_lost=self.syncs_lost,
+            **measured,
         )
 
     def _drop_lost(self, pending: PendingSync, start: float) -> SyncStats:
@@ -394,19 +397,7 @@ class OuterStep:
         if feedback is not None:
             feedback.reset()
         self.syncs_lost += 1
-        now = time.perf_counter()
-        return SyncStats(
-            outer_grad_norm=0.0,
-            drift=0.0,
-            bytes_sent=pending.bytes_sent,
-            seconds=now - pending.clock,
-            num_syncs=self.num_syncs,
-            skipped_groups=pending.broken,
-            fragment=pending.fragment,
-            exposed_seconds=pending.exposed + (now - start),
-            lost=True,
-            syncs_lost=self.syncs_lost,
-        )
+        return self._stats(pending, start, outer_grad_norm=0.0, drift=0.0, lost=True)
 
     def _replica_part(self, fragment: int, local: Tensor, members: int) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
         """The part of ``local`` this replica sums over the groups, and how its encoded sum becomes the whole result.
