@@ -15,6 +15,7 @@ from lightning_fedshard.core import (
     FederationTopology,
     FloatCodec,
     OuterStep,
+    SparseTopK,
     SyncStats,
 )
 from lightning_fedshard.core.outer import NonFiniteOuterGradientError
@@ -42,6 +43,7 @@ __all__ = [
     "NonFiniteOuterGradientError",
     "OuterStep",
     "OuterSync",
+    "SparseTopK",
     "SyncStats",
     "export_consensus",
 ]

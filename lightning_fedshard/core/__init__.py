@@ -1,6 +1,6 @@
 """Lightning-free core: the federation topology and mesh, and the outer step on local shards."""
 
-from lightning_fedshard.core.codecs import BlockQuantizer, Codec, FloatCodec
+from lightning_fedshard.core.codecs import BlockQuantizer, ChunkCodec, Codec, FloatCodec, SparseTopK
 from lightning_fedshard.core.comm import Communicator, ProcessGroupCommunicator
 from lightning_fedshard.core.config import OUTER_OPTIMIZERS, FederationConfig, resolve_outer_optimizer
 from lightning_fedshard.core.feedback import ErrorFeedback
@@ -16,6 +16,7 @@ __all__ = [
     "AllReduceSum",
     "Axis",
     "BlockQuantizer",
+    "ChunkCodec",
     "Codec",
     "Communicator",
     "ErrorFeedback",
@@ -28,6 +29,7 @@ __all__ = [
     "ProcessGroupCommunicator",
     "Reducer",
     "ScatterGatherSum",
+    "SparseTopK",
     "SyncStats",
     "build_federation_mesh",
     "make_reducer",

@@ -17,7 +17,7 @@ from torch.optim import SGD, Optimizer
 
 from lightning_fedshard.core.codecs import (
     DEFAULT_BLOCK_SIZE,
-    BlockQuantizer,
+    ChunkCodec,
     Codec,
     resolve_codec,
 )
@@ -62,12 +62,14 @@ class FederationConfig:
             at 50 Mbit/s (see docs/benchmarks.md). ``"float32"`` reproduces plain averaging exactly. A codec object
             carries its own parameters: ``lightning_fedshard.BlockQuantizer(bits=4, block_size=64)`` or
             ``lightning_fedshard.FloatCodec("bfloat16")`` (in YAML a ``class_path`` with ``init_args``).
+            ``"sparse"`` is ``lightning_fedshard.SparseTopK()``: the largest 1/64 of each chunk of 4096 values with
+            2-bit values (about 0.0073x the bytes of float32), summed like int4; see docs/configuration.md.
         quant_block_size: Values per quantization block (one float32 scale each) for ``"int8"`` / ``"int4"`` given by
             name (default 128, measured as the smallest block that keeps int4 under 0.14x float32).
-        error_feedback: With ``"int8"`` / ``"int4"``, carry each rank's quantization residual into its next sync, so
-            that rounding errors are delayed instead of lost (kept in checkpoints). Default ``None``: on with a
-            quantized ``reduce_dtype``, off with a float one. ``True`` is rejected with a float ``reduce_dtype``,
-            which has no residual.
+        error_feedback: With ``"int8"`` / ``"int4"`` / ``"sparse"``, carry what each rank's encoding dropped into its
+            next sync, so that rounding errors (and unsent entries) are delayed instead of lost (kept in
+            checkpoints). Default ``None``: on with a compressed ``reduce_dtype``, off with a float one. ``True`` is
+            rejected with a float ``reduce_dtype``, which has no residual.
         anchor_device: Where the anchor (float32) and the outer optimizer state live: ``"cpu"`` (default; host
             memory, the accelerator pays nothing) or ``"device"`` (next to the model's shards).
         on_nonfinite: What a sync does when a group's pseudo-gradient holds NaN/Inf. ``"raise"`` (default): stop
@@ -209,8 +211,8 @@ class FederationConfig:
 
     @property
     def compressed(self) -> bool:
-        """Whether the outer traffic is quantized (``"int8"`` / ``"int4"`` or a quantizer codec)."""
-        return isinstance(self.codec, BlockQuantizer)
+        """Whether the outer traffic is compressed (``"int8"`` / ``"int4"`` / ``"sparse"``, or such a codec object)."""
+        return isinstance(self.codec, ChunkCodec)
 
     def reducer(self) -> Reducer:
         """A new reducer for one fragment (see :mod:`~lightning_fedshard.core.reducers`).

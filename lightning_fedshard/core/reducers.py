@@ -47,8 +47,7 @@ from torch import Tensor
 
 from lightning_fedshard.core.codecs import (
     DEFAULT_BLOCK_SIZE,
-    SCALE_BYTES,
-    BlockQuantizer,
+    ChunkCodec,
     Codec,
     FloatCodec,
     resolve_codec,
@@ -165,7 +164,7 @@ class ChunkLayout:
     piece_bytes: int
 
     @classmethod
-    def of(cls, numel: int, parts: int, codec: BlockQuantizer) -> ChunkLayout:
+    def of(cls, numel: int, parts: int, codec: ChunkCodec) -> ChunkLayout:
         """The layout of ``numel`` values in ``parts`` chunks of the codec's blocks."""
         chunk = codec.padded_length(numel, parts) // parts
         return cls(numel, parts, chunk, chunk // codec.block_size, codec.piece_bytes(chunk))
@@ -173,23 +172,6 @@ class ChunkLayout:
     def single(self) -> ChunkLayout:
         """The layout of one of the chunks on its own."""
         return replace(self, numel=self.chunk, parts=1)
-
-
-def _to_pieces(codes: Tensor, scales: Tensor, layout: ChunkLayout) -> Tensor:
-    """Pack codes and scales of ``layout.parts`` chunks into a ``(parts, piece_bytes)`` uint8 tensor."""
-    pieces = torch.empty(layout.parts, layout.piece_bytes, dtype=torch.uint8, device=codes.device)
-    scale_bytes = SCALE_BYTES * layout.blocks
-    pieces[:, :scale_bytes] = scales.view(torch.uint8).view(layout.parts, scale_bytes)
-    pieces[:, scale_bytes:] = codes.view(layout.parts, -1)
-    return pieces
-
-
-def _from_pieces(pieces: Tensor, layout: ChunkLayout, codec: BlockQuantizer) -> Tensor:
-    """Decode a ``(k, piece_bytes)`` uint8 tensor into ``(k, chunk)`` float32 values."""
-    scale_bytes = SCALE_BYTES * layout.blocks
-    scales = pieces[:, :scale_bytes].contiguous().view(torch.float32).reshape(-1)  # (k * blocks,)
-    codes = pieces[:, scale_bytes:].contiguous().reshape(-1)
-    return codec.decode(codes, scales).view(pieces.shape[0], layout.chunk)
 
 
 class ScatterGatherSum:
@@ -206,7 +188,7 @@ class ScatterGatherSum:
     #: The sum is a new tensor; the input is left as it was.
     sums_in_place = False
 
-    def __init__(self, codec: BlockQuantizer, feedback: ErrorFeedback | None = None) -> None:
+    def __init__(self, codec: ChunkCodec, feedback: ErrorFeedback | None = None) -> None:
         self.codec = codec
         self.feedback = feedback
 
@@ -249,19 +231,20 @@ class ScatterGatherSum:
         flat.copy_(x.reshape(-1))
         if self.feedback is not None:
             self.feedback.add_to("residual", flat)
-        codes, scales = self.codec.encode(padded)
+        pieces = self.codec.encode_pieces(padded, layout.parts)
         if self.feedback is not None:
-            self.feedback.keep("residual", flat.view(x.shape), self.codec.decode(codes, scales)[: flat.numel()])
+            sent = self.codec.decode_pieces(pieces, layout.chunk).view(-1)[: flat.numel()]
+            self.feedback.keep("residual", flat.view(x.shape), sent)
         received = torch.empty(layout.parts, layout.piece_bytes, dtype=torch.uint8, device=x.device)
         with torch.profiler.record_function("fedshard::all_to_all"):
-            communicator.all_to_all(received.view(-1), _to_pieces(codes, scales, layout).view(-1))
-        mine = self._sum_received(_from_pieces(received, layout, self.codec))
-        codes, scales = self.codec.encode(mine)
+            communicator.all_to_all(received.view(-1), pieces.view(-1))
+        mine = self._sum_received(self.codec.decode_pieces(received, layout.chunk))
+        piece = self.codec.encode_pieces(mine, 1)
         if self.feedback is not None:
-            self.feedback.keep("sum_residual", mine, self.codec.decode(codes, scales))
+            self.feedback.keep("sum_residual", mine, self.codec.decode_pieces(piece, layout.chunk))
         gathered = torch.empty(layout.parts, layout.piece_bytes, dtype=torch.uint8, device=x.device)
         with torch.profiler.record_function("fedshard::all_gather"):
-            communicator.all_gather(gathered.view(-1), _to_pieces(codes, scales, layout.single()).view(-1))
+            communicator.all_gather(gathered.view(-1), piece.view(-1))
         return gathered.view(-1)
 
     def decode(self, encoded: Tensor, numel: int, members: int) -> Tensor:
@@ -269,7 +252,8 @@ class ScatterGatherSum:
         if encoded.dtype == torch.float32:
             return encoded[:numel]
         layout = ChunkLayout.of(numel, members, self.codec)
-        return _from_pieces(encoded.view(layout.parts, layout.piece_bytes), layout, self.codec).reshape(-1)[:numel]
+        pieces = encoded.view(layout.parts, layout.piece_bytes)
+        return self.codec.decode_pieces(pieces, layout.chunk).reshape(-1)[:numel]
 
     def wire_bytes(self, numel: int, members: int) -> int:
         """Bytes this rank sends in one :meth:`sum_across_groups` of ``numel`` values over ``members`` ring ranks.
@@ -358,7 +342,7 @@ def make_reducer(
                 " a float reduction has no quantization residual to carry."
             )
         return AllReduceSum(codec)
-    if not isinstance(codec, BlockQuantizer):
+    if not isinstance(codec, ChunkCodec):
         raise ValueError(f"No reducer sums the codec {codec!r}.")
     feedback = ErrorFeedback(residual_device, ScatterGatherSum.SLOTS) if error_feedback is not False else None
     return ScatterGatherSum(codec, feedback)

@@ -68,7 +68,7 @@ def test_registered_name_works_in_yaml(tmp_path):
 
 
 def test_a_codec_with_its_parameters_is_given_in_yaml_and_on_the_command_line(tmp_path):
-    from lightning_fedshard import BlockQuantizer, FloatCodec
+    from lightning_fedshard import BlockQuantizer, FloatCodec, SparseTopK
 
     config = tmp_path / "c.yaml"
     config.write_text(
@@ -84,6 +84,10 @@ def test_a_codec_with_its_parameters_is_given_in_yaml_and_on_the_command_line(tm
     assert federation.federation_config.reduce_dtype == FloatCodec("bfloat16")
     by_name = cli(args=["--config", str(config), "--trainer.strategy.reduce_dtype", "int4"], run=False)
     assert by_name.trainer.strategy.federation_config.codec == BlockQuantizer(bits=4, block_size=128)
+    sparse = ["--config", str(config), "--trainer.strategy.reduce_dtype", "lightning_fedshard.SparseTopK"]
+    sparse += ["--trainer.strategy.reduce_dtype.density", "0.03", "--trainer.strategy.reduce_dtype.value_bits", "4"]
+    federation = cli(args=sparse, run=False).trainer.strategy.federation_config
+    assert federation.codec == SparseTopK(density=0.03, value_bits=4, chunk_size=4096) and federation.compressed
 
 
 @pytest.mark.parametrize(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from lightning_fedshard.core.codecs import QMAX, BlockQuantizer, dequantize, quantize
+from lightning_fedshard.core.codecs import QMAX, BlockQuantizer, SparseTopK, dequantize, quantize
 from tests.core.test_reducers import _round_trip_bound
 
 
@@ -82,3 +84,87 @@ def test_quantizer_rejects_bad_arguments():
         quantize(torch.ones(4), 8, 0)
     with pytest.raises(ValueError, match="block_size"):
         BlockQuantizer(8, block_size=-1)
+
+
+# ------------------------------------------------------------------------------------------------ sparse
+
+
+def _reference_top_k(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest magnitudes per row, ties to the lower index, ascending (by a stable full sort)."""
+    order = rows.abs().sort(dim=1, descending=True, stable=True).indices[:, :k]
+    return order.sort(dim=1).values
+
+
+@pytest.mark.parametrize(("density", "chunk_size"), [(1 / 64, 4096), (0.1, 64), (0.5, 7), (1.0, 16)])
+def test_sparse_top_k_picks_the_largest_magnitudes_per_chunk(density, chunk_size):
+    codec = SparseTopK(density=density, chunk_size=chunk_size)
+    rows = torch.randn(5, chunk_size, generator=torch.Generator().manual_seed(0))
+    assert codec.kept == math.ceil(density * chunk_size)
+    assert torch.equal(codec.select(rows), _reference_top_k(rows, codec.kept))
+
+
+def test_sparse_top_k_breaks_ties_by_the_lower_index():
+    codec = SparseTopK(density=0.25, chunk_size=8)  # keeps 2 of 8
+    rows = torch.tensor([[1.0, -3.0, 3.0, 3.0, -3.0, 0.0, 0.0, 1.0], [0.0] * 8, [2.0, -2.0, 2.0, 5.0, 0, 0, 0, 0]])
+    assert codec.select(rows).tolist() == [[1, 2], [0, 1], [0, 3]]
+
+
+@pytest.mark.parametrize("value_bits", [1, 2, 3, 8])
+def test_sparse_round_trip_keeps_signs_and_is_within_the_level_bound(value_bits):
+    codec = SparseTopK(density=0.1, value_bits=value_bits, chunk_size=64)
+    x = torch.randn(640, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 3, 640)
+    y = codec.decode_pieces(codec.encode_pieces(x, 2), 320).reshape(-1)
+    rows, decoded = x.view(-1, 64), y.view(-1, 64)
+    index = _reference_top_k(rows, codec.kept)
+    kept, sent = rows.gather(1, index), decoded.gather(1, index)
+    assert (decoded != 0).sum() <= index.numel() and torch.equal(sent.sign(), kept.sign())
+    assert decoded.scatter(1, index, 0.0).abs().sum() == 0  # nothing else travels
+    lo, hi = kept.abs().amin(1, keepdim=True), kept.abs().amax(1, keepdim=True)
+    levels = 2 ** (value_bits - 1)
+    bound = (hi - lo) / (2 * (levels - 1)) if levels > 1 else (hi - lo) / 2
+    assert ((sent - kept).abs() <= bound * (1 + 1e-5) + hi * 2**-22).all()
+
+
+def test_sparse_residual_plus_sent_is_the_input():
+    # What error feedback keeps (input - sent) gives the input back: exactly where nothing was sent, and up to the
+    # float32 rounding of the subtraction where a value was.
+    codec = SparseTopK()
+    x = torch.randn(3 * 4096, generator=torch.Generator().manual_seed(2))
+    sent = codec.decode_pieces(codec.encode_pieces(x, 3), 4096).reshape(-1)
+    residual = x - sent
+    unsent = sent == 0
+    assert torch.equal(residual[unsent], x[unsent]) and unsent.sum() == x.numel() - 3 * codec.kept
+    assert torch.equal(sent + residual, x)  # here every subtraction is exact (Sterbenz: sent within 2x of x)
+
+
+def test_sparse_bytes_and_piece_layout():
+    codec = SparseTopK()  # 64 of 4096, 12-bit indices, 2-bit values
+    assert (codec.kept, codec.index_bits, codec.piece_bytes(4096)) == (64, 12, 8 + 96 + 16)
+    assert codec.padded_length(1, 4) == 4 * 4096 and codec.padded_length(4 * 4096 + 1, 4) == 8 * 4096
+    assert codec.encode_pieces(torch.randn(2 * 4096), 2).shape == (2, 120)
+    assert SparseTopK(density=0.5, value_bits=3, chunk_size=5).piece_bytes(10) == 16 + 3 + 3  # 6 entries x (3 + 3) bits
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"density": 0.0}, "density"),
+        ({"density": 1.5}, "density"),
+        ({"value_bits": 0}, "value_bits"),
+        ({"value_bits": 9}, "value_bits"),
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"density": True}, "density"),
+    ],
+)
+def test_sparse_arguments_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SparseTopK(**kwargs)
+
+
+def test_sparse_by_name_and_as_an_object():
+    from lightning_fedshard import FederationConfig
+
+    assert FederationConfig(reduce_dtype="sparse").codec == SparseTopK()
+    config = FederationConfig(reduce_dtype=SparseTopK(density=0.03, value_bits=4))
+    assert config.compressed and config.reducer().feedback is not None
+    assert "sparse top-3%" in config.describe() and "with error feedback" in config.describe()

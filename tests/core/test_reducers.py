@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_fedshard.core.codecs import DEFAULT_BLOCK_SIZE, QMAX, FloatCodec, dequantize, quantize
+from lightning_fedshard.core.codecs import DEFAULT_BLOCK_SIZE, QMAX, FloatCodec, SparseTopK, dequantize, quantize
 from lightning_fedshard.core.mesh import build_federation_mesh
 from lightning_fedshard.core.reducers import AllReduceSum, ScatterGatherSum, make_reducer
 from lightning_fedshard.core.topology import FederationTopology
@@ -35,14 +35,27 @@ def _inputs(groups: int, numel: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(numel, generator=gen) * ramp * (g + 1) for g in range(groups)]
 
 
-def _quantized(bits: int, block_size: int = DEFAULT_BLOCK_SIZE, error_feedback: bool = False) -> ScatterGatherSum:
-    reducer = make_reducer(f"int{bits}", block_size, error_feedback)
+#: A small sparse codec for the sums below: 7 of every 64 values, 2-bit values.
+SPARSE = SparseTopK(density=0.1, value_bits=2, chunk_size=64)
+
+
+def _quantized(
+    bits: int | SparseTopK, block_size: int = DEFAULT_BLOCK_SIZE, error_feedback: bool = False
+) -> ScatterGatherSum:
+    """The reducer of int``bits`` (or of a sparse codec, which carries its own chunk size)."""
+    if isinstance(bits, SparseTopK):
+        reducer = make_reducer(bits, None, error_feedback)
+    else:
+        reducer = make_reducer(f"int{bits}", block_size, error_feedback)
     assert isinstance(reducer, ScatterGatherSum)
     return reducer
 
 
 def _compressed_sums(
-    inputs: list[list[torch.Tensor]], bits: int, block_size: int = DEFAULT_BLOCK_SIZE, error_feedback: bool = False
+    inputs: list[list[torch.Tensor]],
+    bits: int | SparseTopK,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    error_feedback: bool = False,
 ) -> list[tuple[list[torch.Tensor], int, dict]]:
     """Every group reduces ``inputs[k][g]`` for each call k; per group: outputs, bytes counted, final state."""
     groups = ThreadGroups(len(inputs[0]))
@@ -246,9 +259,9 @@ def _gloo_worker(rank: int, store: str, out_dir: str, calls: list[list[torch.Ten
     try:
         comm = build_federation_mesh(FederationTopology(world_size=2, num_groups=2, shard_size=1), "cpu").communicator()
         results = {}
-        for bits in (8, 4):
+        for bits in (8, 4, SPARSE):
             reducer = _quantized(bits, 32, error_feedback=True)
-            results[bits] = [reducer.sum_across_groups(call[rank], comm, comm.num_groups) for call in calls]
+            results[str(bits)] = [reducer.sum_across_groups(call[rank], comm, comm.num_groups) for call in calls]
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -259,8 +272,59 @@ def test_process_group_communicator_on_gloo_matches_the_thread_fake(tmp_path):
     # fork: the workers inherit the imported modules (a spawned one re-imports Lightning, ~5 s of CPU on 2 cores).
     args = (str(tmp_path / "store"), str(tmp_path), calls)
     mp.start_processes(_gloo_worker, args=args, nprocs=2, start_method="fork")
-    for bits in (8, 4):
+    for bits in (8, 4, SPARSE):
         fake = _compressed_sums(calls, bits, block_size=32, error_feedback=True)
         for rank in range(2):
-            real = torch.load(tmp_path / f"rank{rank}.pt")[bits]
-            assert all(torch.equal(r, f) for r, f in zip(real, fake[rank][0]))
+            real = torch.load(tmp_path / f"rank{rank}.pt")[str(bits)]
+            assert len(real) == 2 and all(torch.equal(r, f) for r, f in zip(real, fake[rank][0]))
+
+
+# ------------------------------------------------------------------------------------------- sparse sum
+
+
+@pytest.mark.parametrize(("groups", "numel"), [(2, 1), (3, 1001), (4, 4096)])
+def test_sparse_sum_counts_its_wire_bytes_and_is_identical_on_every_group(groups, numel):
+    results = _compressed_sums([_inputs(groups, numel), _inputs(groups, numel, seed=1)], SPARSE, error_feedback=True)
+    expected = _quantized(SPARSE).wire_bytes(numel, groups)
+    assert [r[1] for r in results] == [2 * expected] * groups  # two calls
+    for call in range(2):
+        assert all(torch.equal(r[0][call], results[0][0][call]) for r in results)
+
+
+def test_sparse_sum_bytes_are_below_a_hundredth_of_float32_at_the_defaults():
+    groups, numel = 4, 2**20
+    ratio = _quantized(SparseTopK()).wire_bytes(numel, groups) / AllReduceSum(FloatCodec()).wire_bytes(numel, groups)
+    assert ratio == 120 / 16384 < 0.01  # per chunk of 4096: 8 bytes of scales, 64 x (12 + 2) bits
+
+
+def test_dense_sparse_sum_equals_the_exact_sum_within_the_value_bound():
+    # density 1.0 keeps everything: 8-bit values (128 magnitude levels from lo to hi per chunk) bound each group's
+    # rounding by (hi - lo) / 254 and the re-encoding of the sum by the same of the summed chunk.
+    codec = SparseTopK(density=1.0, value_bits=8, chunk_size=64)
+    groups, numel = 3, 640
+    xs = _inputs(groups, numel, seed=4)
+    out = _compressed_sums([xs], codec)[0][0][0]
+    exact = torch.stack(xs).sum(0)
+
+    def spread(v):
+        chunks = v.abs().view(-1, 64)
+        return ((chunks.amax(1) - chunks.amin(1)) / 254).repeat_interleave(64)
+
+    bound = sum(spread(x) for x in xs) + spread(exact) * 1.01 + exact.abs() * 2**-20
+    assert ((out - exact).abs() <= bound).all()
+
+
+def test_sparse_error_feedback_delays_what_was_not_sent():
+    groups, numel, calls = 3, 640, 12
+    xs = _inputs(groups, numel, seed=5)
+    exact_total = torch.stack(xs).sum(0) * calls
+    without = torch.stack(_compressed_sums([xs] * calls, SPARSE)[0][0]).sum(0)
+    # Without feedback the same ~10% of each chunk travels every call and the rest never does.
+    assert (without - exact_total).norm() > 0.5 * exact_total.norm()
+    results = _compressed_sums([xs] * calls, SPARSE, error_feedback=True)
+    sent = torch.stack(results[0][0]).sum(0)
+    # Nothing is lost: what was summed plus what every group and every chunk's owner still holds is the exact total.
+    held = sum(state["residual"] for _, _, state in results)
+    held = held + torch.cat([state["sum_residual"] for _, _, state in results])[:numel]
+    assert torch.allclose(sent + held, exact_total, rtol=0, atol=1e-5 * exact_total.abs().max().item())
+    assert (sent - exact_total).norm() < 0.5 * (without - exact_total).norm()
