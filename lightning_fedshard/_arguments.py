@@ -139,6 +139,7 @@ class FederatedArguments:
         error_feedback: bool | None = None,
         sync_delay: int = 0,
         merge_alpha: float = 0.0,
+        eager_updates: bool = False,
         plan: str | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:

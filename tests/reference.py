@@ -98,6 +98,7 @@ def federate(
     sync_delay: int = 0,
     merge_alpha: float = 0.0,
     final_landing: FinalLanding = "sync",
+    eager: bool = False,
 ) -> dict[str, object]:
     """Train ``groups`` (all holding ``initial``) for ``max_steps`` optimizer steps under the outer schedule above.
 
@@ -114,6 +115,7 @@ def federate(
             (its groups hold merged weights that are not its anchor, so like every other fragment it takes the final
             synchronous outer step, its outer optimizer stepping twice at ``T``) or ``"reset"`` (no second outer
             step: its groups are reset to the anchor of the landing at ``T``, i.e. the last merge is skipped).
+        eager: eager updates instead (see `_federate_eager`; no delay, no merge).
 
     Returns:
         ``anchors``: the full anchor after every outer step, by optimizer step (``0``: the initial anchor; at ``T``
@@ -123,6 +125,10 @@ def federate(
     """
     parts = _check_fragments(list(initial), fragments)
     every = _check_schedule(sync_every, len(parts), sync_delay, merge_alpha, final_landing)
+    if eager:
+        if sync_delay or merge_alpha:
+            raise ValueError("eager updates take no `sync_delay` or `merge_alpha`.")
+        return _federate_eager(initial, groups, parts, every, outer, max_steps)
     anchor = {k: v.clone() for k, v in initial.items()}
     outers = [Outer(**OUTERS[outer]) for _ in parts]
     anchors: dict[int, dict[str, Tensor]] = {0: _copy(anchor)}
@@ -160,6 +166,64 @@ def federate(
             for g in groups:
                 g.load(_slice(anchor, keys))
         anchors[max_steps] = _copy(anchor)
+    return {"anchors": anchors, "final": anchor, "groups_before": groups_before, "syncs": syncs}
+
+
+def _federate_eager(
+    initial: dict[str, Tensor], groups: Sequence[Group], parts: list[list[str]], every: int, outer: str, max_steps: int
+) -> dict[str, object]:
+    """Eager updates: fragment ``f`` syncs after every step ``s`` with ``(s / K - 1) % P == f``; group g keeps the
+    weights ``start_g`` it began the fragment's round from, and at the sync
+
+    - its pseudo-gradient is ``d_g = start_g - local_g``;
+    - the mean of the ``d_g`` of the fragment's previous round (summed meanwhile) lands: the outer optimizer steps the
+      one shared anchor on it;
+    - the group starts the next round from ``anchor - lr * d_g / G`` (its own share of the mean now in flight).
+
+    At the end every fragment lands what it has in flight and, if it trained since its last sync, takes one more
+    synchronous outer step on the mean of ``d_g``; every group then holds the anchor.
+    """
+    anchor = {k: v.clone() for k, v in initial.items()}
+    outers = [Outer(**OUTERS[outer]) for _ in parts]
+    lr = OUTERS[outer]["lr"]
+    starts = [_copy(anchor) for _ in groups]
+    in_flight: dict[int, dict[str, Tensor]] = {}
+    anchors: dict[int, dict[str, Tensor]] = {0: _copy(anchor)}
+    groups_before: dict[int, list[Tensor]] = {}
+    syncs: list[Sync] = []
+    last_sync = [0] * len(parts)
+    for step in range(max_steps):
+        groups_before[step] = [torch.cat([v.reshape(-1) for v in g.weights().values()]) for g in groups]
+        for group in groups:
+            group.train_step(step)
+        done = step + 1
+        if done % every:
+            continue
+        f = _landing_fragment(done, every, len(parts))
+        deltas = [{k: start[k] - g.weights()[k] for k in parts[f]} for start, g in zip(starts, groups)]
+        if f in in_flight:
+            mean = in_flight.pop(f)
+            outers[f].step(anchor, mean)
+            syncs.append(Sync(done, f, "landing", mean))
+        in_flight[f] = {k: torch.stack([d[k] for d in deltas]).mean(0) for k in parts[f]}
+        for start, group, delta in zip(starts, groups, deltas):
+            start.update({k: anchor[k] - lr * delta[k] / len(groups) for k in parts[f]})
+            group.load(_slice(start, parts[f], clone=True))
+        last_sync[f] = done
+        anchors[done] = _copy(anchor)
+    for f, keys in enumerate(parts):
+        deltas = [{k: start[k] - g.weights()[k] for k in keys} for start, g in zip(starts, groups)]
+        if f in in_flight:
+            mean = in_flight.pop(f)
+            outers[f].step(anchor, mean)
+            syncs.append(Sync(max_steps, f, "landing", mean))
+        if last_sync[f] != max_steps:
+            mean = {k: torch.stack([d[k] for d in deltas]).mean(0) for k in keys}
+            outers[f].step(anchor, mean)
+            syncs.append(Sync(max_steps, f, "final", mean))
+        for g in groups:
+            g.load(_slice(anchor, keys))
+    anchors[max_steps] = _copy(anchor)
     return {"anchors": anchors, "final": anchor, "groups_before": groups_before, "syncs": syncs}
 
 
@@ -269,6 +333,7 @@ def reference_run(
     sync_delay: int = 0,
     merge_alpha: float = 0.0,
     final_landing: FinalLanding = "sync",
+    eager: bool = False,
 ) -> dict[str, object]:
     """``micro_batches[rank]`` lists the sample indices of every micro-batch that rank trained on, in order.
 
@@ -290,4 +355,5 @@ def reference_run(
         sync_delay=sync_delay,
         merge_alpha=merge_alpha,
         final_landing=final_landing,
+        eager=eager,
     )

@@ -37,6 +37,13 @@ class Communicator(Protocol):
     def sum_over_groups(self, tensor: Tensor) -> None:
         """Replace ``tensor`` in place by its sum over the fed ring."""
 
+    def sum_stats_over_groups(self, tensor: Tensor) -> None:
+        """The same for a small statistics vector, from the training thread.
+
+        It never queues behind a sum that a background thread is running over the ring (with eager updates and
+        fragments, other fragments' sums are in flight whenever one lands).
+        """
+
     def all_to_all(self, output: Tensor, input: Tensor) -> None:
         """Exchange equal parts over the fed ring: part ``j`` of ``input`` goes to ring rank ``j``.
 
@@ -82,12 +89,15 @@ class ProcessGroupCommunicator:
         fed_group: This rank's fed ring (its rank along the ``"fed"`` axis is its group index).
         shard_group: The ranks that shard this rank's replica (``None`` when a replica is one rank).
         replicate_group: The replicas of this rank's shard inside its group (``None`` with one replica).
+        stats_group: Another process group over the same fed ring, for the training thread's statistics while sums
+            run over ``fed_group`` in the background (default: ``fed_group``).
     """
 
     num_groups: int
     fed_group: ProcessGroup | None
     shard_group: ProcessGroup | None
     replicate_group: ProcessGroup | None = None
+    stats_group: ProcessGroup | None = None
 
     @property
     def num_replicas(self) -> int:
@@ -116,6 +126,12 @@ class ProcessGroupCommunicator:
         """All-reduce over the fed ring."""
         if self.fed_group is not None:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.fed_group)
+
+    def sum_stats_over_groups(self, tensor: Tensor) -> None:
+        """All-reduce over the fed ring's statistics group."""
+        group = self.stats_group or self.fed_group
+        if group is not None:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
 
     def all_to_all(self, output: Tensor, input: Tensor) -> None:
         """``all_to_all_single`` over the fed ring."""
@@ -154,7 +170,7 @@ def sum_over_model(communicator: Communicator, tensor: Tensor) -> None:
     Each fed ring adds one in-group position over the groups; the group then adds its positions. Two small
     collectives, neither wider than a ring or a group.
     """
-    communicator.sum_over_groups(tensor)
+    communicator.sum_stats_over_groups(tensor)
     communicator.sum_in_group(tensor)
 
 

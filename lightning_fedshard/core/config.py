@@ -88,13 +88,20 @@ class FederationConfig:
         merge_alpha: After a fragment lands, each group's weights of it become
             ``anchor + merge_alpha * (local - anchor)`` (default 0.0: restart from the new anchor); in ``[0, 1]``.
             torchft's ``fragment_update_alpha``.
+        eager_updates: Overlap each fragment's sum over the groups with the whole next round (default ``False``):
+            at a sync every group lands the mean that was summed during the round that just ended, starts summing its
+            new pseudo-gradient ``d_g``, and restarts from ``anchor - lr * d_g / G``, its own share of that mean
+            applied at once (the eager updates of arXiv 2502.12996; ``lr`` the outer learning rate). The anchor and
+            the outer optimizer stay identical in every group; nothing a group trains is thrown away. Excludes
+            ``sync_delay`` and ``merge_alpha``. See docs/configuration.md, "Eager updates".
 
     Raises:
         ValueError: For a non-positive ``num_groups``, ``shard_size`` or ``sync_every``, an unknown outer
             optimizer name, an outer optimizer factory that does not return an optimizer, an unknown reduce dtype,
             anchor device or ``on_nonfinite`` policy, ``sync_every`` not divisible by ``fragments``, ``sync_delay``
-            outside ``[0, sync_every / fragments)``, ``merge_alpha`` outside ``[0, 1]``, ``quant_block_size < 1``, or
-            ``error_feedback=True`` with a float ``reduce_dtype``.
+            outside ``[0, sync_every / fragments)``, ``merge_alpha`` outside ``[0, 1]``, ``quant_block_size < 1``,
+            ``error_feedback=True`` with a float ``reduce_dtype``, or ``eager_updates`` with ``sync_delay`` or
+            ``merge_alpha``.
     """
 
     num_groups: int | None = None
@@ -109,6 +116,7 @@ class FederationConfig:
     merge_alpha: float = 0.0
     quant_block_size: int = DEFAULT_BLOCK_SIZE
     error_feedback: bool | None = None
+    eager_updates: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_groups", "shard_size"):
@@ -149,6 +157,13 @@ class FederationConfig:
         alpha = self.merge_alpha
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
             raise ValueError(f"`merge_alpha` must be a number in [0, 1], got {alpha!r}.")
+        if not isinstance(self.eager_updates, bool):
+            raise ValueError(f"`eager_updates` must be True or False, got {self.eager_updates!r}.")
+        if self.eager_updates and (delay or alpha):
+            raise ValueError(
+                f"`eager_updates=True` overlaps each sum with a whole round and keeps all local progress; it excludes"
+                f" `sync_delay={delay}` and `merge_alpha={alpha}` (leave them at 0)."
+            )
 
     def topology(self, num_nodes: int, devices_per_node: int, hybrid: bool) -> FederationTopology:
         """The job's topology once the number of nodes and devices per node are known.
@@ -189,6 +204,8 @@ class FederationConfig:
             parts.append(f"{self.fragments} streaming fragments")
         if self.sync_delay:
             parts.append(f"sum overlapped with {self.sync_delay} step(s)")
+        if self.eager_updates:
+            parts.append("eager updates (each sum overlapped with a whole round)")
         if self.merge_alpha:
             parts.append(f"merge_alpha={self.merge_alpha}")
         parts.append(f"anchor on the {'CPU' if self.anchor_device == 'cpu' else 'device'}")

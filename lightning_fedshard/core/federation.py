@@ -35,6 +35,7 @@ class Federation:
         self._outer: OuterStep | None = None
         self._on_write: Callable[[], None] = _nothing
         self._pending: PendingSync | None = None
+        self._eager: dict[int, PendingSync] = {}  # eager updates: each fragment's sum in flight until its next sync
         self.last_synced_step = 0
         self.last_step = 0
         self.landed_at: list[int] = [0] * config.fragments
@@ -51,8 +52,9 @@ class Federation:
 
     @property
     def pending(self) -> PendingSync | None:
-        """The fragment sync in flight (started, not landed yet), if any."""
-        return self._pending
+        """The fragment sync in flight (started, not landed yet) that started first, if any."""
+        in_flight = self._in_flight()
+        return in_flight[0] if in_flight else None
 
     def start(
         self,
@@ -122,12 +124,46 @@ class Federation:
         """
         if step <= self.last_step:
             return None
+        if self.config.eager_updates:
+            stats = self._eager_sync(step) if self.is_due(step) else None
+            self.last_step = step
+            return stats
         stats = self._land(step) if self.is_due(step) else None
         starting = starting_fragment(step, self.config.sync_every, self.config.fragments, self.config.sync_delay)
         if starting is not None:
             self._pending = self.outer.begin(starting, step, background=True)
         self.last_step = step
         return stats
+
+    def _eager_sync(self, step: int) -> SyncStats | None:
+        fragment = landing_fragment(step, self.config.sync_every, self.config.fragments)
+        assert fragment is not None
+        stats, self._eager[fragment] = self.outer.eager_step(fragment, self._eager.pop(fragment, None), step)
+        self._on_write()
+        self.last_synced_step = self.landed_at[fragment] = step
+        return None if stats is None else replace(stats, num_fragments=self.config.fragments)
+
+    def _finish_eager(self, step: int) -> list[SyncStats]:
+        """Every fragment lands its sum in flight; those that trained since it started also sync what they did.
+
+        The final sums run in this thread over the ring the background sums use, so every sum in flight is awaited
+        first.
+        """
+        for pending in self._in_flight():
+            pending.result()
+        synced = []
+        for fragment in range(self.config.fragments):
+            pending = self._eager.pop(fragment, None)
+            if self.landed_at[fragment] == step:
+                stats = self.outer.settle(fragment, pending, step)
+            else:
+                stats, _ = self.outer.eager_step(fragment, pending, step, final=True)
+                self.landed_at[fragment] = step
+            if stats is not None:
+                synced.append(stats)
+        self._on_write()
+        self.last_synced_step = step
+        return synced
 
     def _land(self, step: int) -> SyncStats:
         fragment = landing_fragment(step, self.config.sync_every, self.config.fragments)
@@ -139,20 +175,27 @@ class Federation:
         stats = self.outer.complete(pending, step=step, merge_alpha=self.config.merge_alpha)
         self._on_write()
         self.last_synced_step = self.landed_at[fragment] = step
-        return replace(stats, num_fragments=self.config.fragments)
+        since_snapshot = step - pending.started_at if pending.started_at is not None else 0
+        discarded = (1.0 - self.config.merge_alpha) * since_snapshot / self.config.sync_every
+        return replace(stats, num_fragments=self.config.fragments, discarded_fraction=discarded)
 
     def finish(self, step: int) -> SyncStats | None:
         """End of training after optimizer step ``step``: every group ends with the consensus; collective.
 
         A sum still in flight is dropped (awaited, then discarded). Every fragment that did not land at ``step`` takes
         one synchronous outer step on its current pseudo-gradient; a fragment that landed at ``step`` with
-        ``merge_alpha > 0`` gets the new anchor copied in, so that all groups agree.
+        ``merge_alpha > 0`` gets the new anchor copied in, so that all groups agree. With eager updates no sum is
+        dropped: every fragment first lands the sum it has in flight, then syncs what it trained since (if anything).
 
         Returns:
             The statistics of the last of these syncs, or ``None`` if none was needed.
         """
         if not self.started:
             return None
+        if self.config.eager_updates:
+            synced = self._finish_eager(step)
+            self.last_step = max(self.last_step, step)
+            return _combined(synced, self.config.fragments)
         self.finish_pending()
         synced = []
         for fragment in range(self.config.fragments):
@@ -177,9 +220,16 @@ class Federation:
         return stats
 
     def finish_pending(self) -> None:
-        """Await the fragment sum in flight, if any, and forget it; collective (every rank started it)."""
+        """Await the fragment sums in flight, if any, and forget them; collective (every rank started them)."""
         self._drop(self._pending)
         self._pending = None
+        for fragment in sorted(self._eager):
+            self._drop(self._eager.pop(fragment))
+
+    def _in_flight(self) -> list[PendingSync]:
+        """Every sum started and not landed, in the order they were started on every rank."""
+        eager = sorted(self._eager.values(), key=lambda p: (p.started_at or 0, p.fragment))
+        return ([self._pending] if self._pending is not None else []) + eager
 
     @staticmethod
     def _drop(pending: PendingSync | None) -> None:
@@ -224,15 +274,16 @@ class Federation:
             "last_step": self.last_step,
             "landed_at": list(self.landed_at),
             "pending": self._pending.state_dict() if self._pending is not None else None,
+            "eager": {f: self._eager[f].state_dict() for f in sorted(self._eager)},
         }
 
     def group_state_dict(self) -> dict[str, Any]:
         """This rank's state that differs between groups (error-feedback residuals); see :class:`OuterStep`.
 
-        A sum in flight updates the residuals from its background thread, so it is completed first.
+        Sums in flight update the residuals from the background thread, so they are completed first.
         """
-        if self._pending is not None:
-            self._pending.result()
+        for pending in self._in_flight():
+            pending.result()
         return self.outer.group_state_dict() if self._outer else {}
 
     def load_group_state_dict(self, state: dict[str, Any]) -> None:
@@ -249,6 +300,10 @@ class Federation:
         # runs when training starts), and every fragment (the only one) landed then.
         self.last_step = int(state.get("last_step", self.last_synced_step))
         self.landed_at = [int(s) for s in state.get("landed_at", [self.last_synced_step] * self.config.fragments)]
+        self._eager = {
+            int(f): PendingSync.from_state_dict(saved, self.outer.shards[0].device)
+            for f, saved in state.get("eager", {}).items()
+        }
         pending = state.get("pending")
         self._pending = None
         if pending is not None:

@@ -33,7 +33,8 @@ class UtilizationClock:
     """Sets ``compute_utilization`` of each sync: ``1 - exposed / round`` over the round the sync closes.
 
     A round runs from the previous landing (or the start of training) to this one; its compute is everything but the
-    sync's exposed time, validation and checkpoints included.
+    sync's exposed time, validation and checkpoints included. ``effective_utilization`` counts only the compute whose
+    progress the landing keeps: ``compute_utilization * (1 - discarded_fraction)``.
     """
 
     def __init__(self) -> None:
@@ -49,7 +50,9 @@ class UtilizationClock:
         round_seconds, self._round_clock = now - self._round_clock, now
         if round_seconds <= 0:
             return stats
-        return replace(stats, compute_utilization=max(0.0, 1.0 - stats.exposed_seconds / round_seconds))
+        utilization = max(0.0, 1.0 - stats.exposed_seconds / round_seconds)
+        effective = utilization * (1.0 - stats.discarded_fraction)
+        return replace(stats, compute_utilization=utilization, effective_utilization=effective)
 
     def on_stop(self, step: int) -> None:
         """Nothing to do."""

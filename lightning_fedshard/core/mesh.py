@@ -91,12 +91,17 @@ class FederationMesh:
         return self.device_mesh["shard"]
 
     def communicator(self) -> ProcessGroupCommunicator:
-        """The collectives of this rank's syncs on this mesh: its fed ring and its replica's shard group."""
+        """The collectives of this rank's syncs on this mesh: its fed ring and its replica's shard group.
+
+        The sums over the ring run on the ring's own group (:func:`_outer_group`), the training thread's statistics on
+        the mesh's ``"fed"`` group, so the two never queue behind each other.
+        """
         t = self.topology
         fed = (self.outer_group or self.group(Axis.FED)) if t.num_groups > 1 else None
+        stats = self.group(Axis.FED) if t.num_groups > 1 else None
         shard = self.group(Axis.SHARD) if t.shard_size > 1 else None
         replicate = self.group(Axis.REPLICATE) if t.num_replicas > 1 else None
-        return ProcessGroupCommunicator(t.num_groups, fed, shard, replicate)
+        return ProcessGroupCommunicator(t.num_groups, fed, shard, replicate, stats_group=stats)
 
     @torch.no_grad()
     def broadcast_shards(self, shards: Iterable[Tensor]) -> None:

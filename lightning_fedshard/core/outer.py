@@ -27,7 +27,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -93,6 +93,12 @@ class SyncStats:
         num_fragments: How many fragments the model is cut into (the fragment index is logged when > 1).
         lost: Whether the communicator refused to commit this sync: every group went back to the anchor.
         syncs_lost: Syncs lost so far, this one included (logged once there is one).
+        discarded_fraction: The share of the round's inner-step progress that this landing threw away: with
+            ``sync_delay = d`` and ``merge_alpha = a`` a landing replaces the ``d`` steps trained since its snapshot
+            by the anchor, keeping only ``a`` of them, so ``(1 - a) d / sync_every`` (0 without a delay and with
+            eager updates, which keep everything). Set by the federation.
+        effective_utilization: ``compute_utilization * (1 - discarded_fraction)``: the share of the round's time
+            spent on compute whose progress survives. Set by the runtime.
     """
 
     outer_grad_norm: float
@@ -107,6 +113,8 @@ class SyncStats:
     num_fragments: int = 1
     lost: bool = False
     syncs_lost: int = 0
+    discarded_fraction: float = 0.0
+    effective_utilization: float | None = None
 
     def as_dict(self, prefix: str = "fedshard/") -> dict[str, float]:
         """The statistics as a flat ``{name: value}`` dict for loggers."""
@@ -120,6 +128,8 @@ class SyncStats:
         stats[f"{prefix}sync_exposed_seconds"] = self.exposed_seconds
         if self.compute_utilization is not None:
             stats[f"{prefix}compute_utilization"] = self.compute_utilization
+        if self.effective_utilization is not None:
+            stats[f"{prefix}effective_utilization"] = self.effective_utilization
         if self.num_fragments > 1:
             stats[f"{prefix}fragment"] = float(self.fragment)
         if self.skipped_groups:
@@ -269,6 +279,9 @@ class OuterStep:
         self.syncs_lost = 0
         self.anchor = [_new_anchor(s, anchor_device) for s in self.shards]
         self._flat_buffers: dict[int, Tensor] = {}  # one pseudo-gradient buffer per fragment, reused by every sync
+        # Eager updates: per fragment, how far this group's start of the round lies below the anchor (flat, float32).
+        self.offsets: list[Tensor | None] = [None] * len(self.fragments)
+        self._eager_blocked = 0.0  # seconds eager steps blocked the loop since the last one that landed a sum
         self.optimizers = [build_outer_optimizer(outer_optimizer, [self.anchor[i] for i in f]) for f in self.fragments]
         build = reducer or (lambda: AllReduceSum(FloatCodec(reduce_dtype)))
         self.reducers: list[Reducer] = [build() for _ in self.fragments]
@@ -298,7 +311,13 @@ class OuterStep:
         return self.complete(self.begin(fragment, step, background=False), step=step)
 
     @torch.no_grad()
-    def begin(self, fragment: int, step: int | None = None, background: bool = True) -> PendingSync:
+    def begin(
+        self,
+        fragment: int,
+        step: int | None = None,
+        background: bool = True,
+        taken: tuple[Tensor, bool] | None = None,
+    ) -> PendingSync:
         """Take the fragment's pseudo-gradient now and start summing it over the groups; collective.
 
         The communicator is asked for the participants of this sync once, here; the pending sync keeps them for every
@@ -309,13 +328,14 @@ class OuterStep:
             fragment: Which fragment.
             step: The optimizer step after which the pseudo-gradient is taken (for messages and statistics).
             background: Sum in a background thread (training may go on) instead of before returning.
+            taken: The pseudo-gradient and its finiteness, when the caller took it already (:meth:`eager_step`).
 
         Raises:
             NonFiniteOuterGradientError: As for :meth:`step`; nothing was changed then.
         """
         start = time.perf_counter()
         with torch.profiler.record_function("fedshard::pseudogradient"):
-            local, finite = self._pseudogradient(fragment)
+            local, finite = taken if taken is not None else self._pseudogradient(fragment)
         participants = self.communicator.participants()
         broken = self._nonfinite_groups(finite, local.device, participants)
         if broken and (self.on_nonfinite == "raise" or len(broken) == len(participants)):
@@ -343,17 +363,20 @@ class OuterStep:
         return pending
 
     @torch.no_grad()
-    def complete(self, pending: PendingSync, step: int | None = None, merge_alpha: float = 0.0) -> SyncStats:
+    def complete(
+        self, pending: PendingSync, step: int | None = None, merge_alpha: float = 0.0, write: bool = True
+    ) -> SyncStats:
         """Wait for the sum of :meth:`begin`, step the fragment's outer optimizer and write the new anchor.
 
         Every shard of the fragment becomes ``anchor + merge_alpha * (shard - anchor)`` with the new anchor: with
-        ``merge_alpha=0`` every group restarts the fragment from the anchor.
+        ``merge_alpha=0`` every group restarts the fragment from the anchor. With ``write=False`` only the anchor
+        and the outer optimizer change (:meth:`eager_step` writes the shards itself).
         """
         start = time.perf_counter()
         with torch.profiler.record_function("fedshard::outer_all_reduce_wait"):
             local = pending.result()
         if not self.communicator.should_commit():
-            return self._drop_lost(pending, start)
+            return self._drop_lost(pending, start, write)
         healthy = len(pending.participants) - len(pending.broken)
         local.div_(healthy)
         mean_sq = _squared_norm(local)
@@ -367,9 +390,94 @@ class OuterStep:
             optimizer = self.optimizers[pending.fragment]
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            self._write_anchor(pending.fragment, merge_alpha)
+            if write:
+                self._write_anchor(pending.fragment, merge_alpha)
+                self.offsets[pending.fragment] = None
         self.num_syncs += 1
         return self._stats(pending, start, outer_grad_norm=norm, drift=drift)
+
+    @torch.no_grad()
+    def eager_step(
+        self, fragment: int, pending: PendingSync | None, step: int | None = None, final: bool = False
+    ) -> tuple[SyncStats | None, PendingSync | None]:
+        """One eager update of a fragment: land the previous round's sum, start this round's; collective.
+
+        With ``d_g`` this group's pseudo-gradient of the round that just ended (from where the group started it),
+        ``m`` the mean over the groups of the previous round's, landing now, ``G`` the healthy groups and ``lr`` the
+        fragment's outer learning rate::
+
+            anchor = outer_optimizer.step(anchor, grad=m)      # every group alike: the anchor is the consensus
+            start  = anchor - lr * d_g / G                     # this group's own share of the sum now in flight
+            shards = start                                     # the next round starts there
+
+        and the mean of the ``d_g`` is summed in the background until the fragment's next sync. With ``final=True``
+        (the end of training) that sum is made and applied at once and every group ends on the anchor.
+
+        Args:
+            fragment: Which fragment.
+            pending: The fragment's sum started at its previous sync (``None`` at its first).
+            step: The optimizer step after which this runs.
+            final: Land everything now (no sum left in flight).
+
+        Returns:
+            The statistics of the sum that landed (``None`` if none did) and the sum now in flight (``None`` when
+            ``final``).
+
+        Raises:
+            NonFiniteOuterGradientError: As for :meth:`step`, after the previous round's sum landed on the anchor
+                (the shards are left as they are).
+        """
+        clock = time.perf_counter()
+        if pending is not None:
+            self._detach_result(pending)  # the fragment's buffer is free again
+        taken = self._pseudogradient(fragment)
+        own = None if final else self._own_copy(fragment, taken[0])  # before a sum in place overwrites the buffer
+        landed = self.complete(pending, step=step, write=False) if pending is not None else None
+        started = self.begin(fragment, step, background=not final, taken=taken)
+        if own is None:
+            final_stats = self.complete(started, step=step)
+            return final_stats if landed is None else _combined_stats(landed, final_stats), None
+        self._start_from_own_share(fragment, own, started)
+        # The loop was blocked for all of this call; a call that landed nothing hands its time to the next landing.
+        self._eager_blocked += time.perf_counter() - clock
+        if landed is None:
+            return None, started
+        blocked, self._eager_blocked = self._eager_blocked, 0.0
+        return replace(landed, exposed_seconds=blocked), started
+
+    def settle(self, fragment: int, pending: PendingSync | None, step: int | None = None) -> SyncStats | None:
+        """Land an eager sum in flight and put every group on the anchor, with nothing trained since it started."""
+        stats = self.complete(pending, step=step, write=False) if pending is not None else None
+        self.copy_anchor_to_shards(fragment)
+        self.offsets[fragment] = None
+        return stats
+
+    def _detach_result(self, pending: PendingSync) -> None:
+        """Wait for ``pending``'s sum and make sure it does not live in the fragment's buffer (summed in place)."""
+        result = pending.result()
+        buffer = self._flat_buffers.get(pending.fragment)
+        if buffer is not None and result.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+            pending._result = result.clone()
+
+    def _own_copy(self, fragment: int, local: Tensor) -> Tensor:
+        """A float32 copy of this group's pseudo-gradient, where the anchor lives."""
+        device = self.anchor[self.fragments[fragment][0]].device
+        return local.to(device=device, dtype=torch.float32, copy=True)
+
+    def _start_from_own_share(self, fragment: int, offset: Tensor, pending: PendingSync) -> None:
+        """Write ``anchor - lr * d_g / G`` into the fragment's shards and keep the offset (``offset`` holds ``d_g``)."""
+        healthy = len(pending.participants) - len(pending.broken)
+        if self.communicator.group_index in pending.broken:
+            offset.zero_()  # a skipped group adds nothing to the sum and restarts from the anchor
+        offset.mul_(float(self.optimizers[fragment].param_groups[0]["lr"]) / healthy)
+        self.offsets[fragment] = offset
+        indices = self.fragments[fragment]
+        start = 0
+        for i in indices:
+            shard, anchor = self.shards[i], self.anchor[i]
+            part = offset[start : start + anchor.numel()].view_as(anchor)
+            shard.copy_((anchor - part).to(shard.device, non_blocking=True))
+            start += anchor.numel()
 
     def _stats(self, pending: PendingSync, start: float, **measured: Any) -> SyncStats:
         """The statistics of ``pending``'s sync, whose completion started at ``start``."""
@@ -385,14 +493,16 @@ class OuterStep:
             **measured,
         )
 
-    def _drop_lost(self, pending: PendingSync, start: float) -> SyncStats:
+    def _drop_lost(self, pending: PendingSync, start: float, write: bool = True) -> SyncStats:
         """A sync the communicator did not commit: the fragment goes back to the anchor, its residuals are dropped.
 
         Nothing of the sum is applied, so every group holds the anchor again (the anchor and the outer optimizer are
         untouched) and the next round starts from it; the error-feedback residuals of the lost sum were never applied
-        either, so they are reset rather than carried.
+        either, so they are reset rather than carried. With ``write=False`` the caller writes the shards.
         """
-        self.copy_anchor_to_shards(pending.fragment)
+        if write:
+            self.copy_anchor_to_shards(pending.fragment)
+            self.offsets[pending.fragment] = None
         feedback = getattr(self.reducers[pending.fragment], "feedback", None)
         if feedback is not None:
             feedback.reset()
@@ -450,13 +560,14 @@ class OuterStep:
             self.shards[i].copy_(self.anchor[i], non_blocking=True)
 
     def state_nbytes(self) -> dict[str, int]:
-        """Bytes of the anchor, of the outer optimizers' state and of the reducers' error-feedback residuals."""
+        """Bytes of the anchor, the outer optimizers' state, the error-feedback residuals and the eager offsets."""
         optimizer_state = [v for o in self.optimizers for state in o.state.values() for v in state.values()]
         residuals = [v for r in self.reducers for v in r.state_dict().values()]
         return {
             "anchor": _nbytes(self.anchor),
             "outer_optimizer": _nbytes(optimizer_state),
             "residuals": _nbytes(residuals),
+            "eager_offsets": _nbytes(self.offsets),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -487,8 +598,9 @@ class OuterStep:
         self.num_syncs = int(state["num_syncs"])
 
     def group_state_dict(self) -> dict[str, Any]:
-        """State that differs between the groups: the quantization residuals of error feedback, per fragment."""
-        return {"reducers": [r.state_dict() for r in self.reducers]}
+        """State that differs between the groups: the error-feedback residuals and the eager offsets, per fragment."""
+        offsets = [None if o is None else o.detach().clone() for o in self.offsets]
+        return {"reducers": [r.state_dict() for r in self.reducers], "offsets": offsets}
 
     def load_group_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`group_state_dict` on the same rank of the same topology.
@@ -496,6 +608,9 @@ class OuterStep:
         A residual of another size than this rank's part of its fragment (written before the replicas of a shard
         split its sum) cannot be carried on and is dropped: that sync's rounding errors are then lost, not delayed.
         """
+        for fragment, offset in enumerate(state.get("offsets", [None] * len(self.offsets))):
+            device = self.anchor[self.fragments[fragment][0]].device
+            self.offsets[fragment] = None if offset is None else offset.to(device, torch.float32, copy=True)
         for fragment, (reducer, saved) in enumerate(zip(self.reducers, state.get("reducers", []))):
             if saved is None:
                 continue
@@ -513,6 +628,9 @@ class OuterStep:
     def _pseudogradient(self, fragment: int) -> tuple[Tensor, bool]:
         """``anchor - shard`` for a fragment's shards, in one flat buffer of ``reduce_dtype`` on the shards' device.
 
+        With eager updates the group started the round below the anchor, at ``anchor - offset``, and the
+        pseudo-gradient is taken from there: ``(anchor - shard) - offset``.
+
         One shard (an FSDP1 unit or an FSDP2 parameter) at a time, so the device holds the buffer plus one shard's
         temporaries, not a copy of every shard in every dtype on the way. The buffer is allocated once per fragment and
         reused by its later syncs (a fragment's next sync starts only after its previous one landed). Also returns
@@ -529,12 +647,15 @@ class OuterStep:
         buffer[numel:].zero_()  # an in-place sum of the last part writes its padding
         flat = buffer[:numel]
         finite = torch.ones((), dtype=torch.bool, device=device)
+        eager = self.offsets[fragment]
         offset = 0
         for i in indices:
             anchor, shard = self.anchor[i], self.shards[i]
             n = shard.numel()
             part = flat[offset : offset + n]
             part.copy_((anchor.to(device, non_blocking=True) - shard).reshape(-1))
+            if eager is not None:  # from where the group started the round: anchor - offset
+                part -= eager[offset : offset + n].to(device, non_blocking=True).to(part.dtype)
             finite &= torch.isfinite(part).all()  # after the cast: float16 may overflow
             offset += n
         return flat, bool(finite)
@@ -577,6 +698,15 @@ class OuterStep:
         mean_sq_all = total_mean_sq / len(pending.participants)  # every group holds the same mean
         drift_sq = (total_own_sq - 2.0 * total_dot) / healthy + mean_sq_all
         return math.sqrt(max(mean_sq_all, 0.0)), math.sqrt(max(drift_sq, 0.0))
+
+
+def _combined_stats(first: SyncStats, second: SyncStats) -> SyncStats:
+    """One record for two syncs of a fragment in a row: the second's norms, both's bytes and seconds."""
+    return replace(
+        second,
+        bytes_sent=first.bytes_sent + second.bytes_sent,
+        exposed_seconds=first.exposed_seconds + second.exposed_seconds,
+    )
 
 
 def _nbytes(values: Iterable[Any]) -> int:

@@ -13,10 +13,12 @@ from torch import Tensor
 class ThreadGroups:
     """Runs ``fn(group_index, communicator)`` for every group in its own thread and returns the results."""
 
-    def __init__(self, num_groups: int) -> None:
+    def __init__(self, num_groups: int, _channel: str = "sums") -> None:
         self.num_groups = num_groups
         self._barrier = threading.Barrier(num_groups)
         self._slots: list[Tensor | None] = [None] * num_groups
+        # The statistics meet at a barrier of their own, as they do on a process group of their own.
+        self.stats = ThreadGroups(num_groups, "stats") if _channel == "sums" else self
 
     def run(self, fn: Callable[[int, Any], Any]) -> list[Any]:
         results: list[Any] = [None] * self.num_groups
@@ -28,6 +30,7 @@ class ThreadGroups:
             except BaseException as e:  # surfaced in the main thread
                 errors.append(e)
                 self._barrier.abort()
+                self.stats._barrier.abort()
 
         threads = [threading.Thread(target=target, args=(g,)) for g in range(self.num_groups)]
         for t in threads:
@@ -80,6 +83,9 @@ class _ThreadCommunicator:
 
     def sum_over_groups(self, tensor: Tensor) -> None:
         self._groups._all_reduce_sum(self._g, tensor)
+
+    def sum_stats_over_groups(self, tensor: Tensor) -> None:
+        self._groups.stats._all_reduce_sum(self._g, tensor)
 
     def sum_in_group(self, tensor: Tensor) -> None:
         pass  # one rank per group

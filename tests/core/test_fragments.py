@@ -131,6 +131,9 @@ class _SlowComm:
         self._inner.sum_over_groups(tensor)
         self._log.append(("reduce_end", time.perf_counter()))
 
+    def sum_stats_over_groups(self, tensor: Tensor) -> None:
+        self._inner.sum_stats_over_groups(tensor)
+
     def sum_in_group(self, tensor: Tensor) -> None:
         self._inner.sum_in_group(tensor)
 

@@ -56,6 +56,20 @@ SCENARIOS = [
         batch_size=4,
         max_steps=7,
     ),
+    # eager updates: 2 fragments, each sum in flight for a whole round; stops at 7 with both in flight
+    dict(
+        name="eager",
+        strategy="fl_fsdp",
+        sync_every=4,
+        fragments=2,
+        eager_updates=True,
+        outer_optimizer="nesterov",
+        reduce_dtype="float32",
+        wrap_linear=True,
+        lr=0.01,
+        batch_size=4,
+        max_steps=7,
+    ),
 ]
 RESUME = [
     dict(name="resume_full", resume=True, state_dict_type="full"),
@@ -68,8 +82,9 @@ TOPOLOGY = {
     "fsdp": FederationTopology(4, 2, 2),
     "hsdp": FederationTopology(4, 2, 1),
     "stream": FederationTopology(4, 2, 2),
+    "eager": FederationTopology(4, 2, 2),
 }
-BOTH = [name for base in ("fsdp", "hsdp", "stream") for name in (base, f"{base}@fsdp2")]
+BOTH = [name for base in ("fsdp", "hsdp", "stream", "eager") for name in (base, f"{base}@fsdp2")]
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +113,7 @@ def test_fabric_loop_matches_reference(results, name):
         sync_delay=spec.get("sync_delay", 0),
         merge_alpha=spec.get("merge_alpha", 0.0),
         final_landing="reset",  # a fragment that lands at the last step keeps that landing's anchor
+        eager=spec.get("eager_updates", False),
     )
     for r in ranks:  # every rank, every group: the consensus
         for k, v in ref["final"].items():

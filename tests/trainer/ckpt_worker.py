@@ -133,7 +133,7 @@ class Recorder(L.Callback):
 def _strategy(spec: dict[str, Any]) -> Any:
     cls = STRATEGIES[spec["strategy"]]
     keys = ("num_groups", "shard_size", "on_nonfinite", "state_dict_type", "fragments", "sync_delay", "merge_alpha",
-            "reduce_dtype", "error_feedback")  # fmt: skip
+            "reduce_dtype", "error_feedback", "eager_updates")  # fmt: skip
     kwargs = {k: spec[k] for k in keys if k in spec}
     if spec.get("fragments", 1) > 1:  # one FSDP unit per Linear layer, so the model can be cut into fragments
         kwargs["fsdp_modules" if spec["strategy"].endswith("2") else "auto_wrap_policy"] = {nn.Linear}

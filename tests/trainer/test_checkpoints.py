@@ -28,6 +28,7 @@ FSDP2 = dict(strategy="fl_fsdp2")
 HSDP2 = dict(strategy="fl_hsdp2", num_groups=2, shard_size=2)
 DEATH = dict(ckpt=True, die_at_save_step=5, timeout_s=20)
 STREAM = dict(sync_every=4, fragments=2, sync_delay=1, merge_alpha=0.5, reduce_dtype="int8", error_feedback=True)
+EAGER = dict(sync_every=4, fragments=2, eager_updates=True, reduce_dtype="int4", error_feedback=True)
 
 
 def _family(prefix: str, base: dict, runs_from: str) -> list[dict]:
@@ -63,6 +64,9 @@ SCENARIOS_4 = [
     dict(FSDP2, name="nockpt2"),
     dict(FSDP2, **STREAM, **SHARDED, name="stream2", ckpt=True),
     dict(FSDP2, **STREAM, **SHARDED, name="stream2_inflight", resume_from="stream2/ckpts/step=5.ckpt"),
+    # eager updates: from step 4 on both fragments' sums are in flight, each for a whole round
+    dict(FSDP, **EAGER, name="eager", ckpt=True),
+    dict(FSDP, **EAGER, name="eager_inflight", resume_from="eager/ckpts/step=5.ckpt"),
 ]
 SCENARIOS_8 = [
     *_family("hfull", HSDP, "hfull"),
@@ -75,6 +79,8 @@ SCENARIOS_8 = [
     dict(HSDP, name="hnan_skip", on_nonfinite="skip_group", nan_at_step=3, reduce_dtype="float32"),
     # FSDP2 (issue 12): FL+HSDP on fully_shard, 2 groups x 2 replicas x 2 shards
     *_family("hsharded2", {**HSDP2, **SHARDED}, "hsharded2")[:2],
+    dict(HSDP, **EAGER, **SHARDED, name="heager", ckpt=True),
+    dict(HSDP, **EAGER, **SHARDED, name="heager_inflight", resume_from="heager/ckpts/step=5.ckpt"),
 ]
 # (world, resumed run, uninterrupted run, checkpoint step)
 RESUMES = [
@@ -328,15 +334,18 @@ def test_user_error_with_the_words_of_a_collective_failure_still_saves_its_on_ex
 
 
 STREAM_RESUMES = [
-    ("stream_inflight", "stream", 3),
-    ("stream_sharded_inflight", "stream_sharded", 5),
-    ("stream2_inflight", "stream2", 5),
+    (4, "stream_inflight", "stream", 3),
+    (4, "stream_sharded_inflight", "stream_sharded", 5),
+    (4, "stream2_inflight", "stream2", 5),
+    (4, "eager_inflight", "eager", 5),
+    (8, "heager_inflight", "heager", 5),
 ]
 
 
-@pytest.mark.parametrize(("resumed", "straight", "step"), STREAM_RESUMES)
-def test_resume_with_fragments_and_a_sum_in_flight_is_exact(four, resumed, straight, step):
-    got, want = _ranks(four, resumed), _ranks(four, straight)
+@pytest.mark.parametrize(("world", "resumed", "straight", "step"), STREAM_RESUMES)
+def test_resume_with_fragments_and_a_sum_in_flight_is_exact(four, eight, world, resumed, straight, step):
+    ranks = four if world == 4 else eight
+    got, want = _ranks(ranks, resumed), _ranks(ranks, straight)
     assert all(r["pending_at_save"][step] for r in want), "no sum was in flight when the checkpoint was written"
     assert got[0]["num_syncs"] == want[0]["num_syncs"] == 5  # landings at 2, 4, 6, 8, then the other fragment
     for g, w in zip(got, want):

@@ -133,6 +133,18 @@ SCENARIOS_4 = [
         wrap_linear=True,
         max_steps=5,
     ),
+    # eager updates: each fragment's sum in flight for a whole round, stopping with both sums in flight
+    dict(
+        BASE,
+        name="eager_f2",
+        strategy="fl_fsdp",
+        sync_every=4,
+        fragments=2,
+        eager_updates=True,
+        outer_optimizer="nesterov",
+        wrap_linear=True,
+        max_steps=7,
+    ),
     # one-rank groups: the fed ring spans the world, where Lightning's own collectives run (it deadlocked once)
     dict(
         BASE, name="stream_one_rank_groups", strategy="fl_fsdp", num_groups=4, sync_every=2, sync_delay=1, max_steps=5
@@ -152,6 +164,17 @@ SCENARIOS_4 = [
     ),
 ]
 SCENARIOS_8 = [
+    dict(
+        BASE,
+        name="eager_hsdp",
+        strategy="fl_hsdp",
+        num_groups=2,
+        shard_size=2,
+        sync_every=2,
+        eager_updates=True,
+        outer_optimizer="nesterov",
+        max_steps=5,
+    ),
     dict(
         BASE,
         name="scope_int4_hsdp",
@@ -191,6 +214,7 @@ FSDP2_TWINS = {
     "stream_f2_d1_a05",
     "int8_ef",
     "hsdp_nesterov",
+    "eager_f2",
 }
 
 
@@ -261,6 +285,7 @@ def _reference(ranks: list[dict], spec: dict, topology: FederationTopology) -> d
         sync_delay=spec.get("sync_delay", 0),
         merge_alpha=spec.get("merge_alpha", 0.0),
         final_landing="reset",  # a fragment that lands at the last step keeps that landing's anchor
+        eager=spec.get("eager_updates", False),
     )
 
 
@@ -502,6 +527,16 @@ def test_streaming_syncs_match_the_reference(four, name, groups, shard):
     ref = _reference(ranks, _spec(name), FederationTopology(4, groups, shard))
     worst = _assert_state_close(ranks[0]["final"], ref["final"], atol=1e-6)
     assert max((ref["final"][k] - ranks[0]["initial"][f"net.{k}"]).abs().max() for k in ref["final"]) > 1e-2
+    print(f"{name}: max |strategy - reference| = {worst:.2e}")
+
+
+@pytest.mark.parametrize(("name", "world", "groups", "shard"), [*both(("eager_f2", 4, 2, 2)), ("eager_hsdp", 8, 2, 2)])
+def test_eager_updates_match_the_reference(four, eight, name, world, groups, shard):
+    ranks = (four if world == 4 else eight)[name]
+    ref = _reference(ranks, _spec(name), FederationTopology(world, groups, shard))
+    worst = _assert_state_close(ranks[0]["final"], ref["final"], atol=1e-6)
+    assert max((ref["final"][k] - ranks[0]["initial"][f"net.{k}"]).abs().max() for k in ref["final"]) > 1e-2
+    assert all(all(torch.equal(r["final"][k], ranks[0]["final"][k]) for k in r["final"]) for r in ranks)
     print(f"{name}: max |strategy - reference| = {worst:.2e}")
 
 

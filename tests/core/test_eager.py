@@ -1,0 +1,245 @@
+"""Eager updates (core.outer / core.federation): the rule against two hand-written references, resume, overlap."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+from torch.testing import assert_close
+
+from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.core.federation import Federation
+from tests.core.fake_comm import ThreadGroups
+
+UNITS = 3  # shards per rank, two values each
+
+
+def _update(g: int, step: int, w: list[Tensor]) -> list[Tensor]:
+    """One 'training step' of group g: a pull towards its own target plus a push; depends on where the group is."""
+    return [x - 0.3 * (x - (g + 1) * (u + 1)) + 0.05 * step * (g - 0.5) for u, x in enumerate(w)]
+
+
+def _nesterov(lr: float, momentum: float):
+    """A hand-written outer step (SGD with Nesterov momentum as torch defines it) with its own buffers."""
+    buffers: dict[int, Tensor] = {}
+
+    def step(key: int, anchor: Tensor, grad: Tensor) -> Tensor:
+        if momentum == 0:
+            return anchor - lr * grad
+        buf = grad.clone() if key not in buffers else momentum * buffers[key] + grad
+        buffers[key] = buf
+        return anchor - lr * (grad + momentum * buf)
+
+    return step
+
+
+def _reference(groups: int, fragments: list[list[int]], sync_every: int, steps: int, lr: float, momentum: float):
+    """The documented rule with explicit per-group start points: returns every group's weights after each step."""
+    every = sync_every // len(fragments)
+    anchor = [torch.zeros(2) for _ in range(UNITS)]
+    weights = [[a.clone() for a in anchor] for _ in range(groups)]
+    starts = [[a.clone() for a in anchor] for _ in range(groups)]
+    outer = [_nesterov(lr, momentum) for _ in fragments]
+    in_flight: dict[int, list[Tensor]] = {}  # fragment -> mean pseudo-gradient per unit, summing since its sync
+    landed_at: dict[int, int] = {}
+    history = []
+
+    def land(f: int) -> None:
+        if f in in_flight:
+            for u, mean in zip(fragments[f], in_flight.pop(f)):
+                anchor[u] = outer[f](u, anchor[u], mean)
+
+    for step in range(1, steps + 1):
+        weights = [_update(g, step, w) for g, w in enumerate(weights)]
+        if step % every == 0:
+            f = (step // every - 1) % len(fragments)
+            deltas = [[starts[g][u] - weights[g][u] for u in fragments[f]] for g in range(groups)]
+            land(f)
+            in_flight[f] = [torch.stack(d).mean(0) for d in zip(*deltas)]
+            for g in range(groups):
+                for u, d in zip(fragments[f], deltas[g]):
+                    starts[g][u] = anchor[u] - lr * d / groups
+                    weights[g][u] = starts[g][u].clone()
+            landed_at[f] = step
+        history.append([[w.clone() for w in ws] for ws in weights])
+    for f, units in enumerate(fragments):  # the end: land what is in flight, then sync what was trained since
+        trained = landed_at.get(f) != steps
+        deltas = [[starts[g][u] - weights[g][u] for u in units] for g in range(groups)]
+        land(f)
+        if trained:
+            for u, d in zip(units, zip(*deltas)):
+                anchor[u] = outer[f](u, anchor[u], torch.stack(d).mean(0))
+        for g in range(groups):
+            for u in units:
+                weights[g][u] = anchor[u].clone()
+    return history, weights
+
+
+def _paper_fedavg(groups: int, sync_every: int, steps: int) -> list[list[list[Tensor]]]:
+    """The eager update as the paper writes it, for plain averaging with one fragment: every group keeps its own outer
+    weights and steps them with ``(1/G) d_g(t) + (1/G) sum_{k != g} d_k(t-1)``."""
+    outer = [[torch.zeros(2) for _ in range(UNITS)] for _ in range(groups)]
+    weights = [[o.clone() for o in outer[g]] for g in range(groups)]
+    previous: list[list[Tensor]] | None = None
+    history = []
+    for step in range(1, steps + 1):
+        weights = [_update(g, step, w) for g, w in enumerate(weights)]
+        if step % sync_every == 0:
+            deltas = [[outer[g][u] - weights[g][u] for u in range(UNITS)] for g in range(groups)]
+            for g in range(groups):
+                for u in range(UNITS):
+                    others = sum(previous[k][u] for k in range(groups) if k != g) if previous else 0.0
+                    outer[g][u] = outer[g][u] - (deltas[g][u] + others) / groups
+                    weights[g][u] = outer[g][u].clone()
+            previous = deltas
+        history.append([[w.clone() for w in ws] for ws in weights])
+    return history
+
+
+def _run(config: FederationConfig, groups: int, steps: int, stop_at: int | None = None, resume: Any = None):
+    """Every group trains by `_update` under ``config``; returns per group its history and final weights."""
+
+    def work(g: int, comm: Any) -> dict[str, Any]:
+        shards = [torch.zeros(2) for _ in range(UNITS)]
+        fed = Federation(config, comm)
+        fed.start(shards, step=0)
+        first = 1
+        if resume is not None:
+            saved = resume[g]
+            for shard, value in zip(shards, saved["shards"]):
+                shard.copy_(value)
+            fed.load_state_dict(saved["state"])
+            fed.load_group_state_dict(saved["group_state"])
+            first = saved["step"] + 1
+        history, anchors = [], []
+        for step in range(first, steps + 1):
+            new = _update(g, step, shards)
+            for shard, value in zip(shards, new):
+                shard.copy_(value)
+            fed.maybe_sync(step)
+            history.append([s.clone() for s in shards])
+            anchors.append([a.clone() for a in fed.outer.anchor])
+            if step == stop_at:
+                state, group_state = fed.state_dict(), fed.group_state_dict()
+                fed.finish_pending()
+                return {"shards": [s.clone() for s in shards], "state": state, "group_state": group_state, "step": step}
+        fed.finish(steps)
+        return {"history": history, "anchors": anchors, "final": [s.clone() for s in shards]}
+
+    return ThreadGroups(groups).run(work)
+
+
+def _eager(**options: Any) -> FederationConfig:
+    return FederationConfig(eager_updates=True, reduce_dtype="float32", **options)
+
+
+NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+
+
+@pytest.mark.parametrize(
+    ("fragments", "cut", "outer", "lr", "momentum"),
+    [
+        (1, [[0, 1, 2]], "fedavg", 1.0, 0.0),
+        (1, [[0, 1, 2]], NESTEROV, 0.7, 0.9),
+        (3, [[0], [1], [2]], NESTEROV, 0.7, 0.9),
+    ],
+)
+@pytest.mark.parametrize("steps", [9, 12])  # the end between syncs, and right at one
+def test_eager_updates_follow_the_documented_rule(fragments, cut, outer, lr, momentum, steps):
+    config = _eager(sync_every=3 * fragments, fragments=fragments, outer_optimizer=outer)
+    results = _run(config, groups=3, steps=steps)
+    history, final = _reference(3, cut, 3 * fragments, steps, lr, momentum)
+    for g, result in enumerate(results):
+        for step, (got, want) in enumerate(zip(result["history"], history)):
+            for a, b in zip(got, want[g]):
+                assert_close(a, b, atol=1e-5, rtol=1e-6, msg=f"group {g} after step {step + 1}")
+        for a, b in zip(result["final"], final[g]):
+            assert_close(a, b, atol=1e-5, rtol=1e-6)
+    # The anchor is the consensus: the same in every group at every step; the groups end on it, bit for bit.
+    for step in range(steps):
+        for g in range(1, 3):
+            assert all(torch.equal(a, b) for a, b in zip(results[g]["anchors"][step], results[0]["anchors"][step]))
+    assert all(torch.equal(a, b) for r in results for a, b in zip(r["final"], results[0]["final"]))
+    # ... and the groups do differ in between (each starts from its own share of the sum in flight)
+    assert not torch.equal(results[0]["history"][steps - 2][0], results[1]["history"][steps - 2][0])
+
+
+def test_eager_fedavg_is_the_papers_update():
+    """With plain averaging the shared-anchor form is exactly the paper's per-group outer weights."""
+    results = _run(_eager(sync_every=2, outer_optimizer="fedavg"), groups=3, steps=8)
+    paper = _paper_fedavg(3, 2, 8)
+    for g, result in enumerate(results):
+        for got, want in zip(result["history"], paper):
+            for a, b in zip(got, want[g]):
+                assert_close(a, b, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("reduce_dtype", ["float32", "int4", "sparse"])
+def test_eager_resume_with_sums_in_flight_is_exact(reduce_dtype):
+    config = FederationConfig(
+        eager_updates=True, sync_every=4, fragments=2, outer_optimizer="nesterov", reduce_dtype=reduce_dtype
+    )
+    straight = _run(config, groups=2, steps=11)
+    saved = _run(config, groups=2, steps=11, stop_at=7)  # both fragments have a sum in flight after step 7
+    assert all(len(s["state"]["eager"]) == 2 for s in saved)
+    resumed = _run(config, groups=2, steps=11, resume=saved)
+    for a, b in zip(straight, resumed):
+        assert len(b["history"]) == 4
+        for x, y in zip(a["history"][7:], b["history"]):
+            assert all(torch.equal(u, v) for u, v in zip(x, y))
+        assert all(torch.equal(x, y) for x, y in zip(a["final"], b["final"]))
+
+
+def test_eager_excludes_delay_and_merge():
+    with pytest.raises(ValueError, match=r"excludes `sync_delay=1` and `merge_alpha=0.0`"):
+        FederationConfig(eager_updates=True, sync_every=4, sync_delay=1)
+    with pytest.raises(ValueError, match=r"`merge_alpha=0.5`"):
+        FederationConfig(eager_updates=True, merge_alpha=0.5)
+    with pytest.raises(ValueError, match=r"`eager_updates` must be True or False, got 1"):
+        FederationConfig(eager_updates=1)
+
+
+class _SlowSums:
+    """A thread communicator whose all-to-all (the background sum) takes ``delay`` seconds; statistics are instant."""
+
+    def __init__(self, inner: Any, delay: float) -> None:
+        self._inner, self._delay = inner, delay
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def all_to_all(self, output: Tensor, input: Tensor) -> None:
+        time.sleep(self._delay)
+        self._inner.all_to_all(output, input)
+
+
+def test_eager_sums_run_for_a_whole_round_while_other_fragments_land():
+    """With 2 fragments a sum is always in flight when the other fragment lands and runs its statistics."""
+    config = FederationConfig(eager_updates=True, sync_every=4, fragments=2, reduce_dtype="int8")
+    delay, step_time = 0.15, 0.1
+    waits: list[list[float]] = [[], []]
+
+    def work(g: int, comm: Any) -> list[Tensor]:
+        shards = [torch.zeros(300) for _ in range(2)]
+        fed = Federation(config, _SlowSums(comm, delay))
+        fed.start(shards, step=0)
+        for step in range(1, 13):
+            time.sleep(step_time)  # training
+            for shard in shards:
+                shard.add_(g + step)
+            start = time.perf_counter()
+            fed.maybe_sync(step)
+            waits[g].append(time.perf_counter() - start)
+        fed.finish(12)
+        return shards
+
+    assert threading.active_count() >= 1
+    results = ThreadGroups(2).run(work)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    # Each sum (0.15 s) lands 2 steps (0.2 s) after it starts: no sync waits for it (the end of training does).
+    assert max(max(w) for w in waits) < delay * 0.8, waits

@@ -1,0 +1,57 @@
+"""The compute-utilization clock (core.listeners) and the discarded work a landing reports to it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.core.federation import Federation
+from lightning_fedshard.core.listeners import UtilizationClock
+from lightning_fedshard.core.outer import SyncStats
+from tests.core.fake_comm import ThreadGroups
+
+
+def test_clock_counts_exposed_time_and_discarded_work():
+    clock = UtilizationClock()
+    clock.on_start(0)
+    time.sleep(0.2)
+    stats = clock.on_sync(SyncStats(0.0, 0.0, 0, 0.05, 1, exposed_seconds=0.05, discarded_fraction=0.25))
+    assert stats.compute_utilization == pytest.approx(0.75, abs=0.05)
+    assert stats.effective_utilization == pytest.approx(stats.compute_utilization * 0.75)
+    logged = stats.as_dict()
+    assert logged["fedshard/effective_utilization"] == stats.effective_utilization
+
+
+@pytest.mark.parametrize(
+    ("options", "discarded"),
+    [
+        (dict(sync_every=4), 0.0),
+        (dict(sync_every=4, sync_delay=2), 0.5),  # the 2 steps since the snapshot are replaced by the anchor
+        (dict(sync_every=4, sync_delay=2, merge_alpha=0.5), 0.25),  # half of them are kept
+        (dict(sync_every=4, fragments=2, sync_delay=1), 0.25),  # 1 step of the fragment's 4-step round
+        (dict(sync_every=4, eager_updates=True), 0.0),  # nothing trained is thrown away
+    ],
+)
+def test_landings_report_the_share_of_the_round_they_discard(options, discarded):
+    config = FederationConfig(reduce_dtype="float32", **options)
+
+    def work(g: int, comm: Any) -> list[float]:
+        shards = [torch.zeros(3), torch.zeros(3)]
+        fed = Federation(config, comm)
+        fed.start(shards, step=0)
+        seen = []
+        for step in range(1, 13):
+            for shard in shards:
+                shard.add_(g + 1)
+            stats = fed.maybe_sync(step)
+            if stats is not None:
+                seen.append(stats.discarded_fraction)
+        fed.finish(12)
+        return seen
+
+    seen = ThreadGroups(2).run(work)[0]
+    assert seen and all(d == pytest.approx(discarded) for d in seen)
