@@ -2,10 +2,13 @@
 
 Shared by the throughput, sync-grid and defaults sweeps (the same shape of sweep). The byte model and the
 predictions are the planner's (:func:`lightning_fedshard.plan.predict`) on the emulated cluster: ring collectives,
-gloo's reduce-scatter as an all-reduce, the outer reducer's own byte count. **Calibration**: the planner given only
-each strategy's measured no-sync compute time per step (its unthrottled no-sync run; FSDP and HSDP have no syncs)
-and the link rate, against the measured median. **FSDP corrected to a true reduce-scatter**: the measured step time
-minus the time the extra reduce-scatter bytes of gloo take on the link (the model's byte difference / link rate).
+gloo's reduce-scatter as an all-reduce, the outer reducer's own byte count, each message framed as gloo sends it over
+TCP. A run's modelled link bytes are the planner's collectives over its training window (its steps, and the syncs
+that land in it) plus the harness's own messages (:mod:`benchmarks.reports.instrumentation`). **Calibration**: the
+planner given only each strategy's measured no-sync compute time per step (its unthrottled no-sync run; FSDP and
+HSDP have no syncs) and the link rate, against the measured median. **FSDP corrected to a true reduce-scatter**: the
+measured step time minus the time the extra reduce-scatter bytes of gloo take on the link (the model's byte
+difference / link rate).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from benchmarks import metrics
 from benchmarks.harness.config import BASELINE_FEDERATION, BASELINES
 from benchmarks.metrics import link_label, link_order, link_slug, spread
 from benchmarks.presets import Configuration
+from benchmarks.reports.instrumentation import harness_bytes
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.plan import CLUSTERS, MODELS, ClusterSpec, TrainSetup, predict
 
@@ -48,6 +52,32 @@ def emulated(link: float | None, step_seconds: float | None = None, gloo: bool =
     )
 
 
+def landings_in_training(run: dict[str, Any]) -> int:
+    """Syncs that land during a run's training: a fragment every ``sync_every / fragments`` steps (federated runs)."""
+    cfg = run["config"]
+    if not cfg["strategy"].startswith("fl_"):
+        return 0
+    fed = cfg["federation"]
+    return cfg["max_steps"] * fed["fragments"] // fed["sync_every"]
+
+
+def byte_model(run: dict[str, Any]) -> tuple[float, float]:
+    """The model's link bytes per training step of a run, and the harness's share of them.
+
+    The planner's step collectives every step and its sync collectives once per landing in the training window
+    (for every configuration but the no-sync ones this is the planner's ``link_bytes_per_step``, which amortizes the
+    syncs), plus the recorder's barriers and Lightning's SIGTERM broadcasts.
+    """
+    cfg = run["config"]
+    cluster = emulated(metrics.identity(run).link_mbit)
+    p = predict(MODELS[cfg["size"]], cluster, setup_of(run))
+    steps, landings = cfg["max_steps"], landings_in_training(run)
+    training = steps * sum(c.link_bytes * c.calls for c in p.step_collectives) + landings * p.link_bytes_per_sync
+    mtu = cluster.tcp_mtu or 0
+    harness = harness_bytes(cluster.world_size, cluster.devices_per_node, steps, landings, mtu) if mtu else 0.0
+    return (training + harness) / steps, harness / steps
+
+
 def config_key(configuration: str, link: float | None) -> str:
     """A configuration on a link: ``"fl_fsdp-int8-50mbit"``."""
     return f"{configuration}-{link_slug(link)}"
@@ -57,7 +87,7 @@ def analyze_run(run: dict[str, Any]) -> dict[str, Any]:
     """The measures of one run (see :mod:`benchmarks.metrics`), with the byte model's bytes per step."""
     ident = metrics.identity(run)
     setup = setup_of(run)
-    model = MODELS[run["config"]["size"]]
+    model_bytes, harness = byte_model(run)
     return {
         "name": run["name"],
         "config": config_key(ident.configuration, ident.link_mbit),
@@ -72,7 +102,8 @@ def analyze_run(run: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_s": metrics.tokens_per_second(run),
         "link_bytes_per_step": metrics.link_bytes_per_step(run),
         "link_bytes_per_round": metrics.bytes_per_round(run),
-        "model_bytes_per_step": predict(model, emulated(ident.link_mbit), setup).link_bytes_per_step,
+        "model_bytes_per_step": model_bytes,
+        "harness_bytes_per_step": harness,
         "cpu_seconds": run.get("cpu_seconds"),
         "model_state_bytes": run.get("model_state_bytes"),
         "maxrss_mib": run.get("maxrss_mib"),
@@ -112,8 +143,6 @@ def summarize(group: list[dict[str, Any]]) -> dict[str, Any]:
     """One configuration over its repeats: the spread of every measure."""
     first = group[0]
     measured = spread(r["link_bytes_per_step"] for r in group)
-    # No-sync runs end before their first sync, which the model amortizes over `sync_every`: not comparable.
-    nosync = "nosync" in first["kind"]
     return {
         "kind": first["kind"],
         "link": first["link"],
@@ -122,7 +151,8 @@ def summarize(group: list[dict[str, Any]]) -> dict[str, Any]:
         **{key: spread(r[key] for r in group) for key in SPREAD_KEYS},
         "link_bytes_per_step": measured,
         "model_bytes_per_step": first["model_bytes_per_step"],
-        "bytes_ratio": math.nan if nosync else measured["median"] / first["model_bytes_per_step"],
+        "harness_bytes_per_step": first["harness_bytes_per_step"],
+        "bytes_ratio": measured["median"] / first["model_bytes_per_step"],
         "cpu_seconds_per_rank": spread(statistics.fmean(r["cpu_seconds"]) for r in group if r["cpu_seconds"]),
         "model_state_bytes_rank0": first["model_state_bytes"][0] if first["model_state_bytes"] else None,
         "maxrss_mib_rank0": spread(r["maxrss_mib"][0] for r in group if r["maxrss_mib"]),

@@ -36,7 +36,8 @@ def plan(
     sync_every: int = 8,
     fragments: int = 1,
     sync_delay: int = 0,
-    reduce_dtype: Literal["float32", "bfloat16", "float16", "int8", "int4"] = "int4",
+    eager_updates: bool = False,
+    reduce_dtype: Literal["float32", "bfloat16", "float16", "int8", "int4", "sparse"] = "int4",
     error_feedback: bool | None = None,
     outer_optimizer: Literal["fedavg", "nesterov"] = "fedavg",
     micro_batch: int = 2,
@@ -50,8 +51,8 @@ def plan(
     """Predict throughput, traffic, memory and the bottleneck of FSDP, HSDP, FL+FSDP and FL+HSDP before a run.
 
     Prints a table of the four strategies at the given settings, or with ``--sweep true`` the fastest
-    federated configurations (groups x shard size x sync_every x fragments x dtype x delay) that fit in device
-    memory. The equations, their assumptions and the calibration against measured runs are in docs/plan.md.
+    federated configurations (groups x shard size x sync_every x fragments x dtype x delay or eager updates) that fit
+    in device memory. The equations, their assumptions and the calibration against measured runs are in docs/plan.md.
 
     Args:
         model: Model preset: the example sizes ``xs``, ``s``, ``m``, ``l`` (vocabulary 4096, 128 tokens) or
@@ -74,8 +75,9 @@ def plan(
         sync_every: Optimizer steps between two outer steps.
         fragments: Streaming fragments.
         sync_delay: Optimizer steps the outer sum travels while training goes on.
+        eager_updates: Each sum travels for a whole round (excludes ``sync_delay``).
         reduce_dtype: Outer traffic dtype.
-        error_feedback: int8/int4 residuals (host memory).
+        error_feedback: int8/int4/sparse residuals (host memory).
         outer_optimizer: ``fedavg`` or ``nesterov`` (host memory of the momentum).
         micro_batch: Sequences per rank per micro-batch.
         grad_accum: Micro-batches per optimizer step.
@@ -103,6 +105,7 @@ def plan(
         sync_every=sync_every,
         fragments=fragments,
         sync_delay=sync_delay,
+        eager_updates=eager_updates,
         reduce_dtype=reduce_dtype,
         error_feedback=error_feedback,
         outer_optimizer=outer_optimizer,
@@ -158,6 +161,7 @@ def summary(p: Prediction) -> dict[str, Any]:
         "sync_every": s.federation.sync_every if s.federated else None,
         "fragments": s.federation.fragments if s.federated else None,
         "sync_delay": s.federation.sync_delay if s.federated else None,
+        "eager_updates": s.federation.eager_updates if s.federated else None,
         "reduce_dtype": s.federation.reduce_dtype if s.federated else None,
         "step_seconds": p.step_seconds,
         "compute_seconds": p.compute_seconds,
@@ -199,7 +203,8 @@ def table(predictions: list[Prediction]) -> str:
     for p in predictions:
         s, t = p.setup, p.topology
         f = s.federation
-        fed = f"{f.sync_every} / {f.fragments} / {f.sync_delay} / {f.reduce_dtype}" if s.federated else "-"
+        delay = "eager" if f.eager_updates else f.sync_delay
+        fed = f"{f.sync_every} / {f.fragments} / {delay} / {f.reduce_dtype}" if s.federated else "-"
         rows.append(
             f"| {s.strategy} | {t.num_groups} x {t.num_replicas} x {t.shard_size} | {fed} | {p.step_seconds:.3g} |"
             f" {p.tokens_per_second:,.0f} | {p.sequences_per_second:,.1f} | {p.compute_utilization:.2f} |"

@@ -7,7 +7,13 @@ between ranks of one node use the rank's intra-node bandwidth; edges that leave 
 bandwidth with every other ring of the same collective running at the same time (all replicas, all in-group
 positions). A collective takes the longer of its slowest node's network time and its slowest rank's intra-node time,
 plus its latency. The outer sum uses the core's own byte count (:meth:`wire_bytes` of the reducer the strategy
-builds), so compressed traffic is counted exactly as it is sent.
+builds), so compressed traffic is counted exactly as it is sent; each sync also sums two small statistics vectors (the
+NaN/Inf flags and the norms) over the fed ring and inside the group.
+
+Link bytes are the payload, plus, on a cluster whose ``tcp_mtu`` is set (gloo over TCP, as the emulated cluster), the
+framing of every message that leaves a node: gloo's headers, TCP/IP/Ethernet headers and ACKs
+(:func:`~lightning_fedshard.plan.framing.framed_bytes`), from the message counts of gloo's algorithms. Times use the
+payload.
 """
 
 from __future__ import annotations
@@ -17,10 +23,24 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from lightning_fedshard.core.codecs import SparseTopK
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.reducers import AllReduceSum, Reducer
 from lightning_fedshard.core.topology import FederationTopology
+from lightning_fedshard.plan.framing import (
+    allgather_messages,
+    alltoall_messages,
+    framed_bytes,
+    ring_allreduce_messages,
+)
 from lightning_fedshard.plan.specs import ClusterSpec, ModelSpec, TrainSetup
+
+#: Messages one rank sends over its ring edge in one call, as (share of the edge's payload, messages) parts.
+Messages = Sequence[tuple[float, float]]
+#: Bytes of one value of the sync's statistics sums (float64).
+STATS_VALUE_BYTES = 8
+#: Values of the norms sum of a sync (own squared norm, mean dot product, mean squared norm).
+NORM_VALUES = 3
 
 
 @dataclass(frozen=True)
@@ -30,11 +50,13 @@ class Collective:
     Attributes:
         name: What it moves, e.g. ``"all-gather (forward)"``.
         seconds: Time of one call.
-        node_bytes: Bytes the busiest node sends into the network in one call.
-        link_bytes: Bytes all nodes together send into the network in one call (what link counters show).
-        rank_bytes: Bytes one rank sends in one call, over any link.
+        node_bytes: Payload bytes the busiest node sends into the network in one call.
+        link_bytes: Bytes all nodes together send into the network in one call (what link counters show): the
+            payload, plus its framing on a cluster with a ``tcp_mtu``.
+        rank_bytes: Payload bytes one rank sends in one call, over any link.
         calls: Calls per optimizer step (per sync for outer collectives).
         crosses_nodes: Whether any ring edge leaves a node.
+        messages: Messages all nodes together send into the network in one call.
     """
 
     name: str
@@ -44,6 +66,7 @@ class Collective:
     rank_bytes: float
     calls: float
     crosses_nodes: bool
+    messages: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -60,7 +83,7 @@ class Memory:
     sync: float = 0.0
     """Device bytes of one fragment's sync: its pseudo-gradient buffer and the temporaries of its sum."""
     sync_overlaps_training: bool = False
-    """With ``sync_delay > 0`` the sum runs during training steps, so its bytes add to theirs."""
+    """With ``sync_delay > 0`` or eager updates the sum runs during training steps, so its bytes add to theirs."""
 
     @property
     def device(self) -> float:
@@ -172,6 +195,7 @@ def ring(
     calls: float,
     cluster: ClusterSpec,
     pieces: int = 1,
+    messages: Messages = (),
 ) -> Collective:
     """A ring collective run by several rings at once, each on ``tensor_bytes`` (its whole tensor).
 
@@ -183,10 +207,13 @@ def ring(
         calls: Calls per step.
         cluster: Where the ranks live.
         pieces: Separate calls the tensor is moved in (one per FSDP unit), each paying the ring's latency.
+        messages: The messages one rank sends over its ring edge in one call (all pieces), as ``(share of the
+            edge's payload, messages)`` parts; each part is framed on its own on a cluster with a ``tcp_mtu``.
     """
     node_out: dict[int, float] = defaultdict(float)
     rank_out = intra_out = 0.0  # the most one rank sends, over any edge and over an edge inside its node
     crosses, steps = False, 0
+    link = sent = 0.0
     for members in rings:
         n = len(members)
         if n < 2:
@@ -199,6 +226,8 @@ def ring(
             node = rank // cluster.devices_per_node
             if node != nxt // cluster.devices_per_node:
                 node_out[node] += per_edge
+                link += _on_the_link(per_edge, messages, cluster)
+                sent += sum(count for _, count in messages)
                 crosses = True
             else:
                 intra_out = max(intra_out, per_edge)
@@ -209,11 +238,19 @@ def ring(
         name,
         max(network, intra) + latency,
         max(node_out.values(), default=0.0),
-        sum(node_out.values()),
+        link,
         rank_out,
         calls,
         crosses,
+        sent,
     )
+
+
+def _on_the_link(payload: float, messages: Messages, cluster: ClusterSpec) -> float:
+    """What a link counter sees of ``payload`` sent as ``messages`` (the payload alone without a ``tcp_mtu``)."""
+    if cluster.tcp_mtu is None or not messages or payload == 0:
+        return payload
+    return sum(framed_bytes(share * payload, count, cluster.tcp_mtu) for share, count in messages)
 
 
 def step_collectives(model: ModelSpec, setup: TrainSetup, t: FederationTopology, c: ClusterSpec) -> list[Collective]:
@@ -221,7 +258,7 @@ def step_collectives(model: ModelSpec, setup: TrainSetup, t: FederationTopology,
 
     Sharded units are gathered in the forward and again in the backward pass; the root unit (embeddings, output)
     stays gathered from forward to backward. Gradients are reduce-scattered over the shard ranks (gloo: an
-    all-reduce), then all-reduced over the replicas (HSDP).
+    all-reduce), then all-reduced over the replicas (HSDP). Messages are counted per unit with the average unit.
     """
     shard_rings = [t.shard_ranks(g, r) for g in range(t.num_groups) for r in range(t.num_replicas)]
     accum = setup.grad_accum
@@ -230,16 +267,32 @@ def step_collectives(model: ModelSpec, setup: TrainSetup, t: FederationTopology,
     scatter_factor = 2.0 if c.gloo_reduce_scatter else 1.0
     collectives = []
     units = model.num_layers + 1
-    if t.shard_size > 1:
-        collectives.append(ring("all-gather (parameters)", shard_rings, gather, 1.0, accum, c, 2 * units - 1))
+    if (s := t.shard_size) > 1:
+        gathers = 2 * units - 1
+        messages = ((1.0, gathers * allgather_messages(s)),)
+        collectives.append(ring("all-gather (parameters)", shard_rings, gather, 1.0, accum, c, gathers, messages))
         name = "reduce-scatter (gradients)" + (", as all-reduce" if c.gloo_reduce_scatter else "")
         grads = model.num_parameters * setup.grad_bytes
-        collectives.append(ring(name, shard_rings, grads, scatter_factor, accum, c, units))
-    if t.num_replicas > 1:
+        per_unit = ring_allreduce_messages(math.ceil(grads / units), s, setup.grad_bytes)
+        if not c.gloo_reduce_scatter:  # the reduce-scatter half of the ring
+            per_unit /= 2
+        scatter = ring(name, shard_rings, grads, scatter_factor, accum, c, units, ((1.0, units * per_unit),))
+        collectives.append(scatter)
+    if (replicas := t.num_replicas) > 1:
         replica_rings = [t.replicate_ranks(g, s) for g in range(t.num_groups) for s in range(t.shard_size)]
         shard_grads = model.num_parameters * setup.grad_bytes / t.shard_size
+        per_unit = ring_allreduce_messages(math.ceil(shard_grads / units), replicas, setup.grad_bytes)
         collectives.append(
-            ring("all-reduce (gradients over replicas)", replica_rings, shard_grads, 2.0, accum, c, units)
+            ring(
+                "all-reduce (gradients over replicas)",
+                replica_rings,
+                shard_grads,
+                2.0,
+                accum,
+                c,
+                units,
+                ((1.0, units * per_unit),),
+            )
         )
     return collectives
 
@@ -248,23 +301,45 @@ def sync_collectives(model: ModelSpec, setup: TrainSetup, t: FederationTopology,
     """The outer sum of one fragment over the ``"fed"`` axis, with the bytes the core's reducer sends.
 
     With ``R`` replicas (FL+HSDP) each replica sums ``1 / R`` of its shard over the groups, then the replicas gather
-    the summed parts inside the group (in the reducer's output dtype: float32, or the float wire dtype).
+    the summed parts inside the group (in the reducer's output dtype: float32, or the float wire dtype). Every sync
+    also sums two float64 statistics vectors, first over the fed ring, then inside the group: the NaN/Inf flags
+    (one per group, when the sum begins) and three norms (when it lands).
     """
-    if not setup.federated or t.num_groups < 2:
+    if not setup.federated or (groups := t.num_groups) < 2:
         return []
     reducer = setup.federation.reducer()
     numel = math.ceil(model.num_parameters / t.shard_size / setup.federation.fragments)
     part = math.ceil(numel / t.num_replicas)
-    per_rank = reducer.wire_bytes(part, t.num_groups)
+    per_rank = reducer.wire_bytes(part, groups)
     fed_rings = [t.fed_ranks(r, s) for r in range(t.num_replicas) for s in range(t.shard_size)]
     # Express the reducer's bytes as a ring all-gather-like collective of the same per-rank volume.
-    tensor = per_rank * t.num_groups / (t.num_groups - 1)
-    collectives = [ring(f"outer sum ({setup.federation.codec.describe()})", fed_rings, tensor, 1.0, 1.0, c)]
+    tensor = per_rank * groups / (groups - 1)
+    if isinstance(reducer, AllReduceSum):  # gloo's ring all-reduce of the values in the wire dtype
+        size = reducer.codec.element_size
+        messages: Messages = ((1.0, ring_allreduce_messages(part * size, groups, size)),)
+    else:  # all-to-all of G pieces, then all-gather of the summed ones (in halves): half of the bytes each
+        messages = ((0.5, alltoall_messages(groups)), (0.5, allgather_messages(groups)))
+    collectives = [
+        ring(f"outer sum ({setup.federation.codec.describe()})", fed_rings, tensor, 1.0, 1.0, c, 1, messages)
+    ]
     if t.num_replicas > 1:  # the summed parts, still encoded, gathered inside the group
-        replica_rings = [t.replicate_ranks(g, s) for g in range(t.num_groups) for s in range(t.shard_size)]
-        gathered = t.num_replicas * reducer.encoded_bytes(part, t.num_groups)
-        collectives.append(ring("outer sum: gather over replicas", replica_rings, gathered, 1.0, 1.0, c))
+        replica_rings = [t.replicate_ranks(g, s) for g in range(groups) for s in range(t.shard_size)]
+        gathered = t.num_replicas * reducer.encoded_bytes(part, groups)
+        gather = ((1.0, allgather_messages(t.num_replicas)),)
+        collectives.append(ring("outer sum: gather over replicas", replica_rings, gathered, 1.0, 1.0, c, 1, gather))
+    stats = (groups, NORM_VALUES)  # values of the two sums
+    collectives.append(_stats_sums("sync statistics: sums over the fed ring", fed_rings, groups, stats, c))
+    if t.shard_size > 1:
+        shard_rings = [t.shard_ranks(g, r) for g in range(groups) for r in range(t.num_replicas)]
+        collectives.append(_stats_sums("sync statistics: sums in the group", shard_rings, t.shard_size, stats, c))
     return collectives
+
+
+def _stats_sums(name: str, rings: list[list[int]], n: int, values: Sequence[int], c: ClusterSpec) -> Collective:
+    """Small float64 all-reduces over ``rings`` of ``n`` ranks, one per entry of ``values``, as one collective."""
+    sizes = [v * STATS_VALUE_BYTES for v in values]
+    messages = [(size / sum(sizes), ring_allreduce_messages(size, n, STATS_VALUE_BYTES)) for size in sizes]
+    return ring(name, rings, sum(sizes), 2.0, 1.0, c, len(values), messages)
 
 
 def memory(model: ModelSpec, setup: TrainSetup, t: FederationTopology) -> Memory:
@@ -283,8 +358,13 @@ def memory(model: ModelSpec, setup: TrainSetup, t: FederationTopology) -> Memory
         activations = model.num_layers * _layer_activations(model, tokens, setup.flash_attention)
     reducer = setup.federation.reducer()
     residuals = 2 if getattr(reducer, "feedback", None) is not None else 0
-    outer_state = (1 if setup.federation.outer_optimizer == "nesterov" else 0) + residuals
+    eager = setup.federation.eager_updates
+    # the outer momentum, the residuals and, with eager updates, each group's start offsets (float32, with the anchor)
+    outer_state = (1 if setup.federation.outer_optimizer == "nesterov" else 0) + residuals + (1 if eager else 0)
     federated = setup.federated and t.num_groups > 1
+    fragment = shard / setup.federation.fragments
+    # With eager updates every fragment has its pseudo-gradient buffer in flight at all times.
+    in_flight = (shard - fragment) * reducer.input_dtype.itemsize if eager else 0.0
     return Memory(
         parameters=shard * setup.master_bytes,
         gradients=shard * setup.master_bytes,
@@ -293,8 +373,8 @@ def memory(model: ModelSpec, setup: TrainSetup, t: FederationTopology) -> Memory
         activations=activations,
         host_anchor=shard * 4 if federated else 0.0,
         host_outer=shard * 4 * outer_state if federated else 0.0,
-        sync=_sync_bytes(reducer, shard / setup.federation.fragments) if federated else 0.0,
-        sync_overlaps_training=setup.federation.sync_delay > 0,
+        sync=_sync_bytes(reducer, fragment) + in_flight if federated else 0.0,
+        sync_overlaps_training=setup.federation.sync_delay > 0 or eager,
     )
 
 
@@ -303,11 +383,14 @@ def _sync_bytes(reducer: Reducer, local: float) -> float:
 
     A float reduce holds the buffer in ``reduce_dtype`` and, below float32, the float32 result. int8 / int4 hold the
     float32 buffer, its padded copy and the quantization's float32 temporaries (``core/reducers.py``): about three
-    float32 copies at the peak.
+    float32 copies at the peak. The sparse codec's top-k adds the magnitudes (4 bytes per value), an int32 running
+    count of ties (4) and three masks (1 each): about five float32 copies.
     """
     if isinstance(reducer, AllReduceSum):
         size = reducer.codec.element_size
         return local * (size + (4 if size < 4 else 0))
+    if isinstance(reducer.codec, SparseTopK):
+        return local * (4 * 3 + 4 + 4 + 3)
     return local * 4 * 3
 
 
@@ -316,6 +399,20 @@ def _layer_activations(model: ModelSpec, tokens: int, flash_attention: bool) -> 
     # fused attention (flash / SDPA) keeps no T x T score matrix, which drops the second term.
     scores = 0.0 if flash_attention else 5 * model.num_heads * model.seq_len / model.hidden_size
     return tokens * model.hidden_size * (34 + scores)
+
+
+def exposed_sync_seconds(federation: FederationConfig, sync: float, inner: float) -> float:
+    """Seconds per optimizer step that training waits for syncs, each taking ``sync`` seconds, steps ``inner``.
+
+    A fragment lands every ``H / F`` steps. With ``sync_delay = d`` its sum travels while ``d`` steps train and the
+    rest is exposed. With eager updates every fragment's sum has a whole round (``H`` steps) to land, but the ``F``
+    sums of a round queue on one background thread and one link: the round waits only for what ``F`` sums take
+    beyond ``H`` steps of training.
+    """
+    h, f = federation.sync_every, federation.fragments
+    if federation.eager_updates:
+        return max(0.0, f * sync - h * inner) / h
+    return max(0.0, sync - federation.sync_delay * inner) * f / h
 
 
 def compute_seconds(model: ModelSpec, setup: TrainSetup, cluster: ClusterSpec) -> float:
@@ -339,8 +436,7 @@ def predict(model: ModelSpec, cluster: ClusterSpec, setup: TrainSetup) -> Predic
     inner = max(compute, collective) if cluster.overlap_collectives else compute + collective
     syncs = sync_collectives(model, setup, t, cluster)
     sync = sum(col.seconds for col in syncs)
-    hidden = setup.federation.sync_delay * inner  # the sum travels while `sync_delay` steps train
-    exposed = max(0.0, sync - hidden) * setup.federation.fragments / setup.federation.sync_every
+    exposed = exposed_sync_seconds(setup.federation, sync, inner)
     step_seconds = inner + exposed
     mem = memory(model, setup, t)
     intra = sum(col.seconds * col.calls for col in step if not col.crosses_nodes)

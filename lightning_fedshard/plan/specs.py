@@ -133,6 +133,9 @@ class ClusterSpec:
         overlap_collectives: Whether in-group collectives run concurrently with compute (GPUs with FSDP prefetch:
             a step takes the longer of the two) or one after the other (CPU/gloo: the sum).
         gloo_reduce_scatter: Reduce-scatter runs as a full all-reduce (gloo), sending twice the bytes.
+        tcp_mtu: MTU of the links when the collectives are gloo's over TCP: link bytes then count the framing of
+            every message (gloo's headers, TCP/IP/Ethernet headers, ACKs; :mod:`lightning_fedshard.plan.framing`).
+            ``None``: link bytes are the payload (e.g. NCCL over NVLink and InfiniBand).
     """
 
     name: str
@@ -149,6 +152,7 @@ class ClusterSpec:
     inter_latency: float = 10e-6
     overlap_collectives: bool = True
     gloo_reduce_scatter: bool = False
+    tcp_mtu: int | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "num_nodes", "devices_per_node", "peak_flops", "device_memory", "host_memory")
@@ -157,6 +161,8 @@ class ClusterSpec:
             raise ValueError(f"`mfu={self.mfu!r}` must be in (0, 1].")
         if self.step_seconds is not None:
             _positive(self, "step_seconds")
+        if self.tcp_mtu is not None:
+            _positive(self, "tcp_mtu")
         if self.intra_latency < 0 or self.inter_latency < 0:
             raise ValueError(f"Latencies must be >= 0, got {self.intra_latency!r} and {self.inter_latency!r}.")
 
@@ -169,7 +175,8 @@ class ClusterSpec:
 #: Cluster presets. ``leonardo-512`` is the paper's machine: 128 nodes x 4 A100 64 GB. Assumed: bf16 dense peak
 #: 312 TFLOP/s, MFU 0.4, NVLink 3 at 100 GB/s per rank-to-rank direction, 2 x dual-port HDR100 InfiniBand per node
 #: (4 x 100 Gbit/s = 50 GB/s), 5 us / 10 us latencies. ``emulated-4x2`` is the benchmark's CPU cluster (4 network
-#: namespaces x 2 ranks, gloo, links throttled by tc); its compute time and link rate are set per run.
+#: namespaces x 2 ranks, gloo over TCP on veth links of the default MTU 1500, throttled by tc); its compute time and
+#: link rate are set per run.
 CLUSTERS: dict[str, ClusterSpec] = {
     "leonardo-512": ClusterSpec(
         "leonardo-512",
@@ -198,6 +205,7 @@ CLUSTERS: dict[str, ClusterSpec] = {
         inter_latency=100e-6,
         overlap_collectives=False,
         gloo_reduce_scatter=True,
+        tcp_mtu=1500,
     ),
 }
 

@@ -12,8 +12,9 @@ from lightning_fedshard.plan.specs import ClusterSpec, ModelSpec, TrainSetup
 #: What :func:`sweep` varies, unless told otherwise.
 SYNC_EVERY = (8, 32, 128)
 FRAGMENTS = (1, 4)
-REDUCE_DTYPES = ("float32", "bfloat16", "int8", "int4")
+REDUCE_DTYPES = ("float32", "bfloat16", "int8", "int4", "sparse")
 SYNC_DELAYS = (0, 1)
+EAGER_UPDATES = (False, True)
 
 
 def uses_given_layout(setup: TrainSetup) -> bool:
@@ -80,10 +81,12 @@ def candidates(
     fragments: Sequence[int] = FRAGMENTS,
     reduce_dtypes: Sequence[str] = REDUCE_DTYPES,
     sync_delays: Sequence[int] = SYNC_DELAYS,
+    eager_updates: Sequence[bool] = EAGER_UPDATES,
 ) -> Iterator[TrainSetup]:
     """FL+FSDP and FL+HSDP setups: groups of whole nodes, shards that divide a node or a group, and every option.
 
-    A ``num_groups`` or ``shard_size`` given in ``base`` is kept instead of varied.
+    A ``num_groups`` or ``shard_size`` given in ``base`` is kept instead of varied. Eager updates are tried without a
+    ``sync_delay`` only (they exclude each other).
     """
     for groups in _group_counts(cluster, base):
         for strategy, shard in _layouts(cluster, max(cluster.world_size // groups, 1), base.federation.shard_size):
@@ -91,19 +94,22 @@ def candidates(
                 for f in fragments:
                     for dtype in reduce_dtypes:
                         for delay in sync_delays:
-                            if h % f or (delay and delay >= h // f):
-                                continue
-                            federation = replace(
-                                base.federation,
-                                num_groups=groups,
-                                shard_size=shard,
-                                sync_every=h,
-                                fragments=f,
-                                reduce_dtype=dtype,
-                                error_feedback=None,  # on for int8/int4, as the strategies default to
-                                sync_delay=delay,
-                            )
-                            yield replace(base, strategy=strategy, federation=federation)  # type: ignore[arg-type]
+                            for eager in eager_updates:
+                                if h % f or (delay and delay >= h // f) or (eager and delay):
+                                    continue
+                                federation = replace(
+                                    base.federation,
+                                    num_groups=groups,
+                                    shard_size=shard,
+                                    sync_every=h,
+                                    fragments=f,
+                                    reduce_dtype=dtype,
+                                    error_feedback=None,  # on for the compressed codecs, as the strategies default to
+                                    sync_delay=delay,
+                                    merge_alpha=0.0 if eager else base.federation.merge_alpha,
+                                    eager_updates=eager,
+                                )
+                                yield replace(base, strategy=strategy, federation=federation)  # type: ignore[arg-type]
 
 
 def sweep(

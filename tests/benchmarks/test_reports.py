@@ -103,3 +103,55 @@ def test_replace_section(tmp_path):
     assert page.read_text() == "a\n<!-- generated:x -->\nnew table\n<!-- /generated:x -->\nb\n"
     with pytest.raises(ValueError, match="no <!-- generated:y -->"):
         replace_section(page, "y", "z")
+
+
+def test_the_harness_sends_barriers_and_lightnings_broadcast_across_nodes():
+    from benchmarks.reports.instrumentation import barrier_bytes, harness_bytes, sigterm_broadcast_bytes
+
+    message = 3 * 48 + 4 * 66  # an empty gloo message: three headers, four frames (framed_bytes)
+    # 8 ranks, 2 per node: the dissemination barrier's 24 messages, 20 between nodes; the broadcast tree's 7, 6
+    assert barrier_bytes(8, 2, 1500) == 20 * message
+    assert sigterm_broadcast_bytes(8, 2, 1500) == 6 * (8 + message)
+    assert harness_bytes(8, 2, steps=16, sync_windows=2, mtu=1500) == (5 + 3 * 2) * 20 * message + 16 * 6 * (
+        8 + message
+    )
+    assert harness_bytes(1, 1, steps=16, sync_windows=0, mtu=1500) == 0
+
+
+def _run(configuration: str, link: float | None) -> dict:
+    from benchmarks.harness.config import RunIdentity
+    from benchmarks.presets import CONFIGURATIONS, TRAINING_4X2
+
+    cfg = CONFIGURATIONS[configuration].run_config(TRAINING_4X2, num_nodes=4, devices=2, out="o", cache_dir="c")
+    identity = RunIdentity("test", configuration, 0, link, 0)
+    return {"config": cfg.record(), "identity": identity.__dict__}
+
+
+def test_a_runs_byte_model_is_its_training_windows_collectives_and_the_harness():
+    from benchmarks.reports.sweep import byte_model, emulated, landings_in_training, setup_of
+    from lightning_fedshard.plan import MODELS, predict
+
+    nosync, every8, fragments = _run("fl_fsdp-nosync", None), _run("fl_fsdp", 50.0), _run("fl_fsdp-int4ef-f4-d1", 50.0)
+    assert [landings_in_training(r) for r in (nosync, every8, fragments)] == [0, 2, 8]
+    # FL+FSDP's groups are whole nodes: without a sync in its 16 steps only the harness crosses the links
+    model, harness = byte_model(nosync)
+    assert model == harness > 0
+    # with syncs, the planner's bytes per step (it amortizes the syncs over sync_every) plus the harness
+    model, harness = byte_model(every8)
+    planned = predict(MODELS["xs"], emulated(50.0), setup_of(every8)).link_bytes_per_step
+    assert model == pytest.approx(planned + harness) and harness > byte_model(nosync)[1]  # 6 more barriers
+    assert byte_model(fragments)[1] > harness  # a sync window per fragment: 8 of them
+
+
+def test_the_byte_target_names_its_worst_configuration_and_the_worst_with_training_traffic():
+    from benchmarks.reports.targets import bytes_row
+
+    harness_only = {**_config("fl_fsdp-nosync", None, 1.0, ratio=1.04), "model_bytes_per_step": 5.0}
+    harness_only["harness_bytes_per_step"] = 5.0
+    int4 = {**_config("fl_fsdp-int4ef", 50.0, 1.0, ratio=0.99), "model_bytes_per_step": 600.0}
+    int4["harness_bytes_per_step"] = 17.0
+    row = bytes_row({"fl_fsdp-nosync-unthrottled": harness_only, "fl_fsdp-int4ef-50mbit": int4})
+    assert row["measured"] == pytest.approx(0.04) and not row["met"] and row["worst"] == "fl_fsdp-nosync-unthrottled"
+    assert (row["configurations"], row["within"]) == (2, 1)
+    assert row["worst_with_training_traffic"] == "fl_fsdp-int4ef-50mbit"
+    assert row["worst_with_training_traffic_error"] == pytest.approx(0.01)

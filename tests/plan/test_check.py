@@ -32,7 +32,10 @@ def test_check_run_predicts_the_sum_from_the_network_and_keeps_the_measured_step
     assert report["measured_step_seconds"] == pytest.approx(10.0 / 8)
     assert report["measured_sync_seconds"] == pytest.approx(0.5)
     assert report["measured_exposed_sync_per_step"] == pytest.approx(0.1)
-    # the outer sum: 2 ranks per node each send 2 (G-1)/G x 500 values x 4 bytes = 2,000 bytes at 1,000 bytes/s
-    assert report["predicted_sync_seconds"] == pytest.approx(4.0)
+    # the outer sum: 2 ranks per node each send 2 (G-1)/G x 500 values x 4 bytes = 2,000 bytes at 1,000 bytes/s; the
+    # statistics sums over the fed ring (2 flags and 3 norms, float64): 2 ranks x 2 (G-1)/G x 40 bytes = 80 bytes more,
+    # then inside the group: 2 all-reduces of 2 latency-bound steps at the preset's 50 us inside a node
+    sync = 4.0 + 0.08 + 2 * 2 * 50e-6
+    assert report["predicted_sync_seconds"] == pytest.approx(sync)
     inner = 10.0 / 8 - 0.1
-    assert report["predicted_step_seconds"] == pytest.approx(inner + (4.0 / 4))
+    assert report["predicted_step_seconds"] == pytest.approx(inner + (sync / 4))

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.core.reducers import make_reducer
 from lightning_fedshard.plan import CLUSTERS, MODELS, ClusterSpec, ModelSpec, TrainSetup, compare, predict, sweep
 from lightning_fedshard.plan.predict import ring
 
@@ -55,11 +56,14 @@ def test_fl_fsdp_sends_nothing_across_nodes_between_syncs():
         MODEL, CLUSTER, TrainSetup("fl_fsdp", federation=FederationConfig(sync_every=4, reduce_dtype="float32"))
     )
     assert p.topology.num_groups == 2 and all(not c.crosses_nodes for c in p.step_collectives)
-    (outer,) = p.sync_collectives
+    outer, stats, in_group = p.sync_collectives
     # each rank all-reduces its 500-value shard over 2 groups: 2 (G-1)/G x 500 x 4 = 2,000 bytes, 2 ranks per node
     assert outer.rank_bytes == 2000 and outer.node_bytes == 4000 and outer.link_bytes == 8000
-    assert p.link_bytes_per_step == pytest.approx(8000 / 4)
-    assert p.exposed_sync_seconds == pytest.approx(4000 / 1e9 / 4)
+    # then the sync's statistics, 2 flags and 3 norms in float64, over the fed ring (across nodes), then in the group
+    assert stats.rank_bytes == 2 * 1 / 2 * 5 * 8 and stats.link_bytes == 4 * 40 and stats.crosses_nodes
+    assert in_group.link_bytes == 0 and not in_group.crosses_nodes
+    assert p.link_bytes_per_step == pytest.approx((8000 + 160) / 4)
+    assert p.exposed_sync_seconds == pytest.approx(((4000 + 80) / 1e9 + 40 / 10e9) / 4)  # in-group: 40 bytes, intra
     assert p.batch_per_step == 2  # one group of two ranks
 
 
@@ -71,7 +75,6 @@ def test_hsdp_all_reduces_gradient_shards_across_nodes():
 
 
 def test_compressed_outer_traffic_uses_the_core_byte_count():
-    from lightning_fedshard.core.reducers import make_reducer
 
     p = predict(
         MODEL, CLUSTER, TrainSetup("fl_fsdp", federation=FederationConfig(reduce_dtype="int8", error_feedback=True))
@@ -93,6 +96,46 @@ def test_overlap_hides_the_sum_for_sync_delay_steps():
     inner = overlapped.step_seconds - overlapped.exposed_sync_seconds
     assert overlapped.exposed_sync_seconds == pytest.approx((overlapped.sync_seconds - inner) / 4)
     assert blocking.bottleneck == "outer sync"
+
+
+def test_eager_updates_hide_what_a_round_of_training_covers():
+    slow = ClusterSpec(**{**CLUSTER.__dict__, "inter_bandwidth": 500.0})
+
+    def fed(**options):
+        return predict(MODEL, slow, TrainSetup("fl_fsdp", federation=FederationConfig(reduce_dtype="float32", **options)))
+
+    eager = fed(sync_every=4, eager_updates=True)  # one sum of the whole model per 4 steps
+    inner = eager.step_seconds - eager.exposed_sync_seconds
+    assert eager.exposed_sync_seconds == pytest.approx(max(0.0, eager.sync_seconds - 4 * inner) / 4)
+    assert eager.exposed_sync_seconds < fed(sync_every=4, sync_delay=3).exposed_sync_seconds
+    # 2 fragments: each sum is half as large, but both of a round share the link, which carries a model per round
+    halves = fed(sync_every=4, fragments=2, eager_updates=True)
+    assert halves.exposed_sync_seconds == pytest.approx(max(0.0, 2 * halves.sync_seconds - 4 * inner) / 4)
+    hidden = fed(sync_every=64, eager_updates=True)  # a sum of 8 s is shorter than 64 steps of 1 s
+    assert hidden.exposed_sync_seconds == 0.0 and hidden.compute_utilization == pytest.approx(1.0, abs=1e-5)
+
+
+def test_sparse_and_eager_memory_and_bytes():
+    def memory(**options):
+        return predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", federation=FederationConfig(**options))).memory
+
+    # the top-k's magnitudes, tie counts and masks on top of int4's three float32 copies of the 500-value shard
+    assert memory(reduce_dtype="sparse").sync == 500 * (12 + 4 + 4 + 3)
+    eager = memory(sync_every=4, fragments=2, eager_updates=True)
+    # the other fragment's buffer stays in flight, its start offsets wait on the host with the anchor
+    assert eager.sync == 3 * 4 * 250 + 4 * 250 and eager.sync_overlaps_training
+    assert eager.host_outer == memory(sync_every=4, fragments=2).host_outer + 2000
+    sparse = predict(MODEL, CLUSTER, TrainSetup("fl_fsdp", federation=FederationConfig(reduce_dtype="sparse")))
+    # 500 values padded to 2 chunks of 4096, one per group: 120 bytes each, sent twice (all-to-all, all-gather)
+    assert sparse.sync_collectives[0].rank_bytes == make_reducer("sparse").wire_bytes(500, 2) == 2 * 120
+
+
+def test_the_sweep_ranks_sparse_traffic_and_eager_updates():
+    slow = ClusterSpec(**{**CLUSTER.__dict__, "inter_bandwidth": 1e4})
+    ranked = sweep(MODEL, slow, TrainSetup("fl_fsdp"), top=200)
+    options = {(p.setup.federation.reduce_dtype, p.setup.federation.eager_updates) for p in ranked}
+    assert ("sparse", True) in options and ("float32", False) in options
+    assert all(not (p.setup.federation.eager_updates and p.setup.federation.sync_delay) for p in ranked)
 
 
 def test_memory_per_rank_by_hand():
@@ -165,11 +208,11 @@ def test_nonsense_inputs_are_refused_naming_the_value(build, message):
 
 def test_fl_hsdp_sends_each_shard_across_groups_once_and_gathers_it_over_the_replicas():
     """The paper's FL+HSDP layout (16 groups x 8 replicas x shard 4): each replica sends 1/8 of its shard."""
-    from lightning_fedshard.core.reducers import make_reducer
 
     federation = FederationConfig(num_groups=16, shard_size=4, reduce_dtype="bfloat16")
     p = predict(MODELS["llama-3.1-8b"], CLUSTERS["leonardo-512"], TrainSetup("fl_hsdp", federation=federation))
-    outer_sum, gather = p.sync_collectives
+    outer_sum, gather, *stats = p.sync_collectives
+    assert [c.name for c in stats] == ["sync statistics: sums over the fed ring", "sync statistics: sums in the group"]
     shard = math.ceil(MODELS["llama-3.1-8b"].num_parameters / 4)
     assert outer_sum.rank_bytes == pytest.approx(make_reducer("bfloat16").wire_bytes(math.ceil(shard / 8), 16))
     part = math.ceil(shard / 8)
