@@ -102,7 +102,8 @@ def test_eager_updates_hide_what_a_round_of_training_covers():
     slow = ClusterSpec(**{**CLUSTER.__dict__, "inter_bandwidth": 500.0})
 
     def fed(**options):
-        return predict(MODEL, slow, TrainSetup("fl_fsdp", federation=FederationConfig(reduce_dtype="float32", **options)))
+        federation = FederationConfig(reduce_dtype="float32", **options)
+        return predict(MODEL, slow, TrainSetup("fl_fsdp", federation=federation))
 
     eager = fed(sync_every=4, eager_updates=True)  # one sum of the whole model per 4 steps
     inner = eager.step_seconds - eager.exposed_sync_seconds
