@@ -240,6 +240,9 @@ class Federation:
     def consensus_weights(self) -> Iterator[None]:
         """Temporarily load the consensus (the anchor) into the shards, e.g. for validation between syncs.
 
+        With eager updates the consensus includes the sums in flight: it waits for them and shows the anchor each
+        fragment will have once its sum has landed (the anchor itself and the outer state are not changed).
+
         With a single group there is nothing to agree on: its current weights are the consensus and stay in place
         (so a one-group run validates and saves what plain FSDP would).
         """
@@ -248,6 +251,7 @@ class Federation:
             return
         saved = [s.detach().clone() for s in self._outer.shards]
         self._outer.copy_anchor_to_shards()
+        self._project_sums_in_flight()
         self._on_write()
         try:
             yield
@@ -256,6 +260,21 @@ class Federation:
                 for shard, local in zip(self._outer.shards, saved):
                     shard.copy_(local)
             self._on_write()
+
+    @torch.no_grad()
+    def _project_sums_in_flight(self) -> None:
+        """With eager updates, write each fragment's anchor as it will be once its sum in flight has landed.
+
+        A fragment's sum lands a round after it started, so the anchor alone lags the groups by a round; the consensus
+        that validation sees includes every round trained so far. Waits for the sums (collective, in start order).
+        """
+        for pending in self._in_flight():
+            pending.result()
+        outer = self.outer
+        for fragment in sorted(self._eager):
+            indices = outer.fragments[fragment]
+            for i, anchor in zip(indices, outer.projected_anchor(self._eager[fragment])):
+                outer.shards[i].copy_(anchor)
 
     def state_nbytes(self) -> dict[str, int]:
         """Bytes this rank holds for the federation: anchor, outer optimizer state, error-feedback residuals.

@@ -23,6 +23,7 @@ This module knows nothing about Lightning or FSDP: it takes tensors and a :class
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -451,6 +452,26 @@ class OuterStep:
         self.copy_anchor_to_shards(fragment)
         self.offsets[fragment] = None
         return stats
+
+    @torch.no_grad()
+    def projected_anchor(self, pending: PendingSync) -> list[Tensor]:
+        """The fragment's anchor once ``pending``'s sum has landed, computed on copies (nothing changes here).
+
+        Waits for the sum. The fragment's outer optimizer steps a copy of the anchor from a copy of its state, so an
+        eager run validates the consensus of every round trained so far, not of the rounds landed so far.
+        """
+        mean = pending.result() / (len(pending.participants) - len(pending.broken))
+        indices = self.fragments[pending.fragment]
+        anchors = [self.anchor[i].detach().clone().requires_grad_(True) for i in indices]
+        optimizer = self.optimizers[pending.fragment]
+        trial = type(optimizer)(anchors, **optimizer.defaults)
+        trial.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        offset = 0
+        for anchor in anchors:
+            anchor.grad = mean[offset : offset + anchor.numel()].view_as(anchor).to(anchor.device, anchor.dtype)
+            offset += anchor.numel()
+        trial.step()
+        return [a.detach() for a in anchors]
 
     def _detach_result(self, pending: PendingSync) -> None:
         """Wait for ``pending``'s sum and make sure it does not live in the fragment's buffer (summed in place)."""

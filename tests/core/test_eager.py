@@ -243,3 +243,47 @@ def test_eager_sums_run_for_a_whole_round_while_other_fragments_land():
     assert all(torch.equal(a, b) for a, b in zip(*results))
     # Each sum (0.15 s) lands 2 steps (0.2 s) after it starts: no sync waits for it (the end of training does).
     assert max(max(w) for w in waits) < delay * 0.8, waits
+
+
+def test_validation_between_syncs_sees_every_round_trained_so_far():
+    """The consensus with sums in flight is the anchor each fragment will have when its sum lands: at a sync step it
+    is what ``finish`` leaves every group with, and entering it changes nothing of the run."""
+    config = _eager(sync_every=4, fragments=2, outer_optimizer="nesterov")
+
+    def work(g: int, comm: Any) -> dict[str, Any]:
+        shards = [torch.zeros(2) for _ in range(UNITS)]
+        fed = Federation(config, comm)
+        fed.start(shards, step=0)
+        for step in range(1, 9):
+            for shard, value in zip(shards, _update(g, step, shards)):
+                shard.copy_(value)
+            fed.maybe_sync(step)
+        with fed.consensus_weights():
+            seen = [s.clone() for s in shards]
+        fed.finish(8)  # fragment 1 synced at 8: nothing trained since, so the end only lands the sums in flight
+        return {"seen": seen, "final": [s.clone() for s in shards]}
+
+    results = ThreadGroups(2).run(work)
+    for r in results:
+        assert all(torch.equal(a, b) for a, b in zip(r["seen"][1:], r["final"][1:]))  # fragment 1: units 1, 2
+    straight = _run(config, groups=2, steps=11)
+    resumed_after_validation = ThreadGroups(2).run(
+        lambda g, comm: _validate_midway_then_continue(config, g, comm, steps=11, validate_at=6)
+    )
+    for a, b in zip(straight, resumed_after_validation):
+        assert all(torch.equal(x, y) for x, y in zip(a["final"], b))
+
+
+def _validate_midway_then_continue(config: FederationConfig, g: int, comm: Any, steps: int, validate_at: int):
+    shards = [torch.zeros(2) for _ in range(UNITS)]
+    fed = Federation(config, comm)
+    fed.start(shards, step=0)
+    for step in range(1, steps + 1):
+        for shard, value in zip(shards, _update(g, step, shards)):
+            shard.copy_(value)
+        fed.maybe_sync(step)
+        if step == validate_at:
+            with fed.consensus_weights():
+                pass
+    fed.finish(steps)
+    return [s.clone() for s in shards]
