@@ -139,7 +139,7 @@ class FederatedArguments:
         error_feedback: bool | None = None,
         sync_delay: int = 0,
         merge_alpha: float = 0.0,
-        eager_updates: bool = False,
+        eager_updates: bool | str = False,
         plan: str | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:

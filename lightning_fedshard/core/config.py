@@ -35,6 +35,10 @@ OUTER_OPTIMIZERS: dict[str, OuterOptimizerFactory] = {
 
 OuterOptimizerSpec = str | Callable[[Iterable[Tensor]], Optimizer]
 
+#: What stands in for the mean in flight with eager updates: this group's share of it (the paper's), or its own
+#: pseudo-gradient for the whole of it.
+EAGER_RULES: tuple[str, ...] = ("share", "local")
+
 
 @dataclass(frozen=True)
 class FederationConfig:
@@ -91,9 +95,11 @@ class FederationConfig:
         eager_updates: Overlap each fragment's sum over the groups with the whole next round (default ``False``):
             at a sync every group lands the mean that was summed during the round that just ended, starts summing its
             new pseudo-gradient ``d_g``, and restarts from ``anchor - lr * d_g / G``, its own share of that mean
-            applied at once (the eager updates of arXiv 2502.12996; ``lr`` the outer learning rate). The anchor and
-            the outer optimizer stay identical in every group; nothing a group trains is thrown away. Excludes
-            ``sync_delay`` and ``merge_alpha``. See docs/configuration.md, "Eager updates".
+            applied at once (``True`` or ``"share"``: the eager updates of arXiv 2502.12996; ``lr`` the outer
+            learning rate), or from ``anchor - lr * d_g`` (``"local"``: its own pseudo-gradient stands in for the
+            whole mean until the mean lands). The anchor and the outer optimizer stay identical in every group;
+            nothing a group trains is thrown away. Excludes ``sync_delay`` and ``merge_alpha``. See
+            docs/configuration.md, "Eager updates".
 
     Raises:
         ValueError: For a non-positive ``num_groups``, ``shard_size`` or ``sync_every``, an unknown outer
@@ -116,7 +122,7 @@ class FederationConfig:
     merge_alpha: float = 0.0
     quant_block_size: int = DEFAULT_BLOCK_SIZE
     error_feedback: bool | None = None
-    eager_updates: bool = False
+    eager_updates: bool | str = False
 
     def __post_init__(self) -> None:
         for name in ("num_groups", "shard_size"):
@@ -157,8 +163,10 @@ class FederationConfig:
         alpha = self.merge_alpha
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
             raise ValueError(f"`merge_alpha` must be a number in [0, 1], got {alpha!r}.")
-        if not isinstance(self.eager_updates, bool):
-            raise ValueError(f"`eager_updates` must be True or False, got {self.eager_updates!r}.")
+        if not (isinstance(self.eager_updates, bool) or self.eager_updates in EAGER_RULES):
+            raise ValueError(
+                f"`eager_updates` must be False, True, or one of {list(EAGER_RULES)}, got {self.eager_updates!r}."
+            )
         if self.eager_updates and (delay or alpha):
             raise ValueError(
                 f"`eager_updates=True` overlaps each sum with a whole round and keeps all local progress; it excludes"
@@ -204,12 +212,19 @@ class FederationConfig:
             parts.append(f"{self.fragments} streaming fragments")
         if self.sync_delay:
             parts.append(f"sum overlapped with {self.sync_delay} step(s)")
-        if self.eager_updates:
-            parts.append("eager updates (each sum overlapped with a whole round)")
+        if self.eager_rule is not None:
+            parts.append(f"eager updates ({self.eager_rule}: each sum overlapped with a whole round)")
         if self.merge_alpha:
             parts.append(f"merge_alpha={self.merge_alpha}")
         parts.append(f"anchor on the {'CPU' if self.anchor_device == 'cpu' else 'device'}")
         return ", ".join(parts)
+
+    @property
+    def eager_rule(self) -> str | None:
+        """``None`` without eager updates, else what stands in for the mean in flight: ``"share"`` or ``"local"``."""
+        if self.eager_updates is False:
+            return None
+        return "share" if self.eager_updates is True else str(self.eager_updates)
 
     @property
     def outer_optimizer_factory(self) -> OuterOptimizerFactory:

@@ -96,6 +96,7 @@ class Federation:
             on_nonfinite=self.config.on_nonfinite,
             fragments=cut_fragments(unit_sizes or [s.numel() for s in shards], self.config.fragments),
             reducer=self.config.reducer,
+            eager_rule=self.config.eager_rule or "share",
         )
         self.last_synced_step = self.last_step = step
         self.landed_at = [step] * self.config.fragments
@@ -124,7 +125,7 @@ class Federation:
         """
         if step <= self.last_step:
             return None
-        if self.config.eager_updates:
+        if self.config.eager_rule is not None:
             stats = self._eager_sync(step) if self.is_due(step) else None
             self.last_step = step
             return stats
@@ -192,7 +193,7 @@ class Federation:
         """
         if not self.started:
             return None
-        if self.config.eager_updates:
+        if self.config.eager_rule is not None:
             synced = self._finish_eager(step)
             self.last_step = max(self.last_step, step)
             return _combined(synced, self.config.fragments)

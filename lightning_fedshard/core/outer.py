@@ -251,6 +251,8 @@ class OuterStep:
         fragments: Shard indices of each fragment, covering every shard exactly once; default: one fragment.
         reducer: Builds the reducer of a fragment (see :mod:`~lightning_fedshard.core.reducers`), called once per
             fragment; ``None`` (default): an all-reduce in ``reduce_dtype``.
+        eager_rule: What :meth:`eager_step` applies at once: ``"share"`` (``lr * d_g / G``, this group's share of
+            the mean in flight) or ``"local"`` (``lr * d_g``, its own pseudo-gradient for the whole mean).
 
     Raises:
         ValueError: If ``outer_optimizer`` does not return a ``torch.optim.Optimizer``, for an unknown
@@ -267,7 +269,11 @@ class OuterStep:
         on_nonfinite: str = "raise",
         fragments: Sequence[Sequence[int]] | None = None,
         reducer: Callable[[], Reducer] | None = None,
+        eager_rule: str = "share",
     ) -> None:
+        if eager_rule not in ("share", "local"):
+            raise ValueError(f"`eager_rule` must be 'share' or 'local', got {eager_rule!r}.")
+        self.eager_rule = eager_rule
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"`on_nonfinite` must be one of {list(NONFINITE_POLICIES)}, got {on_nonfinite!r}.")
         self.on_nonfinite = on_nonfinite
@@ -411,7 +417,8 @@ class OuterStep:
             start  = anchor - lr * d_g / G                     # this group's own share of the sum now in flight
             shards = start                                     # the next round starts there
 
-        and the mean of the ``d_g`` is summed in the background until the fragment's next sync. With ``final=True``
+        (``start = anchor - lr * d_g`` with ``eager_rule="local"``), and the mean of the ``d_g`` is summed in the
+        background until the fragment's next sync. With ``final=True``
         (the end of training) that sum is made and applied at once and every group ends on the anchor.
 
         Args:
@@ -486,11 +493,15 @@ class OuterStep:
         return local.to(device=device, dtype=torch.float32, copy=True)
 
     def _start_from_own_share(self, fragment: int, offset: Tensor, pending: PendingSync) -> None:
-        """Write ``anchor - lr * d_g / G`` into the fragment's shards and keep the offset (``offset`` holds ``d_g``)."""
+        """Write ``anchor - lr * d_g / G`` (or ``lr * d_g``) into the fragment's shards and keep the offset.
+
+        ``offset`` holds ``d_g`` on the way in.
+        """
         healthy = len(pending.participants) - len(pending.broken)
         if self.communicator.group_index in pending.broken:
             offset.zero_()  # a skipped group adds nothing to the sum and restarts from the anchor
-        offset.mul_(float(self.optimizers[fragment].param_groups[0]["lr"]) / healthy)
+        weight = 1.0 / healthy if self.eager_rule == "share" else 1.0
+        offset.mul_(float(self.optimizers[fragment].param_groups[0]["lr"]) * weight)
         self.offsets[fragment] = offset
         indices = self.fragments[fragment]
         start = 0

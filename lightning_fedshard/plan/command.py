@@ -36,7 +36,7 @@ def plan(
     sync_every: int = 8,
     fragments: int = 1,
     sync_delay: int = 0,
-    eager_updates: bool = False,
+    eager_updates: bool | Literal["share", "local"] = False,
     reduce_dtype: Literal["float32", "bfloat16", "float16", "int8", "int4", "sparse"] = "int4",
     error_feedback: bool | None = None,
     outer_optimizer: Literal["fedavg", "nesterov"] = "fedavg",
@@ -203,7 +203,7 @@ def table(predictions: list[Prediction]) -> str:
     for p in predictions:
         s, t = p.setup, p.topology
         f = s.federation
-        delay = "eager" if f.eager_updates else f.sync_delay
+        delay = f"eager ({f.eager_rule})" if f.eager_rule else f.sync_delay
         fed = f"{f.sync_every} / {f.fragments} / {delay} / {f.reduce_dtype}" if s.federated else "-"
         rows.append(
             f"| {s.strategy} | {t.num_groups} x {t.num_replicas} x {t.shard_size} | {fed} | {p.step_seconds:.3g} |"

@@ -358,7 +358,7 @@ def memory(model: ModelSpec, setup: TrainSetup, t: FederationTopology) -> Memory
         activations = model.num_layers * _layer_activations(model, tokens, setup.flash_attention)
     reducer = setup.federation.reducer()
     residuals = 2 if getattr(reducer, "feedback", None) is not None else 0
-    eager = setup.federation.eager_updates
+    eager = setup.federation.eager_rule is not None
     # the outer momentum, the residuals and, with eager updates, each group's start offsets (float32, with the anchor)
     outer_state = (1 if setup.federation.outer_optimizer == "nesterov" else 0) + residuals + (1 if eager else 0)
     federated = setup.federated and t.num_groups > 1
@@ -410,7 +410,7 @@ def exposed_sync_seconds(federation: FederationConfig, sync: float, inner: float
     beyond ``H`` steps of training.
     """
     h, f = federation.sync_every, federation.fragments
-    if federation.eager_updates:
+    if federation.eager_rule is not None:
         return max(0.0, f * sync - h * inner) / h
     return max(0.0, sync - federation.sync_delay * inner) * f / h
 

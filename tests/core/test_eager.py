@@ -38,8 +38,14 @@ def _nesterov(lr: float, momentum: float):
     return step
 
 
-def _reference(groups: int, fragments: list[list[int]], sync_every: int, steps: int, lr: float, momentum: float):
-    """The documented rule with explicit per-group start points: returns every group's weights after each step."""
+def _reference(
+    groups: int, fragments: list[list[int]], sync_every: int, steps: int, lr: float, momentum: float, own: float = 0.0
+):
+    """The documented rule with explicit per-group start points: returns every group's weights after each step.
+
+    ``own`` is the weight of a group's own pseudo-gradient in its start point: ``1 / groups`` if 0 (its share).
+    """
+    own = own or 1.0 / groups
     every = sync_every // len(fragments)
     anchor = [torch.zeros(2) for _ in range(UNITS)]
     weights = [[a.clone() for a in anchor] for _ in range(groups)]
@@ -63,7 +69,7 @@ def _reference(groups: int, fragments: list[list[int]], sync_every: int, steps: 
             in_flight[f] = [torch.stack(d).mean(0) for d in zip(*deltas)]
             for g in range(groups):
                 for u, d in zip(fragments[f], deltas[g]):
-                    starts[g][u] = anchor[u] - lr * d / groups
+                    starts[g][u] = anchor[u] - lr * own * d
                     weights[g][u] = starts[g][u].clone()
             landed_at[f] = step
         history.append([[w.clone() for w in ws] for ws in weights])
@@ -169,6 +175,20 @@ def test_eager_updates_follow_the_documented_rule(fragments, cut, outer, lr, mom
     assert not torch.equal(results[0]["history"][steps - 2][0], results[1]["history"][steps - 2][0])
 
 
+@pytest.mark.parametrize("fragments", [1, 3])
+def test_the_local_rule_restarts_from_the_whole_own_pseudo_gradient(fragments):
+    cut = [[0, 1, 2]] if fragments == 1 else [[0], [1], [2]]
+    config = _eager(sync_every=3 * fragments, fragments=fragments, outer_optimizer=NESTEROV)
+    config = FederationConfig(**{**config.__dict__, "eager_updates": "local"})
+    results = _run(config, groups=3, steps=10)
+    history, final = _reference(3, cut, 3 * fragments, 10, 0.7, 0.9, own=1.0)
+    for g, result in enumerate(results):
+        for got, want in zip(result["history"], history):
+            assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-6) for a, b in zip(got, want[g]))
+        assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-6) for a, b in zip(result["final"], final[g]))
+    assert "eager updates (local" in config.describe()
+
+
 def test_eager_fedavg_is_the_papers_update():
     """With plain averaging the shared-anchor form is exactly the paper's per-group outer weights."""
     results = _run(_eager(sync_every=2, outer_optimizer="fedavg"), groups=3, steps=8)
@@ -200,8 +220,9 @@ def test_eager_excludes_delay_and_merge():
         FederationConfig(eager_updates=True, sync_every=4, sync_delay=1)
     with pytest.raises(ValueError, match=r"`merge_alpha=0.5`"):
         FederationConfig(eager_updates=True, merge_alpha=0.5)
-    with pytest.raises(ValueError, match=r"`eager_updates` must be True or False, got 1"):
+    with pytest.raises(ValueError, match=r"`eager_updates` must be False, True, or one of \['share', 'local'\], got 1"):
         FederationConfig(eager_updates=1)
+    assert FederationConfig(eager_updates=True).eager_rule == FederationConfig(eager_updates="share").eager_rule
 
 
 class _SlowSums:
