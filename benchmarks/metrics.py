@@ -14,6 +14,9 @@ Definitions:
   replicas talk across nodes every step, so its reference runs on the same link.
 - **in-run utilization**: the strategy's own figure over the pace window, ``1 - exposed sync seconds / window
   seconds`` (``fedshard/sync_exposed_seconds`` as rank 0 logged it): no second run, so no run-to-run noise.
+- **effective utilization**: the in-run utilization times the share of the window's inner-step progress that the
+  landings keep, ``1 - mean discarded fraction`` (``(1 - merge_alpha) sync_delay / sync_every`` per landing; 0
+  without a delay and with eager updates): compute whose progress a landing threw away does not count.
 - **link bytes per step**: every node's upload over training (validation and the end-of-fit syncs excluded) / steps;
   **bytes per round**: the same per round of ``sync_every`` steps (one sync of the whole model).
 - **spread**: median, mean, min, max and count of a measure over the repeats (or seeds): the sweeps report the
@@ -124,6 +127,19 @@ def inrun_utilization(run: dict[str, Any]) -> float:
     if not run["config"]["strategy"].startswith("fl_") or not landings:
         return math.nan
     return 1 - sum(s["sync_exposed_seconds"] for s in landings) / window_seconds(run)
+
+
+def discarded_fraction(run: dict[str, Any]) -> float:
+    """The share of a round's inner-step progress a landing throws away, from the run's sync options."""
+    fed = federation(run)
+    if fed.get("eager_updates"):
+        return 0.0
+    return (1.0 - fed.get("merge_alpha", 0.0)) * fed.get("sync_delay", 0) / fed["sync_every"]
+
+
+def effective_utilization(run: dict[str, Any]) -> float:
+    """In-run utilization times the share of progress the landings keep; NaN without syncs in the window."""
+    return inrun_utilization(run) * (1.0 - discarded_fraction(run))
 
 
 def utilization_reference(run: dict[str, Any]) -> tuple[str, float | None] | None:

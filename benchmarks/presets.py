@@ -23,6 +23,8 @@ FLOAT32: dict[str, Any] = {"reduce_dtype": "float32"}
 INT8: dict[str, Any] = {"reduce_dtype": "int8", "error_feedback": False}  # measured without error feedback
 NOSYNC: dict[str, Any] = {"sync_every": 1024}  # longer than any run: no outer step during training
 FL_HSDP: dict[str, Any] = {"num_groups": 2}  # 2 groups of 2 nodes: shard inside a node, 2 replicas per group
+SPARSE: dict[str, Any] = {"reduce_dtype": "sparse"}  # SparseTopK's defaults, with error feedback
+EAGER: dict[str, Any] = {"eager_updates": True}
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,11 @@ CONFIGURATIONS = _catalogue(
     # One whole round, like sync_every=8's 16 steps.
     Configuration("fl_fsdp-H32", "fl_fsdp", {**FLOAT32, "sync_every": 32}, {"max_steps": 32, "val_every": 32}),
     Configuration("fl_fsdp-nesterov", "fl_fsdp", {**FLOAT32, "outer_optimizer": "nesterov"}),
+    Configuration("fl_fsdp-sparse", "fl_fsdp", SPARSE),
+    Configuration("fl_fsdp-sparse-eager", "fl_fsdp", {**SPARSE, **EAGER}),
+    Configuration("fl_fsdp-int4ef-eager", "fl_fsdp", EAGER),
+    Configuration("fl_fsdp-sparse-eager-local", "fl_fsdp", {**SPARSE, "eager_updates": "local"}),
+    Configuration("fl_fsdp-int4ef-eager-local", "fl_fsdp", {"eager_updates": "local"}),
 )
 
 Cell = tuple[Configuration, float | None]
@@ -132,6 +139,10 @@ TRAINING_4X2: dict[str, Any] = {
     "batch_size": 4,
     "max_val_windows": 8,
 }
+#: The eager sweep: 32 steps, so its pace window (steps 9-32) holds three landings of a sum that travelled a round.
+TRAINING_EAGER: dict[str, Any] = {**TRAINING_4X2, "max_steps": 32, "val_every": 32}
+#: Sync options of the eager sweep, on each of its slow links.
+EAGER_OPTIONS = ("fl_fsdp-int4ef", "fl_fsdp-sparse", "fl_fsdp-sparse-eager", "fl_fsdp-int4ef-eager")
 #: Link rates of the throughput sweep (Mbit/s; None: unthrottled).
 THROUGHPUT_LINKS: tuple[float | None, ...] = (None, 200.0, 50.0, 20.0)
 #: Sync options measured beside float32 on the slow links of the throughput sweep.
@@ -212,6 +223,20 @@ PRESETS: dict[str, Preset] = {
             repeats=3,
         ),
         Preset(
+            "eager",
+            "sparse traffic and eager updates against the int4 default at 5 and 20 Mbit/s, with float32's bytes",
+            25,
+            4,
+            2,
+            TRAINING_EAGER,
+            (
+                *_cells("fl_fsdp-nosync", link=None),
+                *_cells(*EAGER_OPTIONS, link=5.0),
+                *_cells("fl_fsdp", *EAGER_OPTIONS, link=20.0),
+            ),
+            repeats=3,
+        ),
+        Preset(
             "quick",
             "a check of a change: FSDP and FL+FSDP with the default sync at 50 Mbit/s, once",
             3,
@@ -256,6 +281,10 @@ RACE_OPTIONS = (
     "fl_fsdp-nesterov",
     "fl_fsdp-int4ef",
     "fl_fsdp-int4ef-d1",
+    "fl_fsdp-sparse",
+    "fl_fsdp-sparse-eager",
+    "fl_fsdp-sparse-eager-local",
+    "fl_fsdp-int4ef-eager-local",
 )
 #: Every race run trains on the unthrottled 4 x 2 cluster with the sweeps' model and batch, scored on a larger
 #: validation set.

@@ -22,7 +22,7 @@ from typing import Any
 from benchmarks.harness.sweep import RESULTS
 from benchmarks.presets import CONFIGURATIONS
 from benchmarks.records import load, load_if_exists
-from benchmarks.reports import race, sweep, sync_options, throughput
+from benchmarks.reports import overlap, race, sweep, sync_options, throughput
 from benchmarks.reports.docs import provenance, replace_section
 from benchmarks.reports.targets import targets, targets_table
 
@@ -53,6 +53,8 @@ class Report:
         for name in ("sync_grid", "defaults"):
             if self.analyses[name]:
                 tables[name] = sweep.sweep_table(self.configs(name))
+        if self.analyses["eager"]:
+            tables["overlap"] = overlap.table(self.configs("eager"), self.results["eager"], self.results.get("race"))
         if (analysis := self.analyses["race"]) is not None:
             moments = race.wall_time_table(analysis)
             tables["race"] = f"{race.link_table(analysis)}\n\n<details><summary>Every moment compared</summary>\n\n"
@@ -76,12 +78,12 @@ def build(paths: dict[str, Path]) -> Report:
     """Load and analyze every sweep, then measure the targets (``paths``: sweep name -> results file)."""
     throughput_results = load(paths["throughput"])
     results = {"throughput": throughput_results} | {
-        name: load_if_exists(path) for name, path in paths.items() if name != "throughput"
+        name: load_if_exists(path) for name, path in paths.items() if name not in ("throughput", "hsdp_fed_bytes")
     }
     configs = sweep.analyze(throughput_results)
     compute = sweep.compute_times(configs["configs"])
     analyses: dict[str, dict[str, Any] | None] = {"throughput": configs}
-    for name in ("sync_grid", "defaults"):
+    for name in ("sync_grid", "defaults", "eager"):
         found = results.get(name)
         analyses[name] = sweep.analyze(found, compute) if found else None
     grid, defaults = _configs(analyses["sync_grid"]), _configs(analyses["defaults"])
@@ -89,7 +91,10 @@ def build(paths: dict[str, Path]) -> Report:
     if (race_results := results.get("race")) is not None:
         # The race is paced by the throughput sweep; configurations only the other sweeps ran take their pace there.
         analyses["race"] = race.analyze(race_results, {**(grid or {}), **(defaults or {}), **configs["configs"]})
-    return Report(results, analyses, targets(configs["configs"], grid, analyses["race"], defaults))
+    rows = targets(configs["configs"], grid, analyses["race"], defaults)
+    hsdp = overlap.load_hsdp(paths.get("hsdp_fed_bytes", RESULTS / "hsdp_fed_bytes.json"))
+    rows += overlap.targets(results.get("eager"), _configs(analyses["eager"]) or {}, results.get("race"), hsdp)
+    return Report(results, analyses, rows)
 
 
 def _configs(analysis: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -127,6 +132,7 @@ def write_docs(report: Report, tables: dict[str, str]) -> None:
     for name, table in (
         ("sync_grid", "sync_grid"),
         ("defaults", "defaults"),
+        ("eager", "overlap"),
         ("race", "race"),
         ("race", "race_budgets"),
     ):
@@ -144,11 +150,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grid", type=Path, default=RESULTS / "sync_grid.json", help="the sync_grid sweep, if run")
     parser.add_argument("--defaults", type=Path, default=RESULTS / "defaults.json", help="the defaults sweep, if run")
     parser.add_argument("--race", type=Path, default=RESULTS / "race.json", help="the race to perplexity, if run")
+    parser.add_argument("--eager", type=Path, default=RESULTS / "eager.json", help="the eager sweep, if run")
+    parser.add_argument(
+        "--hsdp-fed-bytes", type=Path, default=RESULTS / "hsdp_fed_bytes.json", help="FL+HSDP's bytes, if run"
+    )
     parser.add_argument("--write-docs", action="store_true", help="rewrite the generated sections of the docs")
     parser.add_argument("--no-plots", action="store_true", help="skip the figures")
     args = parser.parse_args(argv)
     paths = {"throughput": args.throughput, "sync_grid": args.grid, "defaults": args.defaults, "race": args.race}
-    report = build(paths)
+    paths |= {"eager": args.eager}
+    report = build({**paths, "hsdp_fed_bytes": args.hsdp_fed_bytes})
     write_results(report)
     tables = report.tables()
     for name, table in tables.items():

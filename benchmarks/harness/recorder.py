@@ -70,6 +70,8 @@ def sync_record(stats: SyncStats, step: int, when: str) -> dict[str, Any]:
         "sync_seconds": stats.seconds,
         "sync_exposed_seconds": stats.exposed_seconds,
         "compute_utilization": stats.compute_utilization,
+        "discarded_fraction": stats.discarded_fraction,
+        "effective_utilization": stats.effective_utilization,
     }
 
 

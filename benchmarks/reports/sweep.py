@@ -99,6 +99,7 @@ def analyze_run(run: dict[str, Any]) -> dict[str, Any]:
         "step_time": metrics.step_time(run),
         "run_pace": metrics.run_pace(run),
         "inrun_utilization": metrics.inrun_utilization(run),
+        "effective_utilization": metrics.effective_utilization(run),
         "tokens_per_s": metrics.tokens_per_second(run),
         "link_bytes_per_step": metrics.link_bytes_per_step(run),
         "link_bytes_per_round": metrics.bytes_per_round(run),
@@ -165,6 +166,7 @@ SPREAD_KEYS = (
     "tokens_per_s",
     "utilization",
     "inrun_utilization",
+    "effective_utilization",
     "run_pace",
     "link_bytes_per_round",
     "val_ppl",
@@ -221,8 +223,8 @@ def sweep_table(summary: dict[str, Any]) -> str:
     """Measured throughput, utilization and bytes beside the model, per configuration."""
     lines = [
         "| configuration | link | tokens/s median (min-max) | utilization vs no-sync run | in-run utilization |"
-        " link MB/step | model MB/step | measured / model | runs |",
-        "|---|---|---|---|---|---|---|---|---|",
+        " effective utilization | link MB/step | model MB/step | measured / model | runs |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key in ordered(summary):
         s = summary[key]
@@ -230,7 +232,8 @@ def sweep_table(summary: dict[str, Any]) -> str:
         lines.append(
             f"| {s['kind']} | {link_label(s['link'])} | {median_range(s['tokens_per_s'])} |"
             f" {median_range(s['utilization'], '{:.2f}')} | {median_range(s['inrun_utilization'], '{:.2f}')} |"
-            f" {s['link_bytes_per_step']['median'] / 1e6:.2f} | {s['model_bytes_per_step'] / 1e6:.2f} |"
+            f" {median_range(s['effective_utilization'], '{:.2f}')} | {s['link_bytes_per_step']['median'] / 1e6:.2f} |"
+            f" {s['model_bytes_per_step'] / 1e6:.2f} |"
             f" {ratio} | {s['tokens_per_s']['n']} |"
         )
     return "\n".join(lines)

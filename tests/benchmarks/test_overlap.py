@@ -1,0 +1,61 @@
+"""The targets of sparse traffic, eager updates and FL+HSDP's bytes (benchmarks.reports.overlap), on made-up runs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks.metrics import spread
+from benchmarks.reports import overlap
+
+
+def _race_run(configuration: str, seed: int, ppl: float, lr: float = 0.006, steps: int = 64) -> dict:
+    return {
+        "name": f"{configuration}-s{steps}-lr{lr:g}-seed{seed}",
+        "identity": {"preset": "race", "configuration": configuration, "repeat": seed, "link_mbit": None, "seed": seed},
+        "config": {"max_steps": steps, "lr": lr, "seed": seed},
+        "vals": [{"step": steps, "val_ppl": ppl}],
+    }
+
+
+def test_perplexity_is_paired_by_seed_at_the_options_learning_rate():
+    race = {"runs": [
+        *(_race_run("fl_fsdp", s, p) for s, p in ((0, 100.0), (1, 200.0), (2, 50.0))),
+        _race_run("fl_fsdp", 0, 10.0, lr=0.003),  # another learning rate of the tuning: not the options' rate
+        *(_race_run("fl_fsdp-sparse", s, p) for s, p in ((0, 110.0), (1, 210.0))),
+    ]}  # fmt: skip
+    ppl = overlap.race_ppl(race)
+    mean, per_seed = overlap.paired(ppl, "fl_fsdp-sparse", "fl_fsdp")
+    assert per_seed == pytest.approx([0.1, 0.05]) and mean == pytest.approx(0.075)
+    assert math.isnan(overlap.paired(ppl, "fl_fsdp-sparse-eager", "fl_fsdp")[0])
+
+
+def test_rows_say_not_run_without_results_and_check_the_hsdp_reduction():
+    rows = {r["id"]: r for r in overlap.targets(None, {}, None, None)}
+    assert set(rows) == set(overlap.TARGET_IDS) - {"sparse-bytes"}
+    assert all(r["measured"] is None and not r["met"] for r in rows.values() if r["id"] != "eager-equal-time")
+    hsdp = {
+        "devices": 2,
+        "rows": [{"repeat": 0}, {"repeat": 1}],
+        "summary": {"float32": {"reduction": 1.98, "same_anchor_every_rank": True}, "int4": {"reduction": 1.9}},
+    }
+    assert overlap.hsdp_row(hsdp)["met"]
+    hsdp["summary"]["float32"] |= {"same_anchor_every_rank": False, "max_ulps": 2.0}  # rounding of another order
+    assert overlap.hsdp_row(hsdp)["met"]
+    hsdp["summary"]["float32"]["max_ulps"] = 1e3
+    assert not overlap.hsdp_row(hsdp)["met"]
+
+
+def test_equal_time_needs_both_a_faster_pace_and_no_worse_perplexity():
+    def config(step_time: float) -> dict:
+        return {"step_time": spread([step_time])}
+
+    configs = {
+        f"{kind}-{link:g}mbit": config(t)
+        for link in (5.0, 20.0)
+        for kind, t in (("fl_fsdp-int4ef", 1.0), ("fl_fsdp-sparse-eager", 0.8 if link == 5.0 else 1.2))
+    }
+    ppl = {"fl_fsdp-int4ef": {0: 100.0}, "fl_fsdp-sparse-eager": {0: 99.0}}
+    row = overlap.equal_time_row(configs, ppl)
+    assert row["links"]["5mbit"]["ahead"] and not row["links"]["20mbit"]["ahead"] and not row["met"]
