@@ -43,6 +43,7 @@ from lightning_fedshard.core.fsdp2 import (
     shard_model,
 )
 from lightning_fedshard.core.listeners import SyncListener, UtilizationClock
+from lightning_fedshard.core.outer_topology import OuterTopologySpec
 from lightning_fedshard.core.sharding import ShardingBackend, StateDictType
 from lightning_fedshard.plan.check import PlanCheck
 from lightning_fedshard.runtime import FederatedRuntime
@@ -140,6 +141,7 @@ class FederatedArguments:
         sync_delay: int = 0,
         merge_alpha: float = 0.0,
         eager_updates: bool | str = False,
+        outer_topology: OuterTopologySpec = "all",
         plan: str | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:

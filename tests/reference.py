@@ -99,6 +99,7 @@ def federate(
     merge_alpha: float = 0.0,
     final_landing: FinalLanding = "sync",
     eager: bool = False,
+    hierarchical: dict[int, int] | None = None,
 ) -> dict[str, object]:
     """Train ``groups`` (all holding ``initial``) for ``max_steps`` optimizer steps under the outer schedule above.
 
@@ -116,6 +117,7 @@ def federate(
             synchronous outer step, its outer optimizer stepping twice at ``T``) or ``"reset"`` (no second outer
             step: its groups are reset to the anchor of the landing at ``T``, i.e. the last merge is skipped).
         eager: eager updates instead (see `_federate_eager`; no delay, no merge).
+        hierarchical: ``{period: groups}``: a hierarchical outer topology instead (see `_federate_hierarchical`).
 
     Returns:
         ``anchors``: the full anchor after every outer step, by optimizer step (``0``: the initial anchor; at ``T``
@@ -125,6 +127,8 @@ def federate(
     """
     parts = _check_fragments(list(initial), fragments)
     every = _check_schedule(sync_every, len(parts), sync_delay, merge_alpha, final_landing)
+    if hierarchical is not None:
+        return _federate_hierarchical(initial, groups, hierarchical, outer, max_steps)
     if eager:
         if sync_delay or merge_alpha:
             raise ValueError("eager updates take no `sync_delay` or `merge_alpha`.")
@@ -167,6 +171,48 @@ def federate(
                 g.load(_slice(anchor, keys))
         anchors[max_steps] = _copy(anchor)
     return {"anchors": anchors, "final": anchor, "groups_before": groups_before, "syncs": syncs}
+
+
+def _federate_hierarchical(
+    initial: dict[str, Tensor], groups: Sequence[Group], levels: dict[int, int], outer: str, max_steps: int
+) -> dict[str, object]:
+    """After step ``s`` the largest period of ``levels`` dividing ``s`` decides: blocks of that many consecutive groups
+    replace their weights by the blocks' plain mean, or, when the block spans every group, the anchor takes the outer
+    step on the mean of ``anchor - weights`` and every group restarts from it. At the end, unless the last step was
+    such a step, one more outer step."""
+    anchor = {k: v.clone() for k, v in initial.items()}
+    opt = Outer(**OUTERS[outer])
+    anchors: dict[int, dict[str, Tensor]] = {0: _copy(anchor)}
+    syncs: list[Sync] = []
+    last_global = 0
+    for step in range(max_steps):
+        for group in groups:
+            group.train_step(step)
+        done = step + 1
+        due = [period for period in levels if done % period == 0]
+        if not due:
+            continue
+        size = levels[max(due)]
+        if size < len(groups):
+            for start in range(0, len(groups), size):
+                block = groups[start : start + size]
+                mean = {k: torch.stack([g.weights()[k] for g in block]).mean(0) for k in anchor}
+                for g in block:
+                    g.load({k: v.clone() for k, v in mean.items()})
+            continue
+        grad = _outer_step(anchor, opt, [g.weights() for g in groups], list(anchor))
+        syncs.append(Sync(done, 0, "landing", grad))
+        for g in groups:
+            g.load(_copy(anchor))
+        anchors[done] = _copy(anchor)
+        last_global = done
+    if max_steps > 0 and last_global != max_steps:
+        grad = _outer_step(anchor, opt, [g.weights() for g in groups], list(anchor))
+        syncs.append(Sync(max_steps, 0, "final", grad))
+        for g in groups:
+            g.load(_copy(anchor))
+        anchors[max_steps] = _copy(anchor)
+    return {"anchors": anchors, "final": anchor, "groups_before": {}, "syncs": syncs}
 
 
 def _federate_eager(
@@ -334,6 +380,7 @@ def reference_run(
     merge_alpha: float = 0.0,
     final_landing: FinalLanding = "sync",
     eager: bool = False,
+    hierarchical: dict[int, int] | None = None,
 ) -> dict[str, object]:
     """``micro_batches[rank]`` lists the sample indices of every micro-batch that rank trained on, in order.
 
@@ -356,4 +403,5 @@ def reference_run(
         merge_alpha=merge_alpha,
         final_landing=final_landing,
         eager=eager,
+        hierarchical=hierarchical,
     )

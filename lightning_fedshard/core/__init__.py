@@ -6,6 +6,7 @@ from lightning_fedshard.core.config import OUTER_OPTIMIZERS, FederationConfig, r
 from lightning_fedshard.core.feedback import ErrorFeedback
 from lightning_fedshard.core.mesh import FederationMesh, build_federation_mesh
 from lightning_fedshard.core.outer import NONFINITE_POLICIES, NonFiniteOuterGradientError, OuterStep, SyncStats
+from lightning_fedshard.core.outer_topology import Hierarchical
 from lightning_fedshard.core.reducers import AllReduceSum, Reducer, ScatterGatherSum, make_reducer
 from lightning_fedshard.core.topology import AXES, Axis, FederationTopology
 
@@ -24,6 +25,7 @@ __all__ = [
     "FederationMesh",
     "FederationTopology",
     "FloatCodec",
+    "Hierarchical",
     "NonFiniteOuterGradientError",
     "OuterStep",
     "ProcessGroupCommunicator",

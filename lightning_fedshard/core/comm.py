@@ -11,7 +11,7 @@ groups (one job). Tests use an in-process fake with threads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch.distributed as dist
@@ -43,6 +43,9 @@ class Communicator(Protocol):
         It never queues behind a sum that a background thread is running over the ring (with eager updates and
         fragments, other fragments' sums are in flight whenever one lands).
         """
+
+    def sum_over_site(self, tensor: Tensor, size: int) -> None:
+        """Replace ``tensor`` in place by its sum over this rank's block of ``size`` consecutive groups (fed ring)."""
 
     def all_to_all(self, output: Tensor, input: Tensor) -> None:
         """Exchange equal parts over the fed ring: part ``j`` of ``input`` goes to ring rank ``j``.
@@ -91,6 +94,7 @@ class ProcessGroupCommunicator:
         replicate_group: The replicas of this rank's shard inside its group (``None`` with one replica).
         stats_group: Another process group over the same fed ring, for the training thread's statistics while sums
             run over ``fed_group`` in the background (default: ``fed_group``).
+        site_groups: By block size, this rank's block of consecutive groups on its fed ring (hierarchical topology).
     """
 
     num_groups: int
@@ -98,6 +102,7 @@ class ProcessGroupCommunicator:
     shard_group: ProcessGroup | None
     replicate_group: ProcessGroup | None = None
     stats_group: ProcessGroup | None = None
+    site_groups: dict[int, ProcessGroup] = field(default_factory=dict)
 
     @property
     def num_replicas(self) -> int:
@@ -132,6 +137,13 @@ class ProcessGroupCommunicator:
         group = self.stats_group or self.fed_group
         if group is not None:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+
+    def sum_over_site(self, tensor: Tensor, size: int) -> None:
+        """All-reduce over this rank's block of ``size`` groups (the whole ring when it spans every group)."""
+        if size >= self.num_groups:
+            self.sum_over_groups(tensor)
+        elif size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.site_groups[size])
 
     def all_to_all(self, output: Tensor, input: Tensor) -> None:
         """``all_to_all_single`` over the fed ring."""

@@ -22,6 +22,7 @@ from lightning_fedshard.core.codecs import (
     resolve_codec,
 )
 from lightning_fedshard.core.outer import NONFINITE_POLICIES, OuterOptimizerFactory, build_outer_optimizer
+from lightning_fedshard.core.outer_topology import Hierarchical, OuterTopologySpec, resolve_outer_topology
 from lightning_fedshard.core.reducers import Reducer, make_reducer
 from lightning_fedshard.core.topology import FederationTopology
 
@@ -100,6 +101,11 @@ class FederationConfig:
             whole mean until the mean lands). The anchor and the outer optimizer stay identical in every group;
             nothing a group trains is thrown away. Excludes ``sync_delay`` and ``merge_alpha``. See
             docs/configuration.md, "Eager updates".
+        outer_topology: Which groups average at a sync: ``"all"`` (default: every group with every group) or
+            ``lightning_fedshard.Hierarchical(levels={8: 2, 32: 4})``: blocks of consecutive groups (sites) average
+            their weights at the smaller periods, the whole federation takes the outer step at the largest (see
+            docs/configuration.md, "Outer topology"). Hierarchical levels below the federation are summed in float32;
+            they exclude ``fragments > 1``, ``sync_delay`` and ``eager_updates``.
 
     Raises:
         ValueError: For a non-positive ``num_groups``, ``shard_size`` or ``sync_every``, an unknown outer
@@ -123,6 +129,7 @@ class FederationConfig:
     quant_block_size: int = DEFAULT_BLOCK_SIZE
     error_feedback: bool | None = None
     eager_updates: bool | str = False
+    outer_topology: OuterTopologySpec = "all"
 
     def __post_init__(self) -> None:
         for name in ("num_groups", "shard_size"):
@@ -167,6 +174,14 @@ class FederationConfig:
             raise ValueError(
                 f"`eager_updates` must be False, True, or one of {list(EAGER_RULES)}, got {self.eager_updates!r}."
             )
+        hierarchical = resolve_outer_topology(self.outer_topology)
+        if hierarchical is not None:
+            hierarchical.check_sync_every(self.sync_every)
+            if self.fragments > 1 or delay or self.eager_updates is not False:
+                raise ValueError(
+                    f"`outer_topology={hierarchical!r}` runs with one fragment and no overlap; got `fragments="
+                    f"{self.fragments}`, `sync_delay={delay}`, `eager_updates={self.eager_updates!r}`."
+                )
         if self.eager_updates and (delay or alpha):
             raise ValueError(
                 f"`eager_updates=True` overlaps each sum with a whole round and keeps all local progress; it excludes"
@@ -192,6 +207,8 @@ class FederationConfig:
                 f" divisible by `num_groups={num_groups}`."
             )
         group_size = world_size // num_groups
+        if (hierarchical := self.hierarchical) is not None:
+            hierarchical.check_groups(num_groups)
         shard_size = (self.shard_size or devices_per_node) if hybrid else group_size
         if group_size % shard_size and self.shard_size is None:
             raise ValueError(
@@ -214,10 +231,22 @@ class FederationConfig:
             parts.append(f"sum overlapped with {self.sync_delay} step(s)")
         if self.eager_rule is not None:
             parts.append(f"eager updates ({self.eager_rule}: each sum overlapped with a whole round)")
+        if (hierarchical := self.hierarchical) is not None:
+            parts.append(hierarchical.describe())
         if self.merge_alpha:
             parts.append(f"merge_alpha={self.merge_alpha}")
         parts.append(f"anchor on the {'CPU' if self.anchor_device == 'cpu' else 'device'}")
         return ", ".join(parts)
+
+    @property
+    def hierarchical(self) -> Hierarchical | None:
+        """The hierarchical outer topology, or ``None`` for ``"all"``."""
+        return resolve_outer_topology(self.outer_topology)
+
+    def site_sizes(self, num_groups: int) -> tuple[int, ...]:
+        """Block sizes of the outer topology below the whole federation (empty for ``"all"``)."""
+        hierarchical = self.hierarchical
+        return hierarchical.site_sizes(num_groups) if hierarchical is not None else ()
 
     @property
     def eager_rule(self) -> str | None:

@@ -36,6 +36,7 @@ class Federation:
         self._on_write: Callable[[], None] = _nothing
         self._pending: PendingSync | None = None
         self._eager: dict[int, PendingSync] = {}  # eager updates: each fragment's sum in flight until its next sync
+        self._groups_differ = False  # a hierarchical site sync left the groups apart from the anchor
         self.last_synced_step = 0
         self.last_step = 0
         self.landed_at: list[int] = [0] * config.fragments
@@ -107,6 +108,8 @@ class Federation:
         ``step`` counts real optimizer steps, so gradient accumulation and repeated hook calls for the same step
         never trigger twice.
         """
+        if (hierarchical := self.config.hierarchical) is not None:
+            return hierarchical.block_size(step) is not None and step > self.last_step
         due = landing_fragment(step, self.config.sync_every, self.config.fragments) is not None
         return due and step > self.last_synced_step
 
@@ -125,6 +128,10 @@ class Federation:
         """
         if step <= self.last_step:
             return None
+        if self.config.hierarchical is not None:
+            stats = self._hierarchical_sync(step) if self.is_due(step) else None
+            self.last_step = step
+            return stats
         if self.config.eager_rule is not None:
             stats = self._eager_sync(step) if self.is_due(step) else None
             self.last_step = step
@@ -135,6 +142,20 @@ class Federation:
             self._pending = self.outer.begin(starting, step, background=True)
         self.last_step = step
         return stats
+
+    def _hierarchical_sync(self, step: int) -> SyncStats:
+        """A block of consecutive groups averages its weights, or the whole federation takes the outer step."""
+        hierarchical = self.config.hierarchical
+        assert hierarchical is not None
+        size = hierarchical.block_size(step)
+        assert size is not None
+        if size < len(self.communicator.participants()):
+            stats = self.outer.average_in_site(size)
+            self._on_write()
+            self._groups_differ = True
+            return stats
+        self._groups_differ = False
+        return self.sync(step)
 
     def _eager_sync(self, step: int) -> SyncStats | None:
         fragment = landing_fragment(step, self.config.sync_every, self.config.fragments)
@@ -244,6 +265,9 @@ class Federation:
         With eager updates the consensus includes the sums in flight: it waits for them and shows the anchor each
         fragment will have once its sum has landed (the anchor itself and the outer state are not changed).
 
+        With a hierarchical outer topology the consensus is the exact mean over all groups of their current weights
+        (a float32 all-reduce over the fed ring), which a site sync does not change.
+
         With a single group there is nothing to agree on: its current weights are the consensus and stay in place
         (so a one-group run validates and saves what plain FSDP would).
         """
@@ -251,8 +275,11 @@ class Federation:
             yield
             return
         saved = [s.detach().clone() for s in self._outer.shards]
-        self._outer.copy_anchor_to_shards()
-        self._project_sums_in_flight()
+        if self.config.hierarchical is not None:
+            self._load_mean_over_groups()
+        else:
+            self._outer.copy_anchor_to_shards()
+            self._project_sums_in_flight()
         self._on_write()
         try:
             yield
@@ -261,6 +288,13 @@ class Federation:
                 for shard, local in zip(self._outer.shards, saved):
                     shard.copy_(local)
             self._on_write()
+
+    @torch.no_grad()
+    def _load_mean_over_groups(self) -> None:
+        """A hierarchical topology's consensus: the exact mean over all groups of their current weights."""
+        outer = self.outer
+        for shard, mean in zip(outer.shards, outer.mean_over_groups()):
+            shard.copy_(mean.view_as(shard))
 
     @torch.no_grad()
     def _project_sums_in_flight(self) -> None:

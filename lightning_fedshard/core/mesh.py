@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ class FederationMesh:
     rank: int
     #: This rank's "fed" ring as a process group of its own (see :func:`build_federation_mesh`).
     outer_group: ProcessGroup | None = None
+    site_groups: dict[int, ProcessGroup] = field(default_factory=dict)
 
     @property
     def coords(self) -> tuple[int, int, int]:
@@ -101,7 +102,9 @@ class FederationMesh:
         stats = self.group(Axis.FED) if t.num_groups > 1 else None
         shard = self.group(Axis.SHARD) if t.shard_size > 1 else None
         replicate = self.group(Axis.REPLICATE) if t.num_replicas > 1 else None
-        return ProcessGroupCommunicator(t.num_groups, fed, shard, replicate, stats_group=stats)
+        return ProcessGroupCommunicator(
+            t.num_groups, fed, shard, replicate, stats_group=stats, site_groups=dict(self.site_groups)
+        )
 
     @torch.no_grad()
     def broadcast_shards(self, shards: Iterable[Tensor]) -> None:
@@ -120,12 +123,16 @@ class FederationMesh:
                 dist.broadcast(shard.data, group=group, group_src=0)
 
 
-def build_federation_mesh(topology: FederationTopology, device_type: str) -> FederationMesh:
+def build_federation_mesh(
+    topology: FederationTopology, device_type: str, site_sizes: tuple[int, ...] = ()
+) -> FederationMesh:
     """Create the federation device mesh (collective: every rank must call it).
 
     Args:
         topology: The job's shape; its world size must match the default process group.
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL), etc.
+        site_sizes: Block sizes of a hierarchical outer topology below the federation: for each, a process group
+            per block of that many consecutive groups on every fed ring.
 
     Raises:
         RuntimeError: If the default process group is not initialized.
@@ -139,7 +146,10 @@ def build_federation_mesh(topology: FederationTopology, device_type: str) -> Fed
     mesh = init_device_mesh(device_type, topology.mesh_shape, mesh_dim_names=AXES)
     rank = dist.get_rank()
     _destroy_process_groups_at_exit()
-    return FederationMesh(topology=topology, device_mesh=mesh, rank=rank, outer_group=_outer_group(topology, rank))
+    sites = {size: _site_group(topology, rank, size) for size in site_sizes}
+    return FederationMesh(
+        topology=topology, device_mesh=mesh, rank=rank, outer_group=_outer_group(topology, rank), site_groups=sites
+    )
 
 
 def _destroy_process_groups_at_exit() -> None:
@@ -164,6 +174,21 @@ _EXIT_HANDLER_REGISTERED = False
 def _destroy_all_process_groups() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _site_group(topology: FederationTopology, rank: int, size: int) -> ProcessGroup:
+    """This rank's block of ``size`` consecutive groups on its fed ring (collective: every rank builds every block)."""
+    mine = None
+    for replica in range(topology.num_replicas):
+        for shard in range(topology.shard_size):
+            ring = topology.fed_ranks(replica, shard)
+            for start in range(0, topology.num_groups, size):
+                ranks = ring[start : start + size]
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    mine = group
+    assert mine is not None
+    return mine
 
 
 def _outer_group(topology: FederationTopology, rank: int) -> ProcessGroup:

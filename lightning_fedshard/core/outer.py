@@ -100,6 +100,8 @@ class SyncStats:
             eager updates, which keep everything). Set by the federation.
         effective_utilization: ``compute_utilization * (1 - discarded_fraction)``: the share of the round's time
             spent on compute whose progress survives. Set by the runtime.
+        site_size: With a hierarchical outer topology, the number of consecutive groups that averaged their weights
+            at this sync (no outer step); 0 when the whole federation took the outer step.
     """
 
     outer_grad_norm: float
@@ -116,6 +118,7 @@ class SyncStats:
     syncs_lost: int = 0
     discarded_fraction: float = 0.0
     effective_utilization: float | None = None
+    site_size: int = 0
 
     def as_dict(self, prefix: str = "fedshard/") -> dict[str, float]:
         """The statistics as a flat ``{name: value}`` dict for loggers."""
@@ -137,6 +140,8 @@ class SyncStats:
             stats[f"{prefix}skipped_groups"] = float(len(self.skipped_groups))
         if self.syncs_lost:
             stats[f"{prefix}syncs_lost"] = float(self.syncs_lost)
+        if self.site_size:
+            stats[f"{prefix}site_size"] = float(self.site_size)
         return stats
 
 
@@ -510,6 +515,35 @@ class OuterStep:
             part = offset[start : start + anchor.numel()].view_as(anchor)
             shard.copy_((anchor - part).to(shard.device, non_blocking=True))
             start += anchor.numel()
+
+    @torch.no_grad()
+    def average_in_site(self, size: int) -> SyncStats:
+        """Replace every shard by its plain mean over this group's block of ``size`` consecutive groups; collective.
+
+        A hierarchical topology's level below the whole federation: float32, one all-reduce over the block, no outer
+        step (the anchor and the outer optimizer are the whole federation's and do not change).
+        """
+        start = time.perf_counter()
+        device = self.shards[0].device
+        flat = torch.cat([s.detach().reshape(-1).to(torch.float32) for s in self.shards]).to(device)
+        self.communicator.sum_over_site(flat, size)
+        flat.div_(size)
+        offset = 0
+        for shard in self.shards:
+            n = shard.numel()
+            shard.copy_(flat[offset : offset + n].view_as(shard))
+            offset += n
+        seconds = time.perf_counter() - start
+        sent = 2 * (size - 1) * flat.numel() * flat.element_size() // size
+        return SyncStats(0.0, 0.0, sent, seconds, self.num_syncs, exposed_seconds=seconds, site_size=size)
+
+    @torch.no_grad()
+    def mean_over_groups(self) -> list[Tensor]:
+        """The exact float32 mean of every shard over all groups (for a consensus when groups differ); collective."""
+        flat = torch.cat([s.detach().reshape(-1).to(torch.float32) for s in self.shards])
+        self.communicator.sum_over_groups(flat)
+        flat.div_(len(self.communicator.participants()))
+        return list(flat.split([s.numel() for s in self.shards]))
 
     def _stats(self, pending: PendingSync, start: float, **measured: Any) -> SyncStats:
         """The statistics of ``pending``'s sync, whose completion started at ``start``."""

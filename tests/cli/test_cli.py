@@ -90,6 +90,20 @@ def test_a_codec_with_its_parameters_is_given_in_yaml_and_on_the_command_line(tm
     assert federation.codec == SparseTopK(density=0.03, value_bits=4, chunk_size=4096) and federation.compressed
 
 
+def test_a_hierarchical_outer_topology_in_yaml(tmp_path):
+    from lightning_fedshard import Hierarchical
+
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 1\n  num_nodes: 4\n  logger: false\n  strategy:\n"
+        "    class_path: lightning_fedshard.FLFSDPStrategy\n    init_args:\n      outer_topology:\n"
+        "        class_path: lightning_fedshard.Hierarchical\n        init_args: {levels: {8: 2, 32: 4}}\n"
+        "model:\n  class_path: lightning_fedshard.examples.LlamaLM\n  init_args: {size: xs, vocab_size: 256}\n"
+    )
+    federation = cli(args=["--config", str(config)], run=False).trainer.strategy.federation_config
+    assert federation.outer_topology == Hierarchical({8: 2, 32: 4})
+
+
 @pytest.mark.parametrize(
     ("cls", "own"),
     [

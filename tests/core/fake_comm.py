@@ -48,6 +48,10 @@ class ThreadGroups:
         self._barrier.wait()
         tensor.copy_(total)
 
+    def _site_sum(self, g: int, tensor: Tensor, size: int) -> None:
+        start = g // size * size
+        tensor.copy_(self._exchange(g, tensor, lambda posted: torch.stack(posted[start : start + size]).sum(0)))
+
     def _exchange(self, g: int, input: Tensor, combine: Callable[[list[Tensor]], Tensor]) -> Tensor:
         """Every group posts ``input``; each gets ``combine(all posted tensors)`` once all have read them."""
         self._slots[g] = input.clone()
@@ -86,6 +90,10 @@ class _ThreadCommunicator:
 
     def sum_stats_over_groups(self, tensor: Tensor) -> None:
         self._groups.stats._all_reduce_sum(self._g, tensor)
+
+    def sum_over_site(self, tensor: Tensor, size: int) -> None:
+        """Every group calls it; each gets the sum over its block of ``size`` consecutive groups."""
+        self._groups._site_sum(self._g, tensor, size)
 
     def sum_in_group(self, tensor: Tensor) -> None:
         pass  # one rank per group

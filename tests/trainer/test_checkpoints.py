@@ -29,6 +29,8 @@ HSDP2 = dict(strategy="fl_hsdp2", num_groups=2, shard_size=2)
 DEATH = dict(ckpt=True, die_at_save_step=5, timeout_s=20)
 STREAM = dict(sync_every=4, fragments=2, sync_delay=1, merge_alpha=0.5, reduce_dtype="int8", error_feedback=True)
 EAGER = dict(sync_every=4, fragments=2, eager_updates=True, reduce_dtype="int4", error_feedback=True)
+# 4 one-rank groups in 2 sites: the sites average after steps 2 and 6, the federation meets after 4 and 8
+HIERARCHICAL = dict(num_groups=4, sync_every=2, outer_topology={"levels": {2: 2, 4: 4}}, reduce_dtype="float32")
 
 
 def _family(prefix: str, base: dict, runs_from: str) -> list[dict]:
@@ -67,6 +69,8 @@ SCENARIOS_4 = [
     # eager updates: from step 4 on both fragments' sums are in flight, each for a whole round
     dict(FSDP, **EAGER, name="eager", ckpt=True),
     dict(FSDP, **EAGER, name="eager_inflight", resume_from="eager/ckpts/step=5.ckpt"),
+    dict(FSDP, **HIERARCHICAL, name="hierarchical", ckpt=True),
+    dict(FSDP, **HIERARCHICAL, name="hierarchical_apart", resume_from="hierarchical/ckpts/step=3.ckpt"),
 ]
 SCENARIOS_8 = [
     *_family("hfull", HSDP, "hfull"),
@@ -355,3 +359,18 @@ def test_resume_with_fragments_and_a_sum_in_flight_is_exact(four, eight, world, 
         assert torch.equal(g["final_shards"], w["final_shards"])
         assert torch.equal(g["final_optimizer"], w["final_optimizer"])
         assert (w["final_shards"] - w["shards_at"][step]).abs().max() > 1e-3
+
+
+# -- a hierarchical outer topology -----------------------------------------------------------------------------
+
+
+def test_resume_while_the_sites_hold_different_weights_is_exact(four):
+    got, want = _ranks(four, "hierarchical_apart"), _ranks(four, "hierarchical")
+    assert got[0]["num_syncs"] == want[0]["num_syncs"] == 2  # the federation met after steps 4 and 8
+    # after the site sync of step 2 the two sites hold different weights, and the checkpoint of step 3 keeps them
+    assert not torch.equal(want[0]["shards_at"][3], want[2]["shards_at"][3])
+    for g, w in zip(got, want):
+        assert torch.equal(g["initial"], w["shards_at"][3])
+        for s in range(3, 8):
+            assert torch.equal(g["shards_at"][s], w["shards_at"][s]), f"diverged at step {s}"
+        assert torch.equal(g["final_shards"], w["final_shards"])

@@ -145,6 +145,18 @@ SCENARIOS_4 = [
         wrap_linear=True,
         max_steps=7,
     ),
+    # a hierarchical topology: 2 sites of 2 one-rank groups average every 2 steps, everyone meets every 4; AdamW
+    # inside, Nesterov outside, stopping between two meetings
+    dict(
+        BASE,
+        name="hierarchical",
+        strategy="fl_fsdp",
+        num_groups=4,
+        sync_every=2,
+        outer_topology={"levels": {2: 2, 4: 4}},
+        outer_optimizer="nesterov",
+        max_steps=7,
+    ),
     # one-rank groups: the fed ring spans the world, where Lightning's own collectives run (it deadlocked once)
     dict(
         BASE, name="stream_one_rank_groups", strategy="fl_fsdp", num_groups=4, sync_every=2, sync_delay=1, max_steps=5
@@ -215,6 +227,7 @@ FSDP2_TWINS = {
     "int8_ef",
     "hsdp_nesterov",
     "eager_f2",
+    "hierarchical",
 }
 
 
@@ -286,6 +299,7 @@ def _reference(ranks: list[dict], spec: dict, topology: FederationTopology) -> d
         merge_alpha=spec.get("merge_alpha", 0.0),
         final_landing="reset",  # a fragment that lands at the last step keeps that landing's anchor
         eager=spec.get("eager_updates", False),
+        hierarchical=spec["outer_topology"]["levels"] if "outer_topology" in spec else None,
     )
 
 
@@ -530,8 +544,11 @@ def test_streaming_syncs_match_the_reference(four, name, groups, shard):
     print(f"{name}: max |strategy - reference| = {worst:.2e}")
 
 
-@pytest.mark.parametrize(("name", "world", "groups", "shard"), [*both(("eager_f2", 4, 2, 2)), ("eager_hsdp", 8, 2, 2)])
-def test_eager_updates_match_the_reference(four, eight, name, world, groups, shard):
+@pytest.mark.parametrize(
+    ("name", "world", "groups", "shard"),
+    [*both(("eager_f2", 4, 2, 2)), ("eager_hsdp", 8, 2, 2), *both(("hierarchical", 4, 4, 1))],
+)
+def test_eager_updates_and_the_hierarchical_topology_match_the_reference(four, eight, name, world, groups, shard):
     ranks = (four if world == 4 else eight)[name]
     ref = _reference(ranks, _spec(name), FederationTopology(world, groups, shard))
     worst = _assert_state_close(ranks[0]["final"], ref["final"], atol=1e-6)
