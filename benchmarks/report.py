@@ -55,6 +55,8 @@ class Report:
                 tables[name] = sweep.sweep_table(self.configs(name))
         if self.analyses["eager"]:
             tables["overlap"] = overlap.table(self.configs("eager"), self.results["eager"], self.results.get("race"))
+        if (horizon := self.results.get("horizon")) is not None:
+            tables["horizon"] = overlap.horizon_table(horizon)
         if (analysis := self.analyses["race"]) is not None:
             moments = race.wall_time_table(analysis)
             tables["race"] = f"{race.link_table(analysis)}\n\n<details><summary>Every moment compared</summary>\n\n"
@@ -133,6 +135,7 @@ def write_docs(report: Report, tables: dict[str, str]) -> None:
         ("sync_grid", "sync_grid"),
         ("defaults", "defaults"),
         ("eager", "overlap"),
+        ("horizon", "horizon"),
         ("race", "race"),
         ("race", "race_budgets"),
     ):
@@ -151,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--defaults", type=Path, default=RESULTS / "defaults.json", help="the defaults sweep, if run")
     parser.add_argument("--race", type=Path, default=RESULTS / "race.json", help="the race to perplexity, if run")
     parser.add_argument("--eager", type=Path, default=RESULTS / "eager.json", help="the eager sweep, if run")
+    parser.add_argument("--horizon", type=Path, default=RESULTS / "horizon.json", help="the 256-step runs, if run")
     parser.add_argument(
         "--hsdp-fed-bytes", type=Path, default=RESULTS / "hsdp_fed_bytes.json", help="FL+HSDP's bytes, if run"
     )
@@ -158,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-plots", action="store_true", help="skip the figures")
     args = parser.parse_args(argv)
     paths = {"throughput": args.throughput, "sync_grid": args.grid, "defaults": args.defaults, "race": args.race}
-    paths |= {"eager": args.eager}
+    paths |= {"eager": args.eager, "horizon": args.horizon}
     report = build({**paths, "hsdp_fed_bytes": args.hsdp_fed_bytes})
     write_results(report)
     tables = report.tables()

@@ -62,7 +62,7 @@ class _UnshardedBackend:
 
 @pytest.fixture(autouse=True)
 def _stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(runtime_module, "build_federation_mesh", lambda topology, device: _THREAD.mesh)
+    monkeypatch.setattr(runtime_module, "build_federation_mesh", lambda topology, device, sites=(): _THREAD.mesh)
 
 
 def _runtime(group: int, communicator: Any, num_groups: int = 2, **options: Any) -> tuple[FederatedRuntime, nn.Linear]:

@@ -76,7 +76,11 @@ def race_ppl(race: dict[str, Any] | None, steps: int = RACE_STEPS) -> dict[str, 
     found: dict[str, dict[int, float]] = {}
     if race is None:
         return found
-    rates = {run["config"]["lr"] for run in race["runs"] if metrics.identity(run).configuration == "fl_fsdp-sparse"}
+    rates = {
+        run["config"]["lr"]
+        for run in race["runs"]
+        if metrics.identity(run).configuration == "fl_fsdp-sparse" and run["config"]["max_steps"] == steps
+    }
     for run in race["runs"]:
         config = run["config"]
         if config["max_steps"] != steps or (rates and config["lr"] not in rates):
@@ -206,6 +210,27 @@ def table(configs: dict[str, Any], eager: dict[str, Any] | None, race: dict[str,
             f" {median_range(s['inrun_utilization'], '{:.3f}')} | {median_range(s['effective_utilization'], '{:.3f}')}"
             f" | {mb} | {scores} | {s['tokens_per_s']['n']} |"
         )
+    return "\n".join(lines)
+
+
+def horizon_table(horizon: dict[str, Any], steps: int = 256) -> str:
+    """Perplexity after ``steps`` by option and seed (``benchmarks.horizon``), and each option's paired gap."""
+    ppl = race_ppl(horizon, steps)
+    references = {
+        "fl_fsdp-int4ef": "fl_fsdp",
+        "fl_fsdp-sparse": "fl_fsdp",
+        "fl_fsdp-int4ef-eager-local": "fl_fsdp-int4ef",
+        "fl_fsdp-sparse-eager-local": "fl_fsdp-sparse",
+    }
+    lines = [f"| configuration | ppl after {steps} steps, by seed | against | paired gap |", "|---|---|---|---|"]
+    for option in sorted(ppl):
+        scores = ", ".join(f"{ppl[option][k]:.1f}" for k in sorted(ppl[option]))
+        reference = references.get(option)
+        gap = "-"
+        if reference is not None:
+            mean, per_seed = paired(ppl, option, reference)
+            gap = f"{mean:+.1%} ({', '.join(f'{g:+.1%}' for g in per_seed)})" if per_seed else "-"
+        lines.append(f"| {option} | {scores} | {reference or '-'} | {gap} |")
     return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ from lightning_fedshard.core.config import OUTER_OPTIMIZERS, FederationConfig, r
 from lightning_fedshard.core.feedback import ErrorFeedback
 from lightning_fedshard.core.mesh import FederationMesh, build_federation_mesh
 from lightning_fedshard.core.outer import NONFINITE_POLICIES, NonFiniteOuterGradientError, OuterStep, SyncStats
-from lightning_fedshard.core.outer_topology import Hierarchical
+from lightning_fedshard.core.outer_topology import Gossip, Hierarchical, Mixing, Sampled
 from lightning_fedshard.core.reducers import AllReduceSum, Reducer, ScatterGatherSum, make_reducer
 from lightning_fedshard.core.topology import AXES, Axis, FederationTopology
 
@@ -25,12 +25,15 @@ __all__ = [
     "FederationMesh",
     "FederationTopology",
     "FloatCodec",
+    "Gossip",
     "Hierarchical",
+    "Mixing",
     "NonFiniteOuterGradientError",
     "OuterStep",
     "ProcessGroupCommunicator",
     "Reducer",
     "ScatterGatherSum",
+    "Sampled",
     "SparseTopK",
     "SyncStats",
     "build_federation_mesh",

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
@@ -46,6 +47,13 @@ class Communicator(Protocol):
 
     def sum_over_site(self, tensor: Tensor, size: int) -> None:
         """Replace ``tensor`` in place by its sum over this rank's block of ``size`` consecutive groups (fed ring)."""
+
+    def mix_over_groups(self, tensor: Tensor, matrix: Tensor) -> None:
+        """Replace ``tensor`` by ``sum_j matrix[i, j] tensor_j`` (``i`` this group) over the fed ring.
+
+        Only the partners travel: this rank receives from every ``j`` with ``matrix[i, j] > 0`` and sends to every
+        ``j`` with ``matrix[j, i] > 0``. The terms are added in group order.
+        """
 
     def all_to_all(self, output: Tensor, input: Tensor) -> None:
         """Exchange equal parts over the fed ring: part ``j`` of ``input`` goes to ring rank ``j``.
@@ -144,6 +152,23 @@ class ProcessGroupCommunicator:
             self.sum_over_groups(tensor)
         elif size > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.site_groups[size])
+
+    def mix_over_groups(self, tensor: Tensor, matrix: Tensor) -> None:
+        """Point-to-point exchanges with the partners over the fed ring, then the weighted sum in group order."""
+        i = self.group_index
+        ranks = dist.get_process_group_ranks(self.fed_group) if self.fed_group is not None else [dist.get_rank()]
+        sources = [j for j in range(len(ranks)) if j != i and matrix[i, j] > 0]
+        received = {j: torch.empty_like(tensor) for j in sources}
+        ops = [dist.P2POp(dist.isend, tensor, ranks[j], self.fed_group) for j in range(len(ranks))
+               if j != i and matrix[j, i] > 0]  # fmt: skip
+        ops += [dist.P2POp(dist.irecv, received[j], ranks[j], self.fed_group) for j in sources]
+        if ops:
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+        mixed = tensor * float(matrix[i, i])
+        for j in sources:
+            mixed += received[j] * float(matrix[i, j])
+        tensor.copy_(mixed)
 
     def all_to_all(self, output: Tensor, input: Tensor) -> None:
         """``all_to_all_single`` over the fed ring."""

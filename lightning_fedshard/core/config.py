@@ -22,7 +22,7 @@ from lightning_fedshard.core.codecs import (
     resolve_codec,
 )
 from lightning_fedshard.core.outer import NONFINITE_POLICIES, OuterOptimizerFactory, build_outer_optimizer
-from lightning_fedshard.core.outer_topology import Hierarchical, OuterTopologySpec, resolve_outer_topology
+from lightning_fedshard.core.outer_topology import Hierarchical, Mixing, OuterTopologySpec, resolve_outer_topology
 from lightning_fedshard.core.reducers import Reducer, make_reducer
 from lightning_fedshard.core.topology import FederationTopology
 
@@ -105,7 +105,9 @@ class FederationConfig:
             ``lightning_fedshard.Hierarchical(levels={8: 2, 32: 4})``: blocks of consecutive groups (sites) average
             their weights at the smaller periods, the whole federation takes the outer step at the largest (see
             docs/configuration.md, "Outer topology"). Hierarchical levels below the federation are summed in float32;
-            they exclude ``fragments > 1``, ``sync_delay`` and ``eager_updates``.
+            they exclude ``fragments > 1``, ``sync_delay`` and ``eager_updates``. Or a mixing (``Gossip(peers=1)``,
+            ``Sampled(groups_per_round=k)``, ``Mixing(matrix)``): every ``sync_every`` steps each group takes a
+            doubly-stochastic mix of the groups' weights (plain means: ``outer_optimizer="fedavg"``).
 
     Raises:
         ValueError: For a non-positive ``num_groups``, ``shard_size`` or ``sync_every``, an unknown outer
@@ -174,14 +176,19 @@ class FederationConfig:
             raise ValueError(
                 f"`eager_updates` must be False, True, or one of {list(EAGER_RULES)}, got {self.eager_updates!r}."
             )
-        hierarchical = resolve_outer_topology(self.outer_topology)
-        if hierarchical is not None:
-            hierarchical.check_sync_every(self.sync_every)
-            if self.fragments > 1 or delay or self.eager_updates is not False:
-                raise ValueError(
-                    f"`outer_topology={hierarchical!r}` runs with one fragment and no overlap; got `fragments="
-                    f"{self.fragments}`, `sync_delay={delay}`, `eager_updates={self.eager_updates!r}`."
-                )
+        topology = resolve_outer_topology(self.outer_topology)
+        if isinstance(topology, Hierarchical):
+            topology.check_sync_every(self.sync_every)
+        if topology is not None and (self.fragments > 1 or delay or self.eager_updates is not False):
+            raise ValueError(
+                f"`outer_topology={topology!r}` runs with one fragment and no overlap; got `fragments="
+                f"{self.fragments}`, `sync_delay={delay}`, `eager_updates={self.eager_updates!r}`."
+            )
+        if isinstance(topology, Mixing) and self.outer_optimizer != "fedavg":
+            raise ValueError(
+                f"`outer_topology={topology!r}` mixes the groups' weights with plain means; it needs"
+                f" `outer_optimizer='fedavg'`, got {self.outer_optimizer!r}."
+            )
         if self.eager_updates and (delay or alpha):
             raise ValueError(
                 f"`eager_updates=True` overlaps each sum with a whole round and keeps all local progress; it excludes"
@@ -207,8 +214,8 @@ class FederationConfig:
                 f" divisible by `num_groups={num_groups}`."
             )
         group_size = world_size // num_groups
-        if (hierarchical := self.hierarchical) is not None:
-            hierarchical.check_groups(num_groups)
+        if (topology := resolve_outer_topology(self.outer_topology)) is not None:
+            topology.check_groups(num_groups)
         shard_size = (self.shard_size or devices_per_node) if hybrid else group_size
         if group_size % shard_size and self.shard_size is None:
             raise ValueError(
@@ -231,8 +238,8 @@ class FederationConfig:
             parts.append(f"sum overlapped with {self.sync_delay} step(s)")
         if self.eager_rule is not None:
             parts.append(f"eager updates ({self.eager_rule}: each sum overlapped with a whole round)")
-        if (hierarchical := self.hierarchical) is not None:
-            parts.append(hierarchical.describe())
+        if (topology := resolve_outer_topology(self.outer_topology)) is not None:
+            parts.append(topology.describe())
         if self.merge_alpha:
             parts.append(f"merge_alpha={self.merge_alpha}")
         parts.append(f"anchor on the {'CPU' if self.anchor_device == 'cpu' else 'device'}")
@@ -240,8 +247,15 @@ class FederationConfig:
 
     @property
     def hierarchical(self) -> Hierarchical | None:
-        """The hierarchical outer topology, or ``None`` for ``"all"``."""
-        return resolve_outer_topology(self.outer_topology)
+        """The hierarchical outer topology, if that is the one."""
+        topology = resolve_outer_topology(self.outer_topology)
+        return topology if isinstance(topology, Hierarchical) else None
+
+    @property
+    def mixing(self) -> Mixing | None:
+        """The mixing outer topology (``Mixing``, ``Gossip``, ``Sampled``), if that is the one."""
+        topology = resolve_outer_topology(self.outer_topology)
+        return topology if isinstance(topology, Mixing) else None
 
     def site_sizes(self, num_groups: int) -> tuple[int, ...]:
         """Block sizes of the outer topology below the whole federation (empty for ``"all"``)."""

@@ -6,6 +6,7 @@ optimizer steps, once more at the end) lives in one place.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fedshard.core.comm import Communicator
+from lightning_fedshard.core.comm import Communicator, sum_over_model
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.fragments import cut_fragments, landing_fragment, starting_fragment
 from lightning_fedshard.core.lazy import required
@@ -37,6 +38,9 @@ class Federation:
         self._pending: PendingSync | None = None
         self._eager: dict[int, PendingSync] = {}  # eager updates: each fragment's sum in flight until its next sync
         self._groups_differ = False  # a hierarchical site sync left the groups apart from the anchor
+        #: The groups' distance from their mean at the last consensus of a topology whose groups differ
+        #: (hierarchical, mixing; ``None`` before one, and with ``"all"``).
+        self.consensus_distance: float | None = None
         self.last_synced_step = 0
         self.last_step = 0
         self.landed_at: list[int] = [0] * config.fragments
@@ -132,6 +136,10 @@ class Federation:
             stats = self._hierarchical_sync(step) if self.is_due(step) else None
             self.last_step = step
             return stats
+        if self.config.mixing is not None:
+            stats = self._mixing_sync(step) if self.is_due(step) else None
+            self.last_step = step
+            return stats
         if self.config.eager_rule is not None:
             stats = self._eager_sync(step) if self.is_due(step) else None
             self.last_step = step
@@ -156,6 +164,20 @@ class Federation:
             return stats
         self._groups_differ = False
         return self.sync(step)
+
+    def _mixing_sync(self, step: int) -> SyncStats:
+        """Every group takes the round's mix of the groups' weights; the uniform mix is the plain outer step."""
+        mixing = self.config.mixing
+        assert mixing is not None
+        groups = len(self.communicator.participants())
+        matrix = mixing.weights(step // self.config.sync_every - 1, groups)
+        if torch.allclose(matrix, torch.full_like(matrix, 1.0 / groups), rtol=0.0, atol=1e-12):
+            self._groups_differ = False
+            return self.sync(step)
+        stats = self.outer.mix(matrix)
+        self._on_write()
+        self._groups_differ = True
+        return stats
 
     def _eager_sync(self, step: int) -> SyncStats | None:
         fragment = landing_fragment(step, self.config.sync_every, self.config.fragments)
@@ -265,8 +287,9 @@ class Federation:
         With eager updates the consensus includes the sums in flight: it waits for them and shows the anchor each
         fragment will have once its sum has landed (the anchor itself and the outer state are not changed).
 
-        With a hierarchical outer topology the consensus is the exact mean over all groups of their current weights
-        (a float32 all-reduce over the fed ring), which a site sync does not change.
+        With a hierarchical or mixing outer topology the consensus is the exact mean over all groups of their current
+        weights (a float32 all-reduce over the fed ring), which a site sync or a doubly-stochastic mix does not
+        change.
 
         With a single group there is nothing to agree on: its current weights are the consensus and stay in place
         (so a one-group run validates and saves what plain FSDP would).
@@ -275,7 +298,7 @@ class Federation:
             yield
             return
         saved = [s.detach().clone() for s in self._outer.shards]
-        if self.config.hierarchical is not None:
+        if self.config.hierarchical is not None or self.config.mixing is not None:
             self._load_mean_over_groups()
         else:
             self._outer.copy_anchor_to_shards()
@@ -291,10 +314,18 @@ class Federation:
 
     @torch.no_grad()
     def _load_mean_over_groups(self) -> None:
-        """A hierarchical topology's consensus: the exact mean over all groups of their current weights."""
+        """The consensus of groups that differ: the exact mean over all groups of their current weights.
+
+        Also measures :attr:`consensus_distance`: the root mean square over groups of a group's L2 distance from it.
+        """
         outer = self.outer
+        squared = torch.zeros(1, dtype=torch.float64)
         for shard, mean in zip(outer.shards, outer.mean_over_groups()):
-            shard.copy_(mean.view_as(shard))
+            mean = mean.view_as(shard).to(shard.device)
+            squared += float(torch.linalg.vector_norm(shard.float() - mean) ** 2)
+            shard.copy_(mean)
+        sum_over_model(self.communicator, squared)
+        self.consensus_distance = math.sqrt(float(squared) / len(self.communicator.participants()))
 
     @torch.no_grad()
     def _project_sums_in_flight(self) -> None:

@@ -102,6 +102,8 @@ class SyncStats:
             spent on compute whose progress survives. Set by the runtime.
         site_size: With a hierarchical outer topology, the number of consecutive groups that averaged their weights
             at this sync (no outer step); 0 when the whole federation took the outer step.
+        mixing_partners: With a mixing topology, the groups this group sent its weights to at this sync (no outer
+            step); 0 otherwise.
     """
 
     outer_grad_norm: float
@@ -119,6 +121,7 @@ class SyncStats:
     discarded_fraction: float = 0.0
     effective_utilization: float | None = None
     site_size: int = 0
+    mixing_partners: int = 0
 
     def as_dict(self, prefix: str = "fedshard/") -> dict[str, float]:
         """The statistics as a flat ``{name: value}`` dict for loggers."""
@@ -142,6 +145,8 @@ class SyncStats:
             stats[f"{prefix}syncs_lost"] = float(self.syncs_lost)
         if self.site_size:
             stats[f"{prefix}site_size"] = float(self.site_size)
+        if self.mixing_partners:
+            stats[f"{prefix}mixing_partners"] = float(self.mixing_partners)
         return stats
 
 
@@ -536,6 +541,27 @@ class OuterStep:
         seconds = time.perf_counter() - start
         sent = 2 * (size - 1) * flat.numel() * flat.element_size() // size
         return SyncStats(0.0, 0.0, sent, seconds, self.num_syncs, exposed_seconds=seconds, site_size=size)
+
+    @torch.no_grad()
+    def mix(self, matrix: Tensor) -> SyncStats:
+        """Replace every shard by ``sum_j W_ij theta_j`` (this group ``i``, float32); collective over the fed ring.
+
+        A mixing topology's sync: no outer step (the anchor and the outer optimizer do not change).
+        """
+        start = time.perf_counter()
+        device = self.shards[0].device
+        flat = torch.cat([s.detach().reshape(-1).to(torch.float32) for s in self.shards]).to(device)
+        self.communicator.mix_over_groups(flat, matrix)
+        offset = 0
+        for shard in self.shards:
+            n = shard.numel()
+            shard.copy_(flat[offset : offset + n].view_as(shard))
+            offset += n
+        seconds = time.perf_counter() - start
+        i = self.communicator.group_index
+        partners = sum(1 for j in range(matrix.shape[0]) if j != i and matrix[j, i] > 0)
+        sent = partners * flat.numel() * flat.element_size()
+        return SyncStats(0.0, 0.0, sent, seconds, self.num_syncs, exposed_seconds=seconds, mixing_partners=partners)
 
     @torch.no_grad()
     def mean_over_groups(self) -> list[Tensor]:

@@ -8,12 +8,25 @@ mean of its groups' weights; the outer optimizer steps where the whole federatio
 group), on the pseudo-gradients of weights that the site levels have averaged in between. The anchor and the outer
 optimizer state therefore stay identical in every group.
 
+A :class:`Mixing` topology applies any doubly-stochastic matrix ``W`` (rows and columns sum to 1) at each sync: group
+``i`` takes ``sum_j W_ij theta_j``, receiving only from the groups ``j`` with ``W_ij > 0``. The groups' mean is
+preserved and their distance from it shrinks like the second-largest eigenvalue of ``W``. :class:`Gossip` (each group
+with ``peers`` seeded partners) and :class:`Sampled` (a seeded sample of groups averages among themselves, the others
+keep training) are mixings. These topologies take plain means (``"fedavg"``); the groups differ between syncs, their
+consensus is the exact mean, and the end of training averages every group.
+
 This module knows nothing about Lightning; it is a schedule.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+#: How far from 1 a row or column sum of a mixing matrix may be.
+STOCHASTIC_TOLERANCE = 1e-6
 
 #: The names of the outer topologies that need no parameters.
 OUTER_TOPOLOGY_NAMES: tuple[str, ...] = ("all",)
@@ -95,22 +108,202 @@ class Hierarchical:
             )
 
 
-OuterTopologySpec = str | Hierarchical
+MatrixSpec = Sequence[Sequence[float]] | Tensor
 
 
-def resolve_outer_topology(spec: OuterTopologySpec) -> Hierarchical | None:
-    """``None`` for ``"all"``, the :class:`Hierarchical` itself otherwise.
+class Mixing:
+    """Every sync, group ``i`` takes ``sum_j W_ij theta_j`` for a doubly-stochastic ``W`` (module docstring).
+
+    Args:
+        matrix: The ``G x G`` matrix (nested lists or a tensor), the same at every sync, or a callable that returns
+            the matrix of sync ``round`` (counted from 0; the sync after optimizer step ``(round + 1) sync_every``).
+
+    Raises:
+        ValueError: For a fixed matrix that is not square, has a negative entry, or a row or column that does not sum
+            to 1 (within 1e-6).
+    """
+
+    def __init__(self, matrix: MatrixSpec | Callable[[int], MatrixSpec]) -> None:
+        self.matrix = matrix
+        if not callable(matrix):
+            check_doubly_stochastic(_as_matrix(matrix), "`Mixing(matrix)`")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.matrix!r})"
+
+    def describe(self) -> str:
+        """A short name for logs."""
+        return "mixing matrix"
+
+    def weights(self, round: int, num_groups: int) -> Tensor:
+        """The float64 ``G x G`` matrix of sync ``round``, checked.
+
+        Raises:
+            ValueError: If it is not doubly stochastic or not ``num_groups x num_groups``.
+        """
+        spec = self.matrix(round) if callable(self.matrix) else self.matrix
+        matrix = _as_matrix(spec)
+        if matrix.shape != (num_groups, num_groups):
+            raise ValueError(
+                f"The mixing matrix of round {round} is {tuple(matrix.shape)}, the job has {num_groups} groups."
+            )
+        return check_doubly_stochastic(matrix, f"the mixing matrix of round {round}")
+
+    def check_groups(self, num_groups: int) -> None:
+        """Raise ``ValueError`` unless the first round's matrix fits ``num_groups`` groups."""
+        self.weights(0, num_groups)
+
+
+class Gossip(Mixing):
+    """Every sync, each group averages with ``peers`` partners drawn from a seeded schedule every rank computes alike.
+
+    Round ``r`` draws ``peers`` random pairings of the groups (a generator seeded with ``seed`` and ``r``); with ``P_k``
+    the permutation that swaps each pair (a group left over with an odd count stays), ``W = (I + sum_k P_k) /
+    (peers + 1)``: symmetric and doubly stochastic.
+
+    Args:
+        peers: Partners per group and sync (at least 1, fewer than the groups).
+        seed: Seed of the schedule.
+    """
+
+    def __init__(self, peers: int = 1, seed: int = 0) -> None:
+        if isinstance(peers, bool) or not isinstance(peers, int) or peers < 1:
+            raise ValueError(f"`peers` must be a positive integer, got {peers!r}.")
+        self.peers, self.seed = peers, seed
+        self.matrix = self.weights  # the matrix of a round is drawn by `weights`
+
+    def __repr__(self) -> str:
+        return f"Gossip(peers={self.peers}, seed={self.seed})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Gossip) and (self.peers, self.seed) == (other.peers, other.seed)
+
+    def __hash__(self) -> int:
+        return hash(("gossip", self.peers, self.seed))
+
+    def describe(self) -> str:
+        """E.g. ``"gossip with 1 peer per sync"``."""
+        return f"gossip with {self.peers} peer(s) per sync"
+
+    def check_groups(self, num_groups: int) -> None:
+        """Raise ``ValueError`` with more peers than other groups."""
+        if self.peers >= num_groups:
+            raise ValueError(
+                f"`Gossip(peers={self.peers})` needs more than {self.peers} groups, the job has {num_groups}."
+            )
+
+    def weights(self, round: int, num_groups: int) -> Tensor:
+        """``(I + sum_k P_k) / (peers + 1)`` of round ``round``."""
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + round)
+        matrix = torch.eye(num_groups, dtype=torch.float64)
+        for _ in range(self.peers):
+            order = torch.randperm(num_groups, generator=generator).tolist()
+            swap = torch.eye(num_groups, dtype=torch.float64)
+            for a, b in zip(order[0::2], order[1::2]):
+                swap[[a, b]] = swap[[b, a]]
+            matrix += swap
+        return matrix / (self.peers + 1)
+
+
+class Sampled(Mixing):
+    """Every sync, a seeded sample of ``groups_per_round`` groups averages among themselves; the others keep training.
+
+    Args:
+        groups_per_round: Groups that take part in each sync (2 or more, at most the groups).
+        seed: Seed of the schedule.
+    """
+
+    def __init__(self, groups_per_round: int, seed: int = 0) -> None:
+        if isinstance(groups_per_round, bool) or not isinstance(groups_per_round, int) or groups_per_round < 2:
+            raise ValueError(f"`groups_per_round` must be an integer of 2 or more, got {groups_per_round!r}.")
+        self.groups_per_round, self.seed = groups_per_round, seed
+        self.matrix = self.weights  # the matrix of a round is drawn by `weights`
+
+    def __repr__(self) -> str:
+        return f"Sampled(groups_per_round={self.groups_per_round}, seed={self.seed})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sampled) and (self.groups_per_round, self.seed) == (other.groups_per_round, other.seed)
+
+    def __hash__(self) -> int:
+        return hash(("sampled", self.groups_per_round, self.seed))
+
+    def describe(self) -> str:
+        """E.g. ``"2 sampled groups per sync"``."""
+        return f"{self.groups_per_round} sampled groups per sync"
+
+    def check_groups(self, num_groups: int) -> None:
+        """Raise ``ValueError`` with more groups per round than groups."""
+        if self.groups_per_round > num_groups:
+            raise ValueError(
+                f"`Sampled(groups_per_round={self.groups_per_round})` samples more groups than the job's {num_groups}."
+            )
+
+    def sample(self, round: int, num_groups: int) -> list[int]:
+        """The groups of round ``round``, ascending."""
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + round)
+        return sorted(torch.randperm(num_groups, generator=generator)[: self.groups_per_round].tolist())
+
+    def weights(self, round: int, num_groups: int) -> Tensor:
+        """``1 / k`` among the sampled groups, the identity for the others."""
+        matrix = torch.eye(num_groups, dtype=torch.float64)
+        chosen = self.sample(round, num_groups)
+        for i in chosen:
+            matrix[i, i] = 0.0
+            matrix[i, chosen] = 1.0 / len(chosen)
+        return matrix
+
+
+def _as_matrix(spec: MatrixSpec) -> Tensor:
+    matrix = torch.as_tensor(spec, dtype=torch.float64)
+    if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
+        raise ValueError(f"A mixing matrix must be square, got shape {tuple(matrix.shape)}.")
+    return matrix
+
+
+def check_doubly_stochastic(matrix: Tensor, name: str) -> Tensor:
+    """``matrix`` if it has no negative entry and every row and column sums to 1 (within 1e-6).
+
+    Raises:
+        ValueError: Naming the offending row or column and its sum.
+    """
+    if (matrix < 0).any():
+        raise ValueError(f"{name} has a negative entry: {matrix.min().item():g}.")
+    for axis, label in ((1, "row"), (0, "column")):
+        sums = matrix.sum(dim=axis)
+        bad = (sums - 1).abs() > STOCHASTIC_TOLERANCE
+        if bad.any():
+            index = int(bad.nonzero()[0])
+            raise ValueError(f"{name} is not doubly stochastic: {label} {index} sums to {sums[index].item():g}.")
+    return matrix
+
+
+OuterTopologySpec = str | Hierarchical | Mixing
+
+
+def resolve_outer_topology(spec: OuterTopologySpec) -> Hierarchical | Mixing | None:
+    """``None`` for ``"all"``, the topology object otherwise.
 
     Raises:
         ValueError: For anything else.
     """
-    if isinstance(spec, Hierarchical):
+    if isinstance(spec, (Hierarchical, Mixing)):
         return spec
     if spec in OUTER_TOPOLOGY_NAMES:
         return None
     raise ValueError(
-        f"Unknown `outer_topology={spec!r}`; use 'all' or `lightning_fedshard.Hierarchical(levels={{8: 2, 32: 4}})`."
+        f"Unknown `outer_topology={spec!r}`; use 'all', `lightning_fedshard.Hierarchical(levels={{8: 2, 32: 4}})`,"
+        " `Gossip(peers=1)`, `Sampled(groups_per_round=2)` or `Mixing(matrix)`."
     )
 
 
-__all__ = ["OUTER_TOPOLOGY_NAMES", "Hierarchical", "OuterTopologySpec", "resolve_outer_topology"]
+__all__ = [
+    "OUTER_TOPOLOGY_NAMES",
+    "Gossip",
+    "Hierarchical",
+    "Mixing",
+    "OuterTopologySpec",
+    "Sampled",
+    "check_doubly_stochastic",
+    "resolve_outer_topology",
+]

@@ -79,7 +79,12 @@ class OuterSync(Callback):
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
-            self._consensus.enter_context(_runtime(trainer).consensus_weights())
+            runtime = _runtime(trainer)
+            self._consensus.enter_context(runtime.consensus_weights())
+            distance = runtime.federation.consensus_distance if runtime.syncs_are_identity is False else None
+            if distance is not None and self.log_stats:
+                for logger in trainer.loggers:
+                    logger.log_metrics({"fedshard/consensus_distance": distance}, step=trainer.global_step)
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -9,12 +9,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import Tensor
 from torch.testing import assert_close
 
 from lightning_fedshard import Hierarchical
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.mesh import build_federation_mesh
+from lightning_fedshard.core.topology import FederationTopology
 from tests.core.fake_comm import ThreadGroups
 
 
@@ -70,6 +72,7 @@ def test_sites_average_their_weights_and_the_federation_takes_the_outer_step():
             if step == 2:
                 with fed.consensus_weights():
                     seen["consensus"] = shards[0].clone()
+                seen["distance"] = fed.consensus_distance
         return seen
 
     results = ThreadGroups(4).run(work)
@@ -80,6 +83,7 @@ def test_sites_average_their_weights_and_the_federation_takes_the_outer_step():
         assert torch.equal(shard, torch.full((3,), site)) and torch.equal(anchor, torch.zeros(3))
         assert stats.site_size == 2 and stats.num_syncs == 0
         assert torch.equal(r["consensus"], torch.full((3,), (4.5 + 10.5) / 2))  # the exact mean over all groups
+        assert r["distance"] == pytest.approx(3 * 3**0.5)  # every group 3 away in each of 3 values
         assert r[1][2] is None and r[3][2] is None
     # step 4: everyone meets: fedavg lands on the mean of the groups, in every group and the anchor
     expected = sum(((1 + 2) * 3 / 2 if g < 2 else (3 + 4) * 3 / 2) + (g + 1) * 7 for g in range(4)) / 4
@@ -150,3 +154,152 @@ def test_hierarchical_fedavg_with_sgd_lands_on_torchs_hierarchical_model_average
         assert all(torch.equal(r["ours"][k], ranks[0]["ours"][k]) for r in ranks for k in r["ours"])
     else:  # a wrong period (the federation meets every 6 steps instead of 4) is seen
         assert worst > 1e-4
+
+
+# ------------------------------------------------------------------------------------------------ mixings
+
+from lightning_fedshard import Gossip, Mixing, Sampled  # noqa: E402
+
+
+def _mixing_run(topology: Any, groups: int, steps: int, sync_every: int = 2) -> list[dict[str, Any]]:
+    """Every group adds a group- and step-dependent vector; returns per group its weights before and after syncs."""
+    config = FederationConfig(sync_every=sync_every, reduce_dtype="float32", outer_topology=topology)
+
+    def work(g: int, comm: Any) -> dict[str, Any]:
+        shards = [torch.zeros(4)]
+        fed = Federation(config, comm)
+        fed.start(shards, step=0)
+        before, after = {}, {}
+        for step in range(1, steps + 1):
+            shards[0].add_(torch.arange(4.0) * (g + 1) + step * g)
+            before[step] = shards[0].clone()
+            fed.maybe_sync(step)
+            after[step] = shards[0].clone()
+        with fed.consensus_weights():
+            consensus = shards[0].clone()
+        fed.finish(steps)
+        return {"before": before, "after": after, "consensus": consensus, "final": shards[0].clone()}
+
+    return ThreadGroups(groups).run(work)
+
+
+@pytest.mark.parametrize(
+    "topology",
+    [Gossip(peers=1, seed=3), Gossip(peers=2, seed=1), Sampled(groups_per_round=2, seed=5),
+     Mixing([[0.5, 0.5, 0, 0], [0.25, 0.25, 0.5, 0], [0.25, 0.25, 0, 0.5], [0, 0, 0.5, 0.5]])],
+)  # fmt: skip
+def test_after_a_sync_each_group_holds_the_rounds_mix(topology):
+    results = _mixing_run(topology, groups=4, steps=6)
+    for step in (2, 4, 6):
+        matrix = topology.weights(step // 2 - 1, 4)
+        before = torch.stack([r["before"][step] for r in results]).double()
+        expected = matrix @ before
+        for g, r in enumerate(results):
+            assert_close(r["after"][step].double(), expected[g], atol=1e-5, rtol=1e-6)
+        # a doubly-stochastic mix keeps the groups' mean
+        assert_close(torch.stack([r["after"][step] for r in results]).mean(0), before.mean(0).float())
+    # the consensus between syncs is the exact mean, and the end averages every group
+    mean = torch.stack([r["after"][6] for r in results]).mean(0)
+    assert all(torch.allclose(r["consensus"], mean) for r in results)
+    assert all(torch.equal(r["final"], results[0]["final"]) for r in results)
+
+
+def test_the_uniform_mix_is_todays_outer_step_bit_for_bit():
+    uniform = _mixing_run(Mixing([[0.25] * 4] * 4), groups=4, steps=6)
+    config = FederationConfig(sync_every=2, reduce_dtype="float32")
+
+    def plain(g: int, comm: Any) -> list[Tensor]:
+        shards = [torch.zeros(4)]
+        fed = Federation(config, comm)
+        fed.start(shards, step=0)
+        seen = []
+        for step in range(1, 7):
+            shards[0].add_(torch.arange(4.0) * (g + 1) + step * g)
+            fed.maybe_sync(step)
+            seen.append(shards[0].clone())
+        return seen
+
+    for mixed, today in zip(uniform, ThreadGroups(4).run(plain)):
+        assert all(torch.equal(mixed["after"][s + 1], today[s]) for s in range(6))
+
+
+def test_gossip_and_sampled_are_mixings_of_their_matrices():
+    for topology in (Gossip(peers=1, seed=7), Sampled(groups_per_round=3, seed=2)):
+        direct = _mixing_run(topology, groups=4, steps=6)
+        through = _mixing_run(Mixing(lambda round, t=topology: t.weights(round, 4)), groups=4, steps=6)
+        for a, b in zip(direct, through):
+            assert all(torch.equal(a["after"][s], b["after"][s]) for s in a["after"])
+
+
+def test_distance_from_the_mean_shrinks_like_the_second_eigenvalue():
+    matrix = torch.tensor([[0.5, 0.5, 0, 0], [0.5, 0, 0.5, 0], [0, 0.5, 0, 0.5], [0, 0, 0.5, 0.5]], dtype=torch.float64)
+    second = sorted(torch.linalg.eigvalsh(matrix).abs().tolist())[-2]  # symmetric: real eigenvalues
+    x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for _ in range(5):
+        spread = (x - x.mean(0)).norm()
+        x = matrix @ x
+        assert (x - x.mean(0)).norm() <= second * spread + 1e-12
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: Mixing([[0.6, 0.4], [0.6, 0.4]]), r"not doubly stochastic: column 0 sums to 1.2"),
+        (lambda: Mixing([[1.5, -0.5], [-0.5, 1.5]]), r"negative entry"),
+        (lambda: Mixing([[1.0, 0.0, 0.0]]), r"must be square, got shape \(1, 3\)"),
+        (lambda: Gossip(peers=0), r"`peers` must be a positive integer, got 0"),
+        (lambda: Sampled(groups_per_round=1), r"`groups_per_round` must be an integer of 2 or more, got 1"),
+        (
+            lambda: FederationConfig(outer_topology=Gossip(peers=1), outer_optimizer="nesterov"),
+            r"needs `outer_optimizer='fedavg'`",
+        ),
+        (lambda: FederationConfig(outer_topology=Gossip(peers=1), sync_every=4, fragments=2), r"one fragment"),
+    ],
+)
+def test_bad_mixings_fail_in_the_constructor(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+@pytest.mark.parametrize(
+    ("topology", "match"),
+    [
+        (Gossip(peers=4), r"`Gossip\(peers=4\)` needs more than 4 groups, the job has 4"),
+        (Sampled(groups_per_round=5), r"samples more groups than the job's 4"),
+        (Mixing([[1.0]]), r"is \(1, 1\), the job has 4 groups"),
+    ],
+)
+def test_mixings_that_do_not_fit_the_groups_are_refused_before_launch(topology, match):
+    with pytest.raises(ValueError, match=match):
+        FederationConfig(num_groups=4, outer_topology=topology).topology(4, 1, hybrid=False)
+
+
+def _gossip_worker(rank: int, store: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
+    try:
+        comm = build_federation_mesh(FederationTopology(4, 4, 1), "cpu").communicator()
+        results = []
+        for round in range(3):
+            x = torch.arange(5.0) * (rank + 1) + round
+            comm.mix_over_groups(x, Gossip(peers=1, seed=11).weights(round, 4))
+            results.append(x)
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_mix_over_real_gloo_processes_matches_the_thread_fake(tmp_path):
+    mp.start_processes(_gossip_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=4, start_method="fork")
+
+    def fake(g: int, comm: Any) -> list[Tensor]:
+        out = []
+        for round in range(3):
+            x = torch.arange(5.0) * (g + 1) + round
+            comm.mix_over_groups(x, Gossip(peers=1, seed=11).weights(round, 4))
+            out.append(x)
+        return out
+
+    for rank, expected in enumerate(ThreadGroups(4).run(fake)):
+        real = torch.load(tmp_path / f"rank{rank}.pt")
+        assert all(torch.equal(a, b) for a, b in zip(real, expected))
