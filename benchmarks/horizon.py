@@ -17,6 +17,7 @@ import argparse
 from pathlib import Path
 
 from benchmarks.harness.cluster import EmulatedCluster
+from benchmarks.harness.machine import machine
 from benchmarks.harness.sweep import RESULTS, prepare_data, require_namespaces
 from benchmarks.presets import RACE, race_job
 from benchmarks.race import Race, best_lr, open_results
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     lr = best_lr(open_results(args.race).runs, "fl_fsdp", 64)
     results = open_results(args.results)
+    results.data["machine"] = machine("benchmarks.horizon")
     prepare_data(race_job(args.work, "fl_fsdp", HORIZON_STEPS, lr, 0).config, args.work)
     with EmulatedCluster(RACE.num_nodes) as cluster:
         cluster.set_bandwidth(None)
