@@ -182,10 +182,16 @@ class Federation:
     def _eager_sync(self, step: int) -> SyncStats | None:
         fragment = landing_fragment(step, self.config.sync_every, self.config.fragments)
         assert fragment is not None
-        stats, self._eager[fragment] = self.outer.eager_step(fragment, self._eager.pop(fragment, None), step)
+        stats, started = self.outer.eager_step(fragment, self._take_eager(fragment), step)
+        assert started is not None  # only the end of training lands everything
+        self._eager[fragment] = started
         self._on_write()
         self.last_synced_step = self.landed_at[fragment] = step
         return None if stats is None else replace(stats, num_fragments=self.config.fragments)
+
+    def _take_eager(self, fragment: int) -> PendingSync | None:
+        """The fragment's eager sum in flight, no longer held here (``None`` if it has none)."""
+        return self._eager.pop(fragment) if fragment in self._eager else None
 
     def _finish_eager(self, step: int) -> list[SyncStats]:
         """Every fragment lands its sum in flight; those that trained since it started also sync what they did.
@@ -193,11 +199,11 @@ class Federation:
         The final sums run in this thread over the ring the background sums use, so every sum in flight is awaited
         first.
         """
-        for pending in self._in_flight():
-            pending.result()
+        for in_flight in self._in_flight():
+            in_flight.result()
         synced = []
         for fragment in range(self.config.fragments):
-            pending = self._eager.pop(fragment, None)
+            pending = self._take_eager(fragment)
             if self.landed_at[fragment] == step:
                 stats = self.outer.settle(fragment, pending, step)
             else:

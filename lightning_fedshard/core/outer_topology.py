@@ -169,8 +169,7 @@ class Gossip(Mixing):
     def __init__(self, peers: int = 1, seed: int = 0) -> None:
         if isinstance(peers, bool) or not isinstance(peers, int) or peers < 1:
             raise ValueError(f"`peers` must be a positive integer, got {peers!r}.")
-        self.peers, self.seed = peers, seed
-        self.matrix = self.weights  # the matrix of a round is drawn by `weights`
+        self.peers, self.seed = peers, seed  # the matrix of a round is drawn by `weights`
 
     def __repr__(self) -> str:
         return f"Gossip(peers={self.peers}, seed={self.seed})"
@@ -216,8 +215,7 @@ class Sampled(Mixing):
     def __init__(self, groups_per_round: int, seed: int = 0) -> None:
         if isinstance(groups_per_round, bool) or not isinstance(groups_per_round, int) or groups_per_round < 2:
             raise ValueError(f"`groups_per_round` must be an integer of 2 or more, got {groups_per_round!r}.")
-        self.groups_per_round, self.seed = groups_per_round, seed
-        self.matrix = self.weights  # the matrix of a round is drawn by `weights`
+        self.groups_per_round, self.seed = groups_per_round, seed  # the matrix of a round is drawn by `weights`
 
     def __repr__(self) -> str:
         return f"Sampled(groups_per_round={self.groups_per_round}, seed={self.seed})"
