@@ -117,8 +117,8 @@ def worker(out: Path, repeats: int) -> None:
     dist.destroy_process_group()
 
 
-def drive(work: Path, repeats: int) -> dict[str, Any]:
-    """Build the cluster, start every rank in its node and collect their rows."""
+def drive(work: Path, repeats: int, module: str = "benchmarks.hsdp_fed_bytes") -> dict[str, Any]:
+    """Build the cluster, start every rank of ``module``'s worker in its node and collect their rows."""
     from benchmarks.harness.cluster import NODE_IFACE, EmulatedCluster
     from benchmarks.harness.machine import machine
 
@@ -140,13 +140,13 @@ def drive(work: Path, repeats: int) -> dict[str, Any]:
                     "PYTHONPATH": str(repo),
                     "OMP_NUM_THREADS": "1",
                 }
-                argv = [sys.executable, "-m", "benchmarks.hsdp_fed_bytes", "--worker", str(work), str(repeats)]
+                argv = [sys.executable, "-m", module, "--worker", str(work), str(repeats)]
                 procs.append(subprocess.Popen(cluster.command(node, argv, env), cwd=repo))
         codes = [p.wait(timeout=900) for p in procs]
     if any(codes):
         raise SystemExit(f"a rank failed: exit codes {codes}")
     rows = [row for path in sorted(work.glob("rank*.json")) for row in json.loads(path.read_text())]
-    about = {"machine": machine("benchmarks.hsdp_fed_bytes"), "numel": NUMEL}
+    about = {"machine": machine(module), "numel": NUMEL}
     return {**about, "num_nodes": NUM_NODES, "devices": DEVICES, "rows": rows}
 
 

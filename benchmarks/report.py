@@ -80,7 +80,9 @@ def build(paths: dict[str, Path]) -> Report:
     """Load and analyze every sweep, then measure the targets (``paths``: sweep name -> results file)."""
     throughput_results = load(paths["throughput"])
     results = {"throughput": throughput_results} | {
-        name: load_if_exists(path) for name, path in paths.items() if name not in ("throughput", "hsdp_fed_bytes")
+        name: load_if_exists(path)
+        for name, path in paths.items()
+        if name not in ("throughput", "hsdp_fed_bytes", "gossip_bytes")
     }
     configs = sweep.analyze(throughput_results)
     compute = sweep.compute_times(configs["configs"])
@@ -95,7 +97,9 @@ def build(paths: dict[str, Path]) -> Report:
         analyses["race"] = race.analyze(race_results, {**(grid or {}), **(defaults or {}), **configs["configs"]})
     rows = targets(configs["configs"], grid, analyses["race"], defaults)
     hsdp = overlap.load_hsdp(paths.get("hsdp_fed_bytes", RESULTS / "hsdp_fed_bytes.json"))
-    rows += overlap.targets(results.get("eager"), _configs(analyses["eager"]) or {}, results.get("race"), hsdp)
+    gossip = overlap.load_hsdp(paths.get("gossip_bytes", RESULTS / "gossip_bytes.json"))
+    eager, race_results = results.get("eager"), results.get("race")
+    rows += overlap.targets(eager, _configs(analyses["eager"]) or {}, race_results, hsdp, gossip)
     return Report(results, analyses, rows)
 
 

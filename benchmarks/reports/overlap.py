@@ -46,7 +46,10 @@ TARGET_IDS = (
     "eager-ppl-local",
     "eager-equal-time",
     "hsdp-fed-bytes",
+    "gossip-bytes",
 )
+#: Gossip with one peer against the ring, bytes per sync (a ring all-reduce sends 2 (G-1)/G of a shard, gossip 1).
+GOSSIP_BYTES_BOUND = 0.67
 
 Row = dict[str, Any]
 
@@ -103,7 +106,7 @@ def _row(target_id: str, target: str, measured: float, bound: float, met: bool, 
 
 
 def targets(eager: dict[str, Any] | None, configs: dict[str, Any], race: dict[str, Any] | None,
-            hsdp: dict[str, Any] | None) -> list[Row]:  # fmt: skip
+            hsdp: dict[str, Any] | None, gossip: dict[str, Any] | None = None) -> list[Row]:  # fmt: skip
     """The rows of the targets table (``configs``: the eager sweep's per-configuration summary)."""
     rows: list[Row] = []
     ppl = race_ppl(race)
@@ -143,7 +146,18 @@ def targets(eager: dict[str, Any] | None, configs: dict[str, Any], race: dict[st
         ))  # fmt: skip
     rows.append(equal_time_row(configs, ppl))
     rows.append(hsdp_row(hsdp))
+    rows.append(gossip_row(gossip))
     return rows
+
+
+def gossip_row(gossip: dict[str, Any] | None) -> Row:
+    """``Gossip(peers=1)``'s link bytes per sync against the default ring's, 4 groups (``benchmarks.gossip_bytes``)."""
+    target = "Gossip(peers=1) link bytes per sync against the ring all-reduce, 4 groups x 2 shards, float32"
+    if gossip is None:
+        return _row("gossip-bytes", target, math.nan, GOSSIP_BYTES_BOUND, False, 0)
+    ratio = gossip["summary"]["ratio"]
+    runs = 2 * len({r["repeat"] for r in gossip["rows"]})
+    return _row("gossip-bytes", target, ratio, GOSSIP_BYTES_BOUND, ratio <= GOSSIP_BYTES_BOUND, runs)
 
 
 def equal_time_row(configs: dict[str, Any], ppl: dict[str, dict[int, float]]) -> Row:
@@ -235,5 +249,5 @@ def horizon_table(horizon: dict[str, Any], steps: int = 256) -> str:
 
 
 def load_hsdp(path: Path) -> dict[str, Any] | None:
-    """The FL+HSDP bytes benchmark's results, if it was run."""
+    """A bytes benchmark's results (FL+HSDP's, gossip's), if it was run."""
     return json.loads(path.read_text()) if path.exists() else None

@@ -33,6 +33,8 @@ def test_perplexity_is_paired_by_seed_at_the_options_learning_rate():
 
 def test_rows_say_not_run_without_results_and_check_the_hsdp_reduction():
     rows = {r["id"]: r for r in overlap.targets(None, {}, None, None)}
+    gossip = {"rows": [{"repeat": 0}], "summary": {"ratio": 0.666}}
+    assert overlap.gossip_row(gossip)["met"] and not overlap.gossip_row({**gossip, "summary": {"ratio": 0.8}})["met"]
     assert set(rows) == set(overlap.TARGET_IDS) - {"sparse-bytes"}
     assert all(r["measured"] is None and not r["met"] for r in rows.values() if r["id"] != "eager-equal-time")
     hsdp = {

@@ -1,0 +1,107 @@
+"""Gossip's bytes per sync, measured on the links, against the ring all-reduce of the default topology.
+
+Run as root from the repository root::
+
+    sudo PYTHONPATH=. python -m benchmarks.gossip_bytes
+
+An emulated cluster of 4 nodes x 2 ranks holds FL+FSDP's layout: 4 groups (one per node), each sharding a vector of
+``NUMEL`` values over its 2 ranks, so every fed ring crosses the links. Each rank syncs its shard twice, on the same
+communicator, and the node counters are read around each: ``ring`` is the default topology's outer step (a float32
+ring all-reduce over the 4 groups, with its NaN/Inf flags and statistics), ``gossip`` is one round of
+``Gossip(peers=1)`` (the shard sent to one partner and received from it). A ring all-reduce sends ``2 (G - 1) / G``
+of the shard per rank and gossip one shard: 0.67x at ``G = 4``. Three repeats, interleaved; the results go to
+``benchmarks/results/gossip_bytes.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks.hsdp_fed_bytes import DEVICES, NUM_NODES, NUMEL, drive
+
+RESULTS = Path(__file__).resolve().parent / "results" / "gossip_bytes.json"
+PATTERNS = ("ring", "gossip")
+
+
+def worker(out: Path, repeats: int) -> None:
+    """One rank: the mesh of 4 groups x 2 shards, then every (repeat, pattern) sync in order."""
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.harness.recorder import LINK_COUNTER
+    from lightning_fedshard import Gossip
+    from lightning_fedshard.core.config import FederationConfig
+    from lightning_fedshard.core.mesh import build_federation_mesh
+    from lightning_fedshard.core.outer import OuterStep
+    from lightning_fedshard.core.topology import FederationTopology
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, local = dist.get_rank(), int(os.environ["LOCAL_RANK"])
+    comm = build_federation_mesh(FederationTopology(NUM_NODES * DEVICES, NUM_NODES, DEVICES), "cpu").communicator()
+    shard = torch.randn(NUMEL // DEVICES, generator=torch.Generator().manual_seed(rank))
+    matrix = Gossip(peers=1).weights(0, NUM_NODES)
+
+    def counter() -> int:
+        dist.barrier()
+        value = int(Path(LINK_COUNTER).read_text()) if local == 0 else 0
+        dist.barrier()
+        return value
+
+    rows = []
+    for repeat in range(repeats):
+        for pattern in PATTERNS if repeat % 2 == 0 else PATTERNS[::-1]:
+            weights = shard.clone()
+            outer = OuterStep(
+                [weights], functools.partial(torch.optim.SGD, lr=1.0), comm,
+                reducer=FederationConfig(reduce_dtype="float32").reducer,
+            )  # fmt: skip
+            weights.add_(1.0)
+            before = counter()
+            stats = outer.step(step=1) if pattern == "ring" else outer.mix(matrix)
+            after = counter()
+            rows.append({"repeat": repeat, "pattern": pattern, "rank": rank, "sync_bytes": stats.bytes_sent,
+                         "node_link_bytes": after - before if local == 0 else None})  # fmt: skip
+    (out / f"rank{rank}.json").write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def summarize(record: dict[str, Any]) -> dict[str, Any]:
+    """Per pattern: link bytes of one sync summed over the nodes (median over repeats), and gossip / ring."""
+    rows = record["rows"]
+    summary: dict[str, Any] = {}
+    for pattern in PATTERNS:
+        repeats = sorted({r["repeat"] for r in rows})
+        totals = [sum(r["node_link_bytes"] or 0 for r in rows if (r["pattern"], r["repeat"]) == (pattern, k))
+                  for k in repeats]  # fmt: skip
+        summary[pattern] = {"link_bytes": statistics.median(totals), "min": min(totals), "max": max(totals)}
+    summary["ratio"] = summary["gossip"]["link_bytes"] / summary["ring"]["link_bytes"]
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line entry point (``--worker`` is how the driver starts the ranks)."""
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "--worker":
+        worker(Path(args[1]), int(args[2]))
+        return
+    parser = argparse.ArgumentParser(description="Gossip's bytes per sync against the ring's, on the links.")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/fedshard-gossip-bytes"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    options = parser.parse_args(args)
+    record = drive(options.work, options.repeats, module="benchmarks.gossip_bytes")
+    record["summary"] = summarize(record)
+    options.results.write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps(record["summary"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
