@@ -17,7 +17,8 @@ from contextlib import contextmanager
 _SILENCED: tuple[tuple[str, type[Warning]], ...] = (
     (r"The `NO_SHARD` sharding strategy is deprecated", FutureWarning),
     (r"FSDP is switching to use `NO_SHARD`", UserWarning),
-    (r"When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned", UserWarning),
+    # torch 2.13 writes "willbe"; earlier versions "will be"
+    (r"When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will ?be returned", UserWarning),
     (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning),
     (r"`_get_pg_default_device` will be deprecated", UserWarning),
     (r"Multiple backends are registered with this ProcessGroup", UserWarning),

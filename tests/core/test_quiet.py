@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy, StateDictType
 
 from lightning_fedshard.core.quiet import torch_choices_silenced
 from tests.launch import free_port
@@ -35,6 +35,25 @@ def test_fsdp_choices_are_silenced_inside_the_package_only(one_rank_world):
             warnings.simplefilter("always", append=True)
             warnings.warn("a user's own warning", UserWarning, stacklevel=1)
         assert [str(w.message) for w in caught] == ["a user's own warning"]
+
+
+def _full_state_dict_of_one_rank_shards() -> list[str]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the wrapping's own warnings
+        module = FullyShardedDataParallel(
+            torch.nn.Linear(2, 2), device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy.NO_SHARD
+        )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", append=True)
+        with FullyShardedDataParallel.state_dict_type(module, StateDictType.FULL_STATE_DICT):
+            module.load_state_dict(module.state_dict())  # saving writes "will be", loading "willbe" (torch 2.13)
+    return [str(w.message) for w in caught]
+
+
+def test_the_full_state_dict_of_one_rank_shards_is_silenced_inside_the_package(one_rank_world):
+    assert any("full_state_dict willbe" in m for m in _full_state_dict_of_one_rank_shards())  # torch still warns
+    with torch_choices_silenced():
+        assert not any("full_state_dict" in m for m in _full_state_dict_of_one_rank_shards())
 
 
 def test_lightning_internal_deprecation_is_filtered_by_module_only():

@@ -14,7 +14,7 @@ import torch
 from torch.testing import assert_close
 
 from tests.launch import launch
-from tests.trainer.workflow_worker import NAMES
+from tests.trainer.workflow_worker import NAMES, VARIANTS
 
 WORKER = Path(__file__).with_name("workflow_worker.py")
 NODES, DEVICES = 2, 2
@@ -66,6 +66,24 @@ def test_fit_with_the_sanity_check_then_test_validate_predict_and_fit_again(rank
             assert_close(mine, peer, rtol=0, atol=0)  # every group ends with the consensus
     losses = [seen[name]["test_losses"] for seen in ranks]
     assert all(len(loss) > 0 for loss in losses)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_the_same_workflow_with_sums_in_flight_and_groups_that_differ(ranks, name):
+    """Eager updates (a sum in flight at every validation) and outer topologies whose groups differ between syncs."""
+    for seen in ranks:
+        run = seen[name]
+        assert run["sanity_batches"] == 2 and run["predictions"] > 0 and set(run["validate"]) == {"val_loss"}
+        assert run["same_federation"] and run["global_step"] == 8
+        assert_close(run["after_test"], run["after_fit"], rtol=0, atol=0)
+    # eager: 2 groups of 2 shards (compare each shard with its peer); the topologies: 4 one-rank groups (all equal)
+    pairs = _peers(ranks, name, "after_second_fit") if name == "eager" else [
+        (seen[name]["after_second_fit"], ranks[0][name]["after_second_fit"]) for seen in ranks
+    ]  # fmt: skip
+    for mine, peer in pairs:
+        assert_close(mine, peer, rtol=0, atol=0)  # every group ends with the consensus
+    moved = ranks[0][name]["after_second_fit"] - ranks[0][name]["after_fit"]
+    assert moved.abs().max() > 0  # the second fit trained
 
 
 def test_a_plain_strategy_resumes_the_consensus_of_a_federated_checkpoint(ranks):

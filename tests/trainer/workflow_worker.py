@@ -15,9 +15,15 @@ import lightning as L
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-import lightning_fedshard  # noqa: F401  (registers the strategy names)
+from lightning_fedshard import FLFSDPStrategy, Gossip, Hierarchical  # importing registers the strategy names
 
 NAMES = ("fl_fsdp", "fl_hsdp", "fl_fsdp2", "fl_hsdp2")
+#: The same workflow with sync options whose groups hold sums in flight or differ between syncs (sync_every=2).
+VARIANTS = {
+    "eager": lambda: FLFSDPStrategy(sync_every=2, eager_updates="local"),
+    "hierarchical": lambda: FLFSDPStrategy(num_groups=4, sync_every=2, outer_topology=Hierarchical({2: 2, 4: 4})),
+    "gossip": lambda: FLFSDPStrategy(num_groups=4, sync_every=2, outer_topology=Gossip(peers=1)),
+}
 
 
 class Demo(BoringModel):
@@ -56,10 +62,10 @@ def _weights(trainer: L.Trainer) -> torch.Tensor:
     return torch.cat([s.detach().reshape(-1).clone() for s in trainer.strategy.local_shards()])
 
 
-def run(name: str, root: Path) -> dict[str, Any]:
+def run(name: str, root: Path, strategy: Any = None) -> dict[str, Any]:
     torch.manual_seed(int(os.environ["RANK"]))  # different initial weights: the strategy must make them equal
     model = Demo()
-    trainer = _trainer(name, root / name, max_steps=4)
+    trainer = _trainer(strategy or name, root / name, max_steps=4)
     trainer.fit(model)
     seen: dict[str, Any] = {"sanity_batches": model.sanity_batches, "after_fit": _weights(trainer)}
     federation = trainer.strategy.federation
@@ -106,5 +112,6 @@ def resume_under_ddp(checkpoint: str, root: Path) -> dict[str, Any]:
 if __name__ == "__main__":
     root = Path(sys.argv[1])
     results = {name: run(name, root) for name in NAMES}
+    results |= {name: run(name, root, make()) for name, make in VARIANTS.items()}
     results["ddp"] = resume_under_ddp(results["fl_fsdp"]["final_checkpoint"], root)
     torch.save(results, root / f"rank{os.environ['RANK']}.pt")
