@@ -274,15 +274,22 @@ def test_mixings_that_do_not_fit_the_groups_are_refused_before_launch(topology, 
         FederationConfig(num_groups=4, outer_topology=topology).topology(4, 1, hybrid=False)
 
 
+def _gloo_matrices() -> list[Tensor]:
+    """Three rounds of gossip, then a mix that is not symmetric (each group takes from the two groups before it)."""
+    shift = torch.roll(torch.eye(4, dtype=torch.float64), 1, dims=1).T  # row i has its 1 in column i - 1
+    cyclic = 0.5 * torch.eye(4, dtype=torch.float64) + 0.25 * shift + 0.25 * shift @ shift
+    return [*(Gossip(peers=1, seed=11).weights(round, 4) for round in range(3)), cyclic]
+
+
 def _gossip_worker(rank: int, store: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
     try:
         comm = build_federation_mesh(FederationTopology(4, 4, 1), "cpu").communicator()
         results = []
-        for round in range(3):
+        for round, matrix in enumerate(_gloo_matrices()):
             x = torch.arange(5.0) * (rank + 1) + round
-            comm.mix_over_groups(x, Gossip(peers=1, seed=11).weights(round, 4))
+            comm.mix_over_groups(x, matrix)
             results.append(x)
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
@@ -294,12 +301,15 @@ def test_the_mix_over_real_gloo_processes_matches_the_thread_fake(tmp_path):
 
     def fake(g: int, comm: Any) -> list[Tensor]:
         out = []
-        for round in range(3):
+        for round, matrix in enumerate(_gloo_matrices()):
             x = torch.arange(5.0) * (g + 1) + round
-            comm.mix_over_groups(x, Gossip(peers=1, seed=11).weights(round, 4))
+            comm.mix_over_groups(x, matrix)
             out.append(x)
         return out
 
     for rank, expected in enumerate(ThreadGroups(4).run(fake)):
         real = torch.load(tmp_path / f"rank{rank}.pt")
-        assert all(torch.equal(a, b) for a, b in zip(real, expected))
+        assert len(real) == 4 and all(torch.equal(a, b) for a, b in zip(real, expected))
+        # the last mix is not symmetric: group i takes from i - 1 and i - 2, and sends to i + 1 and i + 2
+        before = torch.stack([torch.arange(5.0) * (g + 1) + 3 for g in range(4)]).double()
+        assert_close(real[3].double(), (_gloo_matrices()[3] @ before)[rank])
