@@ -15,16 +15,13 @@ of the shard per rank and gossip one shard: 0.67x at ``G = 4``. Three repeats, i
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
-import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.hsdp_fed_bytes import DEVICES, NUM_NODES, NUMEL, drive
+from benchmarks.hsdp_fed_bytes import DEVICES, NUM_NODES, NUMEL, command, link_spread, read_link_counter
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gossip_bytes.json"
 PATTERNS = ("ring", "gossip")
@@ -35,7 +32,6 @@ def worker(out: Path, repeats: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.harness.recorder import LINK_COUNTER
     from lightning_fedshard import Gossip
     from lightning_fedshard.core.config import FederationConfig
     from lightning_fedshard.core.mesh import build_federation_mesh
@@ -49,12 +45,6 @@ def worker(out: Path, repeats: int) -> None:
     shard = torch.randn(NUMEL // DEVICES, generator=torch.Generator().manual_seed(rank))
     matrix = Gossip(peers=1).weights(0, NUM_NODES)
 
-    def counter() -> int:
-        dist.barrier()
-        value = int(Path(LINK_COUNTER).read_text()) if local == 0 else 0
-        dist.barrier()
-        return value
-
     rows = []
     for repeat in range(repeats):
         for pattern in PATTERNS if repeat % 2 == 0 else PATTERNS[::-1]:
@@ -64,9 +54,9 @@ def worker(out: Path, repeats: int) -> None:
                 reducer=FederationConfig(reduce_dtype="float32").reducer,
             )  # fmt: skip
             weights.add_(1.0)
-            before = counter()
+            before = read_link_counter(local)
             stats = outer.step(step=1) if pattern == "ring" else outer.mix(matrix)
-            after = counter()
+            after = read_link_counter(local)
             rows.append({"repeat": repeat, "pattern": pattern, "rank": rank, "sync_bytes": stats.bytes_sent,
                          "node_link_bytes": after - before if local == 0 else None})  # fmt: skip
     (out / f"rank{rank}.json").write_text(json.dumps(rows))
@@ -75,32 +65,15 @@ def worker(out: Path, repeats: int) -> None:
 
 def summarize(record: dict[str, Any]) -> dict[str, Any]:
     """Per pattern: link bytes of one sync summed over the nodes (median over repeats), and gossip / ring."""
-    rows = record["rows"]
-    summary: dict[str, Any] = {}
-    for pattern in PATTERNS:
-        repeats = sorted({r["repeat"] for r in rows})
-        totals = [sum(r["node_link_bytes"] or 0 for r in rows if (r["pattern"], r["repeat"]) == (pattern, k))
-                  for k in repeats]  # fmt: skip
-        summary[pattern] = {"link_bytes": statistics.median(totals), "min": min(totals), "max": max(totals)}
+    summary: dict[str, Any] = {pattern: link_spread(record["rows"], pattern=pattern) for pattern in PATTERNS}
     summary["ratio"] = summary["gossip"]["link_bytes"] / summary["ring"]["link_bytes"]
     return summary
 
 
 def main(argv: list[str] | None = None) -> None:
     """Command line entry point (``--worker`` is how the driver starts the ranks)."""
-    args = sys.argv[1:] if argv is None else argv
-    if args and args[0] == "--worker":
-        worker(Path(args[1]), int(args[2]))
-        return
-    parser = argparse.ArgumentParser(description="Gossip's bytes per sync against the ring's, on the links.")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/fedshard-gossip-bytes"))
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--results", type=Path, default=RESULTS)
-    options = parser.parse_args(args)
-    record = drive(options.work, options.repeats, module="benchmarks.gossip_bytes")
-    record["summary"] = summarize(record)
-    options.results.write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps(record["summary"], indent=1))
+    description = "Gossip's bytes per sync against the ring's, on the links."
+    command(argv, description, "benchmarks.gossip_bytes", RESULTS, worker, summarize)
 
 
 if __name__ == "__main__":

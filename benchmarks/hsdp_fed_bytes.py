@@ -28,6 +28,7 @@ import argparse
 import functools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -45,7 +46,6 @@ def worker(out: Path, repeats: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.harness.recorder import LINK_COUNTER
     from lightning_fedshard.core.config import FederationConfig
     from lightning_fedshard.core.mesh import build_federation_mesh
     from lightning_fedshard.core.outer import OuterStep
@@ -65,12 +65,6 @@ def worker(out: Path, repeats: int) -> None:
     scale = torch.finfo(torch.float32).eps * torch.stack(every).abs().mean(0)
     del every
 
-    def counter() -> int:
-        dist.barrier()
-        value = int(Path(LINK_COUNTER).read_text()) if local == 0 else 0
-        dist.barrier()
-        return value
-
     rows = []
     for repeat in range(repeats):
         order = PATTERNS if repeat % 2 == 0 else PATTERNS[::-1]
@@ -86,9 +80,9 @@ def worker(out: Path, repeats: int) -> None:
                     reducer=config.reducer,
                 )
                 shard.sub_(pseudo_gradient)  # anchor 0 - shard = the group's pseudo-gradient
-                before, start = counter(), time.perf_counter()
+                before, start = read_link_counter(local), time.perf_counter()
                 stats = outer.step(step=1)
-                seconds, after = time.perf_counter() - start, counter()
+                seconds, after = time.perf_counter() - start, read_link_counter(local)
                 anchors[pattern] = outer.anchor[0].detach().clone()
                 rows.append(
                     {
@@ -115,6 +109,43 @@ def worker(out: Path, repeats: int) -> None:
             )
     (out / f"rank{rank}.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
+
+
+def read_link_counter(local_rank: int) -> int:
+    """This node's link counter, read between two world barriers by its local rank 0 (0 on the other ranks)."""
+    import torch.distributed as dist
+
+    from benchmarks.harness.recorder import LINK_COUNTER
+
+    dist.barrier()
+    value = int(Path(LINK_COUNTER).read_text()) if local_rank == 0 else 0
+    dist.barrier()
+    return value
+
+
+def link_spread(rows: list[dict[str, Any]], **match: Any) -> dict[str, float]:
+    """Link bytes of one sync summed over the nodes, per repeat, of the rows matching ``match``: median, min, max."""
+    chosen = [r for r in rows if all(r.get(key) == value for key, value in match.items())]
+    repeats = sorted({r["repeat"] for r in chosen})
+    totals = [sum(r["node_link_bytes"] or 0 for r in chosen if r["repeat"] == k) for k in repeats]
+    return {"link_bytes": statistics.median(totals), "min": min(totals), "max": max(totals)}
+
+
+def command(argv: list[str] | None, description: str, module: str, results: Path, worker: Any, summary: Any) -> None:
+    """A bytes benchmark's command line: ``--worker`` starts one rank, otherwise drive the cluster and summarize."""
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "--worker":
+        worker(Path(args[1]), int(args[2]))
+        return
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--work", type=Path, default=Path("/tmp") / module.replace(".", "-"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--results", type=Path, default=results)
+    options = parser.parse_args(args)
+    record = drive(options.work, options.repeats, module=module)
+    record["summary"] = summary(record)
+    options.results.write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps(record["summary"], indent=1))
 
 
 def drive(work: Path, repeats: int, module: str = "benchmarks.hsdp_fed_bytes") -> dict[str, Any]:
@@ -152,19 +183,13 @@ def drive(work: Path, repeats: int, module: str = "benchmarks.hsdp_fed_bytes") -
 
 def summarize(record: dict[str, Any]) -> dict[str, Any]:
     """Per dtype and pattern: link bytes of one sync summed over the nodes (median over repeats) and their ratio."""
-    import statistics
-
     rows = [r for r in record["rows"] if "pattern" in r]
     summary: dict[str, Any] = {}
     for dtype in DTYPES:
-        per = {}
+        per: dict[str, Any] = {}
         for pattern in PATTERNS:
-            totals = [
-                sum(r["node_link_bytes"] or 0 for r in rows if (r["reduce_dtype"], r["pattern"], r["repeat"]) == key)
-                for key in {(dtype, pattern, r["repeat"]) for r in rows}
-            ]
             sync_bytes = {r["sync_bytes"] for r in rows if (r["reduce_dtype"], r["pattern"]) == (dtype, pattern)}
-            per[pattern] = {"link_bytes": statistics.median(totals), "min": min(totals), "max": max(totals)}
+            per[pattern] = link_spread(rows, reduce_dtype=dtype, pattern=pattern)
             per[pattern]["sync_bytes_per_rank"] = sorted(sync_bytes)
         checks = [r for r in record["rows"] if "same_anchor" in r and r["reduce_dtype"] == dtype]
         per["reduction"] = per["copies"]["link_bytes"] / per["split"]["link_bytes"]
@@ -176,19 +201,8 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """Command line entry point (``--worker`` is how the driver starts the ranks)."""
-    args = sys.argv[1:] if argv is None else argv
-    if args and args[0] == "--worker":
-        worker(Path(args[1]), int(args[2]))
-        return
-    parser = argparse.ArgumentParser(description="FL+HSDP cross-group bytes per sync, split vs copies.")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/fedshard-hsdp-bytes"))
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--results", type=Path, default=RESULTS)
-    options = parser.parse_args(args)
-    record = drive(options.work, options.repeats)
-    record["summary"] = summarize(record)
-    options.results.write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps(record["summary"], indent=1))
+    description = "FL+HSDP cross-group bytes per sync, split vs copies."
+    command(argv, description, "benchmarks.hsdp_fed_bytes", RESULTS, worker, summarize)
 
 
 if __name__ == "__main__":

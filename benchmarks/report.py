@@ -96,8 +96,8 @@ def build(paths: dict[str, Path]) -> Report:
         # The race is paced by the throughput sweep; configurations only the other sweeps ran take their pace there.
         analyses["race"] = race.analyze(race_results, {**(grid or {}), **(defaults or {}), **configs["configs"]})
     rows = targets(configs["configs"], grid, analyses["race"], defaults)
-    hsdp = overlap.load_hsdp(paths.get("hsdp_fed_bytes", RESULTS / "hsdp_fed_bytes.json"))
-    gossip = overlap.load_hsdp(paths.get("gossip_bytes", RESULTS / "gossip_bytes.json"))
+    hsdp = overlap.load_bytes_record(paths.get("hsdp_fed_bytes", RESULTS / "hsdp_fed_bytes.json"))
+    gossip = overlap.load_bytes_record(paths.get("gossip_bytes", RESULTS / "gossip_bytes.json"))
     eager, race_results = results.get("eager"), results.get("race")
     rows += overlap.targets(eager, _configs(analyses["eager"]) or {}, race_results, hsdp, gossip)
     return Report(results, analyses, rows)

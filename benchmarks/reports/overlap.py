@@ -248,6 +248,6 @@ def horizon_table(horizon: dict[str, Any], steps: int = 256) -> str:
     return "\n".join(lines)
 
 
-def load_hsdp(path: Path) -> dict[str, Any] | None:
+def load_bytes_record(path: Path) -> dict[str, Any] | None:
     """A bytes benchmark's results (FL+HSDP's, gossip's), if it was run."""
     return json.loads(path.read_text()) if path.exists() else None

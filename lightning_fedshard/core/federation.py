@@ -37,7 +37,6 @@ class Federation:
         self._on_write: Callable[[], None] = _nothing
         self._pending: PendingSync | None = None
         self._eager: dict[int, PendingSync] = {}  # eager updates: each fragment's sum in flight until its next sync
-        self._groups_differ = False  # a hierarchical site sync left the groups apart from the anchor
         #: The groups' distance from their mean at the last consensus of a topology whose groups differ
         #: (hierarchical, mixing; ``None`` before one, and with ``"all"``).
         self.consensus_distance: float | None = None
@@ -160,9 +159,7 @@ class Federation:
         if size < len(self.communicator.participants()):
             stats = self.outer.average_in_site(size)
             self._on_write()
-            self._groups_differ = True
             return stats
-        self._groups_differ = False
         return self.sync(step)
 
     def _mixing_sync(self, step: int) -> SyncStats:
@@ -172,11 +169,9 @@ class Federation:
         groups = len(self.communicator.participants())
         matrix = mixing.weights(step // self.config.sync_every - 1, groups)
         if torch.allclose(matrix, torch.full_like(matrix, 1.0 / groups), rtol=0.0, atol=1e-12):
-            self._groups_differ = False
             return self.sync(step)
         stats = self.outer.mix(matrix)
         self._on_write()
-        self._groups_differ = True
         return stats
 
     def _eager_sync(self, step: int) -> SyncStats | None:

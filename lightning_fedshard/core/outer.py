@@ -529,15 +529,9 @@ class OuterStep:
         step (the anchor and the outer optimizer are the whole federation's and do not change).
         """
         start = time.perf_counter()
-        device = self.shards[0].device
-        flat = torch.cat([s.detach().reshape(-1).to(torch.float32) for s in self.shards]).to(device)
+        flat = self._flat_weights()
         self.communicator.sum_over_site(flat, size)
-        flat.div_(size)
-        offset = 0
-        for shard in self.shards:
-            n = shard.numel()
-            shard.copy_(flat[offset : offset + n].view_as(shard))
-            offset += n
+        self._write_weights(flat.div_(size))
         seconds = time.perf_counter() - start
         sent = 2 * (size - 1) * flat.numel() * flat.element_size() // size
         return SyncStats(0.0, 0.0, sent, seconds, self.num_syncs, exposed_seconds=seconds, site_size=size)
@@ -549,14 +543,9 @@ class OuterStep:
         A mixing topology's sync: no outer step (the anchor and the outer optimizer do not change).
         """
         start = time.perf_counter()
-        device = self.shards[0].device
-        flat = torch.cat([s.detach().reshape(-1).to(torch.float32) for s in self.shards]).to(device)
+        flat = self._flat_weights()
         self.communicator.mix_over_groups(flat, matrix)
-        offset = 0
-        for shard in self.shards:
-            n = shard.numel()
-            shard.copy_(flat[offset : offset + n].view_as(shard))
-            offset += n
+        self._write_weights(flat)
         seconds = time.perf_counter() - start
         i = self.communicator.group_index
         partners = sum(1 for j in range(matrix.shape[0]) if j != i and matrix[j, i] > 0)
@@ -566,10 +555,19 @@ class OuterStep:
     @torch.no_grad()
     def mean_over_groups(self) -> list[Tensor]:
         """The exact float32 mean of every shard over all groups (for a consensus when groups differ); collective."""
-        flat = torch.cat([s.detach().reshape(-1).to(torch.float32) for s in self.shards])
+        flat = self._flat_weights()
         self.communicator.sum_over_groups(flat)
         flat.div_(len(self.communicator.participants()))
         return list(flat.split([s.numel() for s in self.shards]))
+
+    def _flat_weights(self) -> Tensor:
+        """This rank's shards, concatenated into one float32 vector on their device."""
+        return torch.cat([s.detach().reshape(-1).to(torch.float32) for s in self.shards])
+
+    def _write_weights(self, flat: Tensor) -> None:
+        """Write a vector of :meth:`_flat_weights`' layout back into the shards."""
+        for shard, part in zip(self.shards, flat.split([s.numel() for s in self.shards])):
+            shard.copy_(part.view_as(shard))
 
     def _stats(self, pending: PendingSync, start: float, **measured: Any) -> SyncStats:
         """The statistics of ``pending``'s sync, whose completion started at ``start``."""

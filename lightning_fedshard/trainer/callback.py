@@ -81,7 +81,7 @@ class OuterSync(Callback):
         if trainer.state.fn == TrainerFn.FITTING:
             runtime = _runtime(trainer)
             self._consensus.enter_context(runtime.consensus_weights())
-            distance = runtime.federation.consensus_distance if runtime.syncs_are_identity is False else None
+            distance = runtime.federation.consensus_distance
             if distance is not None and self.log_stats:
                 for logger in trainer.loggers:
                     logger.log_metrics({"fedshard/consensus_distance": distance}, step=trainer.global_step)
