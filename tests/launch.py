@@ -1,7 +1,8 @@
-"""Start several ranks of a script the way a cluster launcher would (one process per rank, env vars set).
+"""Start several ranks the way a cluster launcher would, and never leave one behind.
 
-Lightning's own launcher re-executes ``sys.argv``, which inside pytest would re-run pytest; with LOCAL_RANK and
-friends set, Lightning treats the processes as externally launched instead.
+``launch`` runs a script once per rank (env vars set). Lightning's own launcher re-executes ``sys.argv``, which inside
+pytest would re-run pytest; with LOCAL_RANK and friends set, Lightning treats the processes as externally launched
+instead. ``run_ranks`` runs a function of this test suite once per rank.
 """
 
 from __future__ import annotations
@@ -11,7 +12,17 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+# Workers are forked from a fresh server process, never from pytest's: a fork of a process whose threads (gloo's,
+# Lightning's, a previous test's) hold a lock can deadlock in the child. The server imports torch and the package
+# once, so each worker starts in well under a second.
+_WORKERS = mp.get_context("forkserver")
+_WORKERS.set_forkserver_preload(["torch", "torch.distributed", "lightning_fedshard"])
 
 
 def free_port() -> int:
@@ -58,3 +69,22 @@ def launch(script: Path, args: list[str], num_nodes: int, devices: int, log_dir:
     if failed:
         tail = (log_dir / f"rank{failed[0]}.log").read_text()[-4000:]
         raise RuntimeError(f"ranks {failed} failed (exit codes {[procs[r][0].returncode for r in failed]}):\n{tail}")
+
+
+def run_ranks(worker: Callable[..., None], nprocs: int, args: tuple[Any, ...] = (), timeout: float = 120.0) -> None:
+    """Run ``worker(rank, *args)`` in ``nprocs`` processes; raise on a failed rank or after ``timeout`` seconds.
+
+    On a failure or a timeout every rank still running is killed, so a hung collective costs ``timeout``, not the
+    suite's run, and no process outlives the test holding its output pipes.
+    """
+    context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="forkserver")
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{nprocs} ranks of {worker.__name__} still running after {timeout:.0f} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join()

@@ -3,7 +3,8 @@
 Rank 0 ends with a collective in flight on a subgroup that stays referenced (as a trained FSDP model keeps its
 groups); rank 1 joins it late. When it completes, rank 0's gloo worker thread runs Python (a callback chained to the
 collective) and needs the GIL, while rank 0's main thread is already finalizing the interpreter: the same path as a
-worker that drops the last reference to a Python-owned tensor of the rank's final collective.
+worker that drops the last reference to a Python-owned tensor of the rank's final collective. Rank 1 is only the
+peer: it always ends without finalization, so its own exit cannot race.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ else:
         dist.all_reduce(tensor, group=group)
     except RuntimeError:
         pass  # rank 0 ended without finalization: its side of the collective is gone
-if ending == "without_finalization":
+if ending == "without_finalization" or rank == 1:  # rank 1 is the peer, not the subject: it never finalizes
     exit_without_finalization()
 """
 
@@ -50,7 +51,12 @@ def _rank_zero_exit_code(ending: str) -> int:
         subprocess.Popen([sys.executable, "-c", RANK, str(rank), ending], env=env, stderr=subprocess.DEVNULL)
         for rank in (0, 1)
     ]
-    codes = [proc.wait(timeout=120) for proc in ranks]
+    try:
+        codes = [proc.wait(timeout=120) for proc in ranks]
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.wait()
     assert codes[1] == 0
     return codes[0]
 

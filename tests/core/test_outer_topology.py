@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor
 from torch.testing import assert_close
 
@@ -18,6 +17,7 @@ from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.mesh import build_federation_mesh
 from lightning_fedshard.core.topology import FederationTopology
 from tests.core.fake_comm import ThreadGroups
+from tests.launch import run_ranks
 
 
 def test_the_largest_period_that_divides_the_step_decides():
@@ -144,9 +144,7 @@ def _averager_worker(rank: int, store: str, out_dir: str, ours: dict[int, int]) 
 
 @pytest.mark.parametrize(("ours", "same"), [({2: 2, 4: 4}, True), ({2: 2, 6: 4}, False)])
 def test_hierarchical_fedavg_with_sgd_lands_on_torchs_hierarchical_model_averager(tmp_path, ours, same):
-    mp.start_processes(
-        _averager_worker, args=(str(tmp_path / "store"), str(tmp_path), ours), nprocs=4, start_method="fork"
-    )
+    run_ranks(_averager_worker, 4, (str(tmp_path / "store"), str(tmp_path), ours))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     worst = max((r["ours"][k] - r["torch"][k]).abs().max().item() for r in ranks for k in r["ours"])
     if same:  # every group ends with the same weights, and they are torch's
@@ -297,7 +295,7 @@ def _gossip_worker(rank: int, store: str, out_dir: str) -> None:
 
 
 def test_the_mix_over_real_gloo_processes_matches_the_thread_fake(tmp_path):
-    mp.start_processes(_gossip_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=4, start_method="fork")
+    run_ranks(_gossip_worker, 4, (str(tmp_path / "store"), str(tmp_path)))
 
     def fake(g: int, comm: Any) -> list[Tensor]:
         out = []

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_fedshard.core.codecs import DEFAULT_BLOCK_SIZE, QMAX, FloatCodec, SparseTopK, dequantize, quantize
 from lightning_fedshard.core.mesh import build_federation_mesh
 from lightning_fedshard.core.reducers import AllReduceSum, ScatterGatherSum, make_reducer
 from lightning_fedshard.core.topology import FederationTopology
 from tests.core.fake_comm import ThreadGroups
+from tests.launch import run_ranks
 
 
 def _block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -269,9 +269,7 @@ def _gloo_worker(rank: int, store: str, out_dir: str, calls: list[list[torch.Ten
 
 def test_process_group_communicator_on_gloo_matches_the_thread_fake(tmp_path):
     calls = [_inputs(2, 1001, seed=6), _inputs(2, 1001, seed=7)]
-    # fork: the workers inherit the imported modules (a spawned one re-imports Lightning, ~5 s of CPU on 2 cores).
-    args = (str(tmp_path / "store"), str(tmp_path), calls)
-    mp.start_processes(_gloo_worker, args=args, nprocs=2, start_method="fork")
+    run_ranks(_gloo_worker, 2, (str(tmp_path / "store"), str(tmp_path), calls))
     for bits in (8, 4, SPARSE):
         fake = _compressed_sums(calls, bits, block_size=32, error_feedback=True)
         for rank in range(2):
