@@ -17,6 +17,7 @@ from typing import Any
 
 from benchmarks.harness.config import Job, RunConfig, RunIdentity
 from benchmarks.metrics import link_slug
+from lightning_fedshard import Gossip, Hierarchical
 from lightning_fedshard.core.config import FederationConfig
 
 FLOAT32: dict[str, Any] = {"reduce_dtype": "float32"}
@@ -77,6 +78,13 @@ CONFIGURATIONS = _catalogue(
     Configuration("fl_fsdp-int4ef-eager", "fl_fsdp", EAGER),
     Configuration("fl_fsdp-sparse-eager-local", "fl_fsdp", {**SPARSE, "eager_updates": "local"}),
     Configuration("fl_fsdp-int4ef-eager-local", "fl_fsdp", {"eager_updates": "local"}),
+    # Outer topologies on the two-site cluster: 4 one-node groups, sites {0, 1} and {2, 3}, float32 everywhere.
+    Configuration("fl_fsdp-H4", "fl_fsdp", {**FLOAT32, "sync_every": 4}),
+    Configuration("fl_fsdp-H16", "fl_fsdp", {**FLOAT32, "sync_every": 16}),
+    Configuration(
+        "fl_fsdp-sites-4-16", "fl_fsdp", {**FLOAT32, "sync_every": 4, "outer_topology": Hierarchical({4: 2, 16: 4})}
+    ),
+    Configuration("fl_fsdp-gossip-H4", "fl_fsdp", {**FLOAT32, "sync_every": 4, "outer_topology": Gossip(peers=1)}),
 )
 
 Cell = tuple[Configuration, float | None]
@@ -96,6 +104,10 @@ class Preset:
         cells: One repeat: (configuration, link rate in Mbit/s or ``None`` for unthrottled), in order.
         repeats: Repeats of the cells.
         timeout: Seconds one run may take.
+        sites: Sites of the emulated cluster (consecutive nodes; 1: every node behind one switch).
+        between_sites_mbit: The rate of every uplink between sites (Mbit/s; ``None``: unthrottled).
+        seed_per_repeat: Repeat ``r`` trains with seed ``r`` (data order and initial weights), so that the repeats
+            also give the perplexity's spread over seeds; otherwise every repeat uses the training's seed.
     """
 
     name: str
@@ -107,6 +119,9 @@ class Preset:
     cells: tuple[Cell, ...]
     repeats: int = 1
     timeout: float = 900.0
+    sites: int = 1
+    between_sites_mbit: float | None = None
+    seed_per_repeat: bool = False
 
     def jobs(self, work: Path, repeats: int | None = None) -> list[Job]:
         """Every run, round robin over the cells, the order reversed every other repeat."""
@@ -116,7 +131,8 @@ class Preset:
         """The run of ``cell`` in repeat ``repeat``, its files under ``work``."""
         configuration, link = cell
         name = f"{configuration.name}-{link_slug(link)}-r{repeat}"
-        config = configuration.run_config(self.shape(work), out=str(work / name))
+        seeds = {"seed": repeat, "init_seed": repeat} if self.seed_per_repeat else {}
+        config = configuration.run_config(self.shape(work), out=str(work / name), **seeds)
         return Job(name, RunIdentity(self.name, configuration.name, repeat, link, config.seed), config)
 
     def shape(self, work: Path) -> dict[str, Any]:
@@ -143,6 +159,12 @@ TRAINING_4X2: dict[str, Any] = {
 TRAINING_EAGER: dict[str, Any] = {**TRAINING_4X2, "max_steps": 32, "val_every": 32}
 #: Sync options of the eager sweep, on each of its slow links.
 EAGER_OPTIONS = ("fl_fsdp-int4ef", "fl_fsdp-sparse", "fl_fsdp-sparse-eager", "fl_fsdp-int4ef-eager")
+#: The sites sweep: 32 steps, so that flat ``sync_every=16`` and the hierarchical federation meet twice.
+TRAINING_SITES: dict[str, Any] = {**TRAINING_4X2, "max_steps": 32, "val_every": 32}
+#: Its outer topologies, all float32 and plain averaging.
+SITES_OPTIONS = ("fl_fsdp-H4", "fl_fsdp-H16", "fl_fsdp-sites-4-16", "fl_fsdp-gossip-H4")
+#: Its links: 1 Gbit/s between the nodes of a site, 20 Mbit/s between the two sites.
+SITES_NODE_MBIT, SITES_BETWEEN_MBIT = 1000.0, 20.0
 #: Link rates of the throughput sweep (Mbit/s; None: unthrottled).
 THROUGHPUT_LINKS: tuple[float | None, ...] = (None, 200.0, 50.0, 20.0)
 #: Sync options measured beside float32 on the slow links of the throughput sweep.
@@ -235,6 +257,19 @@ PRESETS: dict[str, Preset] = {
                 *_cells("fl_fsdp", *EAGER_OPTIONS, link=20.0),
             ),
             repeats=3,
+        ),
+        Preset(
+            "sites",
+            "outer topologies on 2 sites x 2 nodes x 2 ranks: 1 Gbit/s inside a site, 20 Mbit/s between the sites",
+            16,
+            4,
+            2,
+            TRAINING_SITES,
+            (*_cells("fl_fsdp-nosync", link=None), *_cells(*SITES_OPTIONS, link=SITES_NODE_MBIT)),
+            repeats=3,
+            sites=2,
+            between_sites_mbit=SITES_BETWEEN_MBIT,
+            seed_per_repeat=True,
         ),
         Preset(
             "quick",

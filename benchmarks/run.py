@@ -37,12 +37,13 @@ def summary_line(run: dict[str, Any]) -> str:
 def run_preset(preset: Preset, jobs: list[Job], results: ResultsFile, prefix: str | None) -> list[str]:
     """Run ``jobs`` on a new cluster of ``preset``'s shape; return the names of the runs that failed."""
     failed = []
-    cluster = EmulatedCluster(preset.num_nodes) if prefix is None else EmulatedCluster(preset.num_nodes, prefix)
+    names = {} if prefix is None else {"prefix": prefix}
+    cluster = EmulatedCluster(preset.num_nodes, sites=preset.sites, **names)
     with cluster:
         for index, job in enumerate(jobs):
             print(f"[{index + 1}/{len(jobs)}] {job.name}", flush=True)
             try:
-                run = run_job(cluster, job, index, preset.timeout, results)
+                run = run_job(cluster, job, index, preset.timeout, results, preset.between_sites_mbit)
             except RunFailed as error:
                 print(f"  FAILED: {error}", flush=True)
                 failed.append(job.name)

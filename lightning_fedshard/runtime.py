@@ -139,7 +139,7 @@ class FederatedRuntime:
         if self._mesh is not None and self._mesh.topology == topology:
             return
         self.devices_per_node = devices_per_node
-        self._mesh = build_federation_mesh(topology, device.type, self.config.site_sizes(topology.num_groups))
+        self._mesh = build_federation_mesh(topology, device.type, self.config.site_blocks(topology.num_groups))
         self._federation = Federation(self.config, self._make_communicator(self._mesh))
         log.info(f"{self.name}: rank {self._mesh.rank} at {self._mesh.coords} of {topology}")
 

@@ -28,7 +28,7 @@ network in `reference_run`, or scripted groups with known updates in ``tests/tes
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -100,6 +100,8 @@ def federate(
     final_landing: FinalLanding = "sync",
     eager: bool = False,
     hierarchical: dict[int, int] | None = None,
+    sites: list[list[int]] | None = None,
+    mixing: Callable[[int], Tensor] | None = None,
 ) -> dict[str, object]:
     """Train ``groups`` (all holding ``initial``) for ``max_steps`` optimizer steps under the outer schedule above.
 
@@ -118,6 +120,8 @@ def federate(
             step: its groups are reset to the anchor of the landing at ``T``, i.e. the last merge is skipped).
         eager: eager updates instead (see `_federate_eager`; no delay, no merge).
         hierarchical: ``{period: groups}``: a hierarchical outer topology instead (see `_federate_hierarchical`).
+        sites: with ``hierarchical``, the groups of each site, when they are not consecutive.
+        mixing: ``round -> G x G`` matrix: a mixing outer topology instead (see `_federate_mixing`; ``"fedavg"``).
 
     Returns:
         ``anchors``: the full anchor after every outer step, by optimizer step (``0``: the initial anchor; at ``T``
@@ -128,7 +132,9 @@ def federate(
     parts = _check_fragments(list(initial), fragments)
     every = _check_schedule(sync_every, len(parts), sync_delay, merge_alpha, final_landing)
     if hierarchical is not None:
-        return _federate_hierarchical(initial, groups, hierarchical, outer, max_steps)
+        return _federate_hierarchical(initial, groups, hierarchical, outer, max_steps, sites)
+    if mixing is not None:
+        return _federate_mixing(initial, groups, mixing, every, outer, max_steps)
     if eager:
         if sync_delay or merge_alpha:
             raise ValueError("eager updates take no `sync_delay` or `merge_alpha`.")
@@ -174,12 +180,18 @@ def federate(
 
 
 def _federate_hierarchical(
-    initial: dict[str, Tensor], groups: Sequence[Group], levels: dict[int, int], outer: str, max_steps: int
+    initial: dict[str, Tensor],
+    groups: Sequence[Group],
+    levels: dict[int, int],
+    outer: str,
+    max_steps: int,
+    sites: list[list[int]] | None = None,
 ) -> dict[str, object]:
     """After step ``s`` the largest period of ``levels`` dividing ``s`` decides: blocks of that many consecutive groups
-    replace their weights by the blocks' plain mean, or, when the block spans every group, the anchor takes the outer
-    step on the mean of ``anchor - weights`` and every group restarts from it. At the end, unless the last step was
-    such a step, one more outer step."""
+    (consecutive in the order ``sites`` lists them, if given) replace their weights by the blocks' plain mean, or, when
+    the block spans every group, the anchor takes the outer step on the mean of ``anchor - weights`` and every group
+    restarts from it. At the end, unless the last step was such a step, one more outer step."""
+    order = [g for site in sites for g in site] if sites else list(range(len(groups)))
     anchor = {k: v.clone() for k, v in initial.items()}
     opt = Outer(**OUTERS[outer])
     anchors: dict[int, dict[str, Tensor]] = {0: _copy(anchor)}
@@ -195,7 +207,7 @@ def _federate_hierarchical(
         size = levels[max(due)]
         if size < len(groups):
             for start in range(0, len(groups), size):
-                block = groups[start : start + size]
+                block = [groups[g] for g in order[start : start + size]]
                 mean = {k: torch.stack([g.weights()[k] for g in block]).mean(0) for k in anchor}
                 for g in block:
                     g.load({k: v.clone() for k, v in mean.items()})
@@ -213,6 +225,56 @@ def _federate_hierarchical(
             g.load(_copy(anchor))
         anchors[max_steps] = _copy(anchor)
     return {"anchors": anchors, "final": anchor, "groups_before": {}, "syncs": syncs}
+
+
+def _federate_mixing(
+    initial: dict[str, Tensor],
+    groups: Sequence[Group],
+    mixing: Callable[[int], Tensor],
+    every: int,
+    outer: str,
+    max_steps: int,
+) -> dict[str, object]:
+    """After step ``s = (r + 1) H`` group ``i`` takes ``sum_j W_ij theta_j`` for ``W = mixing(r)``, computed here in
+    float64; a uniform ``W`` is the plain outer step (everyone restarts from the mean). At the end, unless the last step
+    was such a step, every group takes the plain mean of all groups."""
+    if outer != "fedavg":
+        raise ValueError("a mixing topology takes plain means: outer='fedavg'.")
+    anchor = {k: v.clone() for k, v in initial.items()}
+    opt = Outer(**OUTERS[outer])
+    anchors: dict[int, dict[str, Tensor]] = {0: _copy(anchor)}
+    syncs: list[Sync] = []
+    last_global = 0
+    groups_before: dict[int, list[Tensor]] = {}
+    for step in range(max_steps):
+        groups_before[step] = [torch.cat([v.reshape(-1) for v in g.weights().values()]) for g in groups]
+        for group in groups:
+            group.train_step(step)
+        done = step + 1
+        if done % every:
+            continue
+        matrix = mixing(done // every - 1).double()
+        if torch.equal(matrix, torch.full_like(matrix, 1.0 / len(groups))):
+            grad = _outer_step(anchor, opt, [g.weights() for g in groups], list(anchor))
+            syncs.append(Sync(done, 0, "landing", grad))
+            for g in groups:
+                g.load(_copy(anchor))
+            anchors[done] = _copy(anchor)
+            last_global = done
+            continue
+        weights = [_copy(g.weights()) for g in groups]  # copies: the groups are overwritten one by one below
+        for i, g in enumerate(groups):
+            g.load({
+                k: sum(float(matrix[i, j]) * w[k].double() for j, w in enumerate(weights)).to(v.dtype)
+                for k, v in anchor.items()
+            })  # fmt: skip
+    if max_steps > 0 and last_global != max_steps:
+        grad = _outer_step(anchor, opt, [g.weights() for g in groups], list(anchor))
+        syncs.append(Sync(max_steps, 0, "final", grad))
+        for g in groups:
+            g.load(_copy(anchor))
+        anchors[max_steps] = _copy(anchor)
+    return {"anchors": anchors, "final": anchor, "groups_before": groups_before, "syncs": syncs}
 
 
 def _federate_eager(
@@ -381,6 +443,8 @@ def reference_run(
     final_landing: FinalLanding = "sync",
     eager: bool = False,
     hierarchical: dict[int, int] | None = None,
+    sites: list[list[int]] | None = None,
+    mixing: Callable[[int], Tensor] | None = None,
 ) -> dict[str, object]:
     """``micro_batches[rank]`` lists the sample indices of every micro-batch that rank trained on, in order.
 
@@ -404,4 +468,6 @@ def reference_run(
         final_landing=final_landing,
         eager=eager,
         hierarchical=hierarchical,
+        sites=sites,
+        mixing=mixing,
     )

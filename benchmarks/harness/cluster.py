@@ -6,9 +6,16 @@ Layout (``N`` nodes, all names carry a per-cluster prefix so several clusters ca
     <prefix>-n1 (veth0 10.77.0.2) ──┼── bridge "br0" in namespace <prefix>-sw
     ...                             ┘
 
+With ``sites > 1`` the nodes are split into consecutive sites, each behind a switch of its own, and every site
+switch reaches a core switch through one uplink (a veth pair) that all traffic between sites shares::
+
+    <prefix>-n0, <prefix>-n1 ── bridge in <prefix>-s0 ──(uplink)──┐
+    <prefix>-n2, <prefix>-n3 ── bridge in <prefix>-s1 ──(uplink)──┴── bridge in <prefix>-sw
+
 Every node's link is a veth pair; a ``tc tbf`` qdisc on both ends limits its upload (node side) and download
-(switch side) to the chosen rate. Ranks of one node reach each other through the node's own address, which the
-kernel routes over ``lo``: intra-node traffic stays fast and only cross-node traffic pays the link. ``netem``
+(switch side) to the chosen rate, and the uplinks get the rate between sites the same way. Ranks of one node reach
+each other through the node's own address, which the kernel routes over ``lo``: intra-node traffic stays fast and
+only cross-node traffic pays the link. ``netem``
 (delay, loss) is not available on the machines this was written for, so links have bandwidth but no added
 latency.
 
@@ -67,12 +74,16 @@ class EmulatedCluster:
 
     num_nodes: int
     prefix: str = field(default_factory=lambda: f"fsb{os.getpid() % 100000}")
+    sites: int = 1
     _created: list[str] = field(default_factory=list, init=False)
     _rate_mbit: float | None = field(default=None, init=False)
+    _between_sites_mbit: float | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.num_nodes < 2:
             raise ValueError(f"An emulated cluster needs at least 2 nodes, got `num_nodes={self.num_nodes}`.")
+        if self.sites < 1 or self.num_nodes % self.sites:
+            raise ValueError(f"`sites={self.sites}` must be a positive divisor of `num_nodes={self.num_nodes}`.")
         if len(self.prefix) > 8:
             raise ValueError(f"`prefix={self.prefix!r}` is too long: interface names are limited to 15 characters.")
 
@@ -94,6 +105,21 @@ class EmulatedCluster:
     def _switch_port(self, index: int) -> str:
         return f"{self.prefix}p{index}"
 
+    def site_of(self, index: int) -> int:
+        """The site of node ``index`` (consecutive nodes share a site)."""
+        return index // (self.num_nodes // self.sites)
+
+    def _node_switch(self, index: int) -> str:
+        """The namespace of the switch node ``index`` is plugged into."""
+        return self.switch if self.sites == 1 else self._site_switch(self.site_of(index))
+
+    def _site_switch(self, site: int) -> str:
+        return f"{self.prefix}-s{site}"
+
+    def _uplink(self, site: int) -> tuple[str, str]:
+        """The uplink of ``site``: its interface in the site switch, and the core switch's."""
+        return f"{self.prefix}u{site}", f"{self.prefix}c{site}"
+
     # -- life cycle ------------------------------------------------------------------------------------------------
 
     def __enter__(self) -> EmulatedCluster:
@@ -113,15 +139,18 @@ class EmulatedCluster:
 
     def create(self) -> None:
         """Create the switch, the nodes and their links (unthrottled)."""
-        self._add_namespace(self.switch)
-        _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
-        _run("ip", "-n", self.switch, "link", "set", "br0", "up")
+        self._add_switch(self.switch)
+        if self.sites > 1:
+            for site in range(self.sites):
+                self._add_switch(self._site_switch(site))
+                inside, core = self._uplink(site)
+                self._plug(self._site_switch(site), inside, self.switch, core)
         for index in range(self.num_nodes):
             node = self.node(index)
             self._add_namespace(node)
-            port = self._switch_port(index)
-            _run("ip", "link", "add", port, "netns", self.switch, "type", "veth", "peer", NODE_IFACE, "netns", node)
-            _run("ip", "-n", self.switch, "link", "set", port, "master", "br0", "up")
+            switch, port = self._node_switch(index), self._switch_port(index)
+            _run("ip", "link", "add", port, "netns", switch, "type", "veth", "peer", NODE_IFACE, "netns", node)
+            _run("ip", "-n", switch, "link", "set", port, "master", "br0", "up")
             _run("ip", "-n", node, "addr", "add", f"{self.address(index)}/24", "dev", NODE_IFACE)
             _run("ip", "-n", node, "link", "set", NODE_IFACE, "up")
             _run("ip", "-n", node, "link", "set", "lo", "up")
@@ -142,13 +171,34 @@ class EmulatedCluster:
         _run("ip", "netns", "add", name)
         self._created.append(name)
 
+    def _add_switch(self, name: str) -> None:
+        self._add_namespace(name)
+        _run("ip", "-n", name, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", name, "link", "set", "br0", "up")
+
+    def _plug(self, switch_a: str, port_a: str, switch_b: str, port_b: str) -> None:
+        """A veth pair between the bridges of two switches."""
+        _run("ip", "link", "add", port_a, "netns", switch_a, "type", "veth", "peer", port_b, "netns", switch_b)
+        for switch, port in ((switch_a, port_a), (switch_b, port_b)):
+            _run("ip", "-n", switch, "link", "set", port, "master", "br0", "up")
+
+    def _bridge_ports(self) -> list[tuple[str, str]]:
+        """Every (switch namespace, port) of the cluster."""
+        ports = [(self._node_switch(i), self._switch_port(i)) for i in range(self.num_nodes)]
+        for site in range(self.sites if self.sites > 1 else 0):
+            inside, core = self._uplink(site)
+            ports += [(self._site_switch(site), inside), (self.switch, core)]
+        return ports
+
     def _wait_for_links(self, timeout: float = 10.0) -> None:
         # A bridge port forwards only once it has left the "learning" state (brport state 3 = forwarding).
         deadline = time.monotonic() + timeout
-        states = [f"/sys/class/net/{self._switch_port(i)}/brport/state" for i in range(self.num_nodes)]
         while time.monotonic() < deadline:
-            out = _run("ip", "netns", "exec", self.switch, "cat", *states, check=False).split()
-            if out == ["3"] * self.num_nodes:
+            states = [
+                _run("ip", "netns", "exec", switch, "cat", f"/sys/class/net/{port}/brport/state", check=False).strip()
+                for switch, port in self._bridge_ports()
+            ]
+            if all(state == "3" for state in states):
                 return
             time.sleep(0.1)
         raise ClusterError(f"The switch ports are not forwarding after {timeout} s.")
@@ -160,14 +210,36 @@ class EmulatedCluster:
         """Current link rate in Mbit/s, ``None`` when unthrottled."""
         return self._rate_mbit
 
-    def set_bandwidth(self, rate_mbit: float | None) -> None:
-        """Throttle every link to ``rate_mbit`` Mbit/s in each direction, or remove the limit (``None``)."""
+    @property
+    def between_sites_mbit(self) -> float | None:
+        """Current rate of every uplink between sites in Mbit/s, ``None`` when unthrottled (or one site)."""
+        return self._between_sites_mbit
+
+    def set_bandwidth(self, rate_mbit: float | None, between_sites_mbit: float | None = None) -> None:
+        """Throttle every node's link to ``rate_mbit`` Mbit/s in each direction, or remove the limit (``None``).
+
+        With several sites, every uplink between a site and the core gets ``between_sites_mbit`` the same way.
+        """
         for index in range(self.num_nodes):
-            for namespace, iface in ((self.node(index), NODE_IFACE), (self.switch, self._switch_port(index))):
-                _run("tc", "-n", namespace, "qdisc", "del", "dev", iface, "root", check=False)
-                if rate_mbit is not None:
-                    _run("tc", "-n", namespace, "qdisc", "add", "dev", iface, "root", *_tbf_args(rate_mbit))
+            for namespace, iface in (
+                (self.node(index), NODE_IFACE),
+                (self._node_switch(index), self._switch_port(index)),
+            ):
+                _throttle(namespace, iface, rate_mbit)
+        for site in range(self.sites if self.sites > 1 else 0):
+            inside, core = self._uplink(site)
+            _throttle(self._site_switch(site), inside, between_sites_mbit)
+            _throttle(self.switch, core, between_sites_mbit)
         self._rate_mbit = rate_mbit
+        self._between_sites_mbit = between_sites_mbit if self.sites > 1 else None
+
+    def site_tx_bytes(self) -> list[int]:
+        """Bytes every site has sent over its uplink to the other sites so far (empty with one site)."""
+        counters = []
+        for site in range(self.sites if self.sites > 1 else 0):
+            path = f"/sys/class/net/{self._uplink(site)[0]}/statistics/tx_bytes"
+            counters.append(int(_run("ip", "netns", "exec", self._site_switch(site), "cat", path)))
+        return counters
 
     def tx_bytes(self) -> list[int]:
         """Bytes every node has sent into its link so far (node-side interface counter)."""
@@ -181,6 +253,12 @@ class EmulatedCluster:
     def command(self, index: int, argv: Sequence[str], env: dict[str, str]) -> list[str]:
         """``argv`` wrapped to run inside node ``index`` with ``env`` (``ip netns exec`` keeps no environment)."""
         return ["ip", "netns", "exec", self.node(index), "env", *(f"{k}={v}" for k, v in env.items()), *argv]
+
+
+def _throttle(namespace: str, iface: str, rate_mbit: float | None) -> None:
+    _run("tc", "-n", namespace, "qdisc", "del", "dev", iface, "root", check=False)
+    if rate_mbit is not None:
+        _run("tc", "-n", namespace, "qdisc", "add", "dev", iface, "root", *_tbf_args(rate_mbit))
 
 
 def _tbf_args(rate_mbit: float) -> list[str]:

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from lightning_fedshard import Gossip, Hierarchical, Mixing, Sampled
 from lightning_fedshard.core.config import FederationConfig
 
 STRATEGIES = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp")
@@ -111,7 +112,9 @@ class RunConfig:
     def record(self) -> dict[str, Any]:
         """The configuration as a JSON-ready dict, the federation as the strategy received it."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "federation"}
-        return {**fields, "federation": self.strategy_kwargs()}
+        federation = self.strategy_kwargs()
+        federation["outer_topology"] = topology_record(federation["outer_topology"])
+        return {**fields, "federation": federation}
 
     def to_json(self) -> str:
         """:meth:`record` as one JSON object."""
@@ -120,7 +123,37 @@ class RunConfig:
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> RunConfig:
         """Read :meth:`record`'s dict back; the federation is validated by ``FederationConfig``."""
-        return cls(**{**record, "federation": FederationConfig(**record.get("federation", {}))})
+        federation = dict(record.get("federation", {}))
+        if "outer_topology" in federation:
+            federation["outer_topology"] = topology_from_record(federation["outer_topology"])
+        return cls(**{**record, "federation": FederationConfig(**federation)})
+
+
+def topology_record(topology: Any) -> Any:
+    """An outer topology as JSON: a name as it is, a topology object as ``{"class": ..., "args": {...}}``."""
+    if isinstance(topology, Hierarchical):
+        sites = None if topology.sites is None else [list(site) for site in topology.sites]
+        return {"class": "Hierarchical", "args": {"levels": topology.levels, "sites": sites}}
+    if isinstance(topology, Gossip):
+        return {"class": "Gossip", "args": {"peers": topology.peers, "seed": topology.seed}}
+    if isinstance(topology, Sampled):
+        return {"class": "Sampled", "args": {"groups_per_round": topology.groups_per_round, "seed": topology.seed}}
+    if isinstance(topology, Mixing):
+        if callable(topology.matrix):
+            raise ValueError("A benchmark run's mixing must be a matrix, not a callable: the ranks read it as JSON.")
+        return {"class": "Mixing", "args": {"matrix": [[float(w) for w in row] for row in topology.matrix]}}
+    return topology
+
+
+def topology_from_record(record: Any) -> Any:
+    """Undo :func:`topology_record` (JSON turns the periods of ``levels`` into strings: they become numbers again)."""
+    if not isinstance(record, dict):
+        return record
+    args = dict(record["args"])
+    if record["class"] == "Hierarchical":
+        args["levels"] = {int(period): groups for period, groups in args["levels"].items()}
+    classes: dict[str, Any] = {"Hierarchical": Hierarchical, "Gossip": Gossip, "Sampled": Sampled, "Mixing": Mixing}
+    return classes[record["class"]](**args)
 
 
 def federation_fields(config: FederationConfig) -> dict[str, Any]:

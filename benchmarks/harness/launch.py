@@ -55,7 +55,7 @@ def launch(
     out.mkdir(parents=True, exist_ok=True)
     (out / "run.json").unlink(missing_ok=True)  # a result left by an earlier attempt must not pass for this one
     argv = [sys.executable, str(TRAIN_SCRIPT), "--config", cfg.to_json()]
-    tx_before = cluster.tx_bytes()
+    tx_before, sites_before = cluster.tx_bytes(), cluster.site_tx_bytes()
     start = time.perf_counter()
     nodes: list[Node] = []
     try:
@@ -73,6 +73,9 @@ def launch(
         "link_mbit": cluster.rate_mbit,
         "link_tx_total": sum(b - a for a, b in zip(tx_before, cluster.tx_bytes())),
     }
+    if cluster.sites > 1:
+        result["driver"]["between_sites_mbit"] = cluster.between_sites_mbit
+        result["driver"]["site_tx_total"] = [b - a for a, b in zip(sites_before, cluster.site_tx_bytes())]
     return result
 
 

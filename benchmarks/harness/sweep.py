@@ -94,7 +94,14 @@ def prepare_data(cfg: RunConfig, work: Path) -> None:
     subprocess.run([sys.executable, "-c", code, cfg.cache_dir, str(cfg.vocab_size)], env=env, check=True)
 
 
-def run_job(cluster: EmulatedCluster, job: Job, index: int, timeout: float, results: ResultsFile) -> dict[str, Any]:
+def run_job(
+    cluster: EmulatedCluster,
+    job: Job,
+    index: int,
+    timeout: float,
+    results: ResultsFile,
+    between_sites_mbit: float | None = None,
+) -> dict[str, Any]:
     """Run ``job`` on ``cluster`` (its link set to the job's rate) and keep the run, or its failure, in ``results``.
 
     Args:
@@ -103,11 +110,12 @@ def run_job(cluster: EmulatedCluster, job: Job, index: int, timeout: float, resu
         index: The job's position in the sweep (it picks the rendezvous port).
         timeout: Seconds the run may take.
         results: Where the run or its failure is kept.
+        between_sites_mbit: The rate between the cluster's sites, if it has several.
 
     Raises:
         RunFailed: After keeping the failure.
     """
-    cluster.set_bandwidth(job.identity.link_mbit)
+    cluster.set_bandwidth(job.identity.link_mbit, between_sites_mbit)
     load_before = list(os.getloadavg())
     try:
         run = launch(cluster, job.config, job.identity, port=BASE_PORT + index % PORTS, timeout=timeout)

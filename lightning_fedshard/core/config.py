@@ -257,10 +257,10 @@ class FederationConfig:
         topology = resolve_outer_topology(self.outer_topology)
         return topology if isinstance(topology, Mixing) else None
 
-    def site_sizes(self, num_groups: int) -> tuple[int, ...]:
-        """Block sizes of the outer topology below the whole federation (empty for ``"all"``)."""
+    def site_blocks(self, num_groups: int) -> dict[int, tuple[tuple[int, ...], ...]]:
+        """By block size below the whole federation, the outer topology's blocks of groups (empty for ``"all"``)."""
         hierarchical = self.hierarchical
-        return hierarchical.site_sizes(num_groups) if hierarchical is not None else ()
+        return hierarchical.site_blocks(num_groups) if hierarchical is not None else {}
 
     @property
     def eager_rule(self) -> str | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import atexit
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -124,15 +124,18 @@ class FederationMesh:
 
 
 def build_federation_mesh(
-    topology: FederationTopology, device_type: str, site_sizes: tuple[int, ...] = ()
+    topology: FederationTopology,
+    device_type: str,
+    site_blocks: Mapping[int, Sequence[Sequence[int]]] | None = None,
 ) -> FederationMesh:
     """Create the federation device mesh (collective: every rank must call it).
 
     Args:
         topology: The job's shape; its world size must match the default process group.
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL), etc.
-        site_sizes: Block sizes of a hierarchical outer topology below the federation: for each, a process group
-            per block of that many consecutive groups on every fed ring.
+        site_blocks: The blocks of groups of a hierarchical outer topology below the federation, by block size (see
+            :meth:`~lightning_fedshard.core.outer_topology.Hierarchical.site_blocks`): a process group per block on
+            every fed ring.
 
     Raises:
         RuntimeError: If the default process group is not initialized.
@@ -146,7 +149,7 @@ def build_federation_mesh(
     mesh = init_device_mesh(device_type, topology.mesh_shape, mesh_dim_names=AXES)
     rank = dist.get_rank()
     _destroy_process_groups_at_exit()
-    sites = {size: _site_group(topology, rank, size) for size in site_sizes}
+    sites = {size: _site_group(topology, rank, blocks) for size, blocks in (site_blocks or {}).items()}
     return FederationMesh(
         topology=topology, device_mesh=mesh, rank=rank, outer_group=_outer_group(topology, rank), site_groups=sites
     )
@@ -176,14 +179,14 @@ def _destroy_all_process_groups() -> None:
         dist.destroy_process_group()
 
 
-def _site_group(topology: FederationTopology, rank: int, size: int) -> ProcessGroup:
-    """This rank's block of ``size`` consecutive groups on its fed ring (collective: every rank builds every block)."""
+def _site_group(topology: FederationTopology, rank: int, blocks: Sequence[Sequence[int]]) -> ProcessGroup:
+    """This rank's block of groups on its fed ring (collective: every rank builds every block of every ring)."""
     mine = None
     for replica in range(topology.num_replicas):
         for shard in range(topology.shard_size):
             ring = topology.fed_ranks(replica, shard)
-            for start in range(0, topology.num_groups, size):
-                ranks = ring[start : start + size]
+            for block in blocks:
+                ranks = sorted(ring[group] for group in block)
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     mine = group

@@ -42,12 +42,18 @@ class Hierarchical:
             be a multiple of ``sync_every`` and every block size must divide the number of groups (checked when the
             strategy knows them). E.g. ``{8: 2, 32: 4}`` on 4 groups: sites of 2 groups every 8 steps, everyone every
             32.
+        sites: Which groups form a site, when they are not consecutive: a list of sites, each a list of group
+            indices, every group in exactly one site and every site of the same size, which must be the block size of
+            a level (e.g. ``[[0, 2], [1, 3]]`` with ``{8: 2, 32: 4}``). The listed sites are that level's blocks; every
+            level's blocks are consecutive in the order the groups are listed, so smaller blocks nest inside a site
+            and larger ones join whole sites. ``None``: groups ``0 .. G-1`` in order.
 
     Raises:
-        ValueError: For no level, a period or block size that is not a positive integer, or two levels of one size.
+        ValueError: For no level, a period or block size that is not a positive integer, two levels of one size, or
+            sites that are empty, of unequal sizes or of a size no level averages.
     """
 
-    def __init__(self, levels: Mapping[int, int]) -> None:
+    def __init__(self, levels: Mapping[int, int], sites: Sequence[Sequence[int]] | None = None) -> None:
         if not isinstance(levels, Mapping) or not levels:
             raise ValueError(f"`levels` must map periods to numbers of groups, e.g. {{8: 2, 32: 4}}, got {levels!r}.")
         parsed = {}
@@ -60,20 +66,61 @@ class Hierarchical:
         if len(set(sizes)) != len(sizes):
             raise ValueError(f"Two levels of `levels={levels}` average the same number of groups.")
         self.levels: dict[int, int] = dict(sorted(parsed.items()))
+        self.sites: tuple[tuple[int, ...], ...] | None = None if sites is None else self._check_sites(sites)
+
+    def _check_sites(self, sites: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+        if isinstance(sites, (str, bytes)) or not sites or any(isinstance(s, (str, bytes)) or not s for s in sites):
+            raise ValueError(f"`sites` must be a list of non-empty lists of group indices, got {sites!r}.")
+        parsed = tuple(tuple(site) for site in sites)
+        for site in parsed:
+            for group in site:
+                if isinstance(group, bool) or not isinstance(group, int) or group < 0:
+                    raise ValueError(f"Every group of `sites` must be an index >= 0, got {group!r} in {sites!r}.")
+        sizes = {len(site) for site in parsed}
+        if len(sizes) != 1:
+            raise ValueError(
+                f"Every site of `sites={sites!r}` must hold the same number of groups, got {sorted(sizes)}."
+            )
+        (size,) = sizes
+        if size not in self.levels.values():
+            raise ValueError(
+                f"The sites of `sites={sites!r}` hold {size} groups each, but no level of `levels={self.levels}`"
+                f" averages {size} groups."
+            )
+        return parsed
 
     def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and self.levels == other.levels  # type: ignore[attr-defined]
+        if type(self) is not type(other):
+            return False
+        return (self.levels, self.sites) == (other.levels, other.sites)  # type: ignore[attr-defined]
 
     def __hash__(self) -> int:
-        return hash(tuple(self.levels.items()))
+        return hash((tuple(self.levels.items()), self.sites))
 
     def __repr__(self) -> str:
-        return f"Hierarchical(levels={self.levels})"
+        sites = "" if self.sites is None else f", sites={[list(site) for site in self.sites]}"
+        return f"Hierarchical(levels={self.levels}{sites})"
 
     def describe(self) -> str:
         """E.g. ``"hierarchical: 2 groups every 8 steps, 4 every 32"``."""
         parts = [f"{groups} groups every {period} steps" for period, groups in self.levels.items()]
-        return "hierarchical: " + ", ".join(parts)
+        sites = "" if self.sites is None else f" (sites {[list(site) for site in self.sites]})"
+        return "hierarchical: " + ", ".join(parts) + sites
+
+    def order(self, num_groups: int) -> tuple[int, ...]:
+        """The groups in the order whose consecutive runs form every level's blocks."""
+        if self.sites is None:
+            return tuple(range(num_groups))
+        return tuple(group for site in self.sites for group in site)
+
+    def blocks(self, size: int, num_groups: int) -> tuple[tuple[int, ...], ...]:
+        """The blocks of ``size`` groups that average together at that level, in :meth:`order`."""
+        order = self.order(num_groups)
+        return tuple(order[start : start + size] for start in range(0, num_groups, size))
+
+    def site_blocks(self, num_groups: int) -> dict[int, tuple[tuple[int, ...], ...]]:
+        """By block size below the whole federation, that level's blocks (each needs process groups of its own)."""
+        return {size: self.blocks(size, num_groups) for size in self.site_sizes(num_groups)}
 
     def block_size(self, step: int) -> int | None:
         """How many consecutive groups average after optimizer step ``step`` (``None``: no sync then)."""
@@ -93,7 +140,16 @@ class Hierarchical:
             )
 
     def check_groups(self, num_groups: int) -> None:
-        """Raise ``ValueError`` unless the blocks divide ``num_groups`` and the largest period spans them all."""
+        """Raise ``ValueError`` unless the blocks fit ``num_groups`` and the federation meets.
+
+        The blocks must divide the groups, the level of the largest period must span them all, and the sites, if
+        given, must hold every group exactly once.
+        """
+        if self.sites is not None and sorted(self.order(num_groups)) != list(range(num_groups)):
+            raise ValueError(
+                f"`outer_topology={self!r}`: the sites must hold every one of the {num_groups} groups"
+                f" (0 .. {num_groups - 1}) exactly once."
+            )
         for period, groups in self.levels.items():
             if num_groups % groups:
                 raise ValueError(

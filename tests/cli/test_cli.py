@@ -97,11 +97,12 @@ def test_a_hierarchical_outer_topology_in_yaml(tmp_path):
     config.write_text(
         "trainer:\n  accelerator: cpu\n  devices: 1\n  num_nodes: 4\n  logger: false\n  strategy:\n"
         "    class_path: lightning_fedshard.FLFSDPStrategy\n    init_args:\n      outer_topology:\n"
-        "        class_path: lightning_fedshard.Hierarchical\n        init_args: {levels: {8: 2, 32: 4}}\n"
+        "        class_path: lightning_fedshard.Hierarchical\n"
+        "        init_args: {levels: {8: 2, 32: 4}, sites: [[0, 2], [1, 3]]}\n"
         "model:\n  class_path: lightning_fedshard.examples.LlamaLM\n  init_args: {size: xs, vocab_size: 256}\n"
     )
     federation = cli(args=["--config", str(config)], run=False).trainer.strategy.federation_config
-    assert federation.outer_topology == Hierarchical({8: 2, 32: 4})
+    assert federation.outer_topology == Hierarchical({8: 2, 32: 4}, sites=[[0, 2], [1, 3]])
 
 
 @pytest.mark.parametrize(

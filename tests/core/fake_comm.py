@@ -13,8 +13,9 @@ from torch import Tensor
 class ThreadGroups:
     """Runs ``fn(group_index, communicator)`` for every group in its own thread and returns the results."""
 
-    def __init__(self, num_groups: int, _channel: str = "sums") -> None:
+    def __init__(self, num_groups: int, _channel: str = "sums", site_blocks: dict[int, Any] | None = None) -> None:
         self.num_groups = num_groups
+        self.site_blocks = site_blocks or {}  # by block size, the blocks of a hierarchical topology (else consecutive)
         self._barrier = threading.Barrier(num_groups)
         self._slots: list[Tensor | None] = [None] * num_groups
         # The statistics meet at a barrier of their own, as they do on a process group of their own.
@@ -49,8 +50,9 @@ class ThreadGroups:
         tensor.copy_(total)
 
     def _site_sum(self, g: int, tensor: Tensor, size: int) -> None:
-        start = g // size * size
-        tensor.copy_(self._exchange(g, tensor, lambda posted: torch.stack(posted[start : start + size]).sum(0)))
+        blocks = self.site_blocks.get(size) or [range(s, s + size) for s in range(0, self.num_groups, size)]
+        (block,) = [b for b in blocks if g in b]
+        tensor.copy_(self._exchange(g, tensor, lambda posted: torch.stack([posted[j] for j in sorted(block)]).sum(0)))
 
     def _exchange(self, g: int, input: Tensor, combine: Callable[[list[Tensor]], Tensor]) -> Tensor:
         """Every group posts ``input``; each gets ``combine(all posted tensors)`` once all have read them."""
@@ -107,7 +109,7 @@ class _ThreadCommunicator:
         tensor.copy_(self._groups._exchange(i, tensor, combine))
 
     def sum_over_site(self, tensor: Tensor, size: int) -> None:
-        """Every group calls it; each gets the sum over its block of ``size`` consecutive groups."""
+        """Every group calls it; each gets the sum over its block of ``size`` groups."""
         self._groups._site_sum(self._g, tensor, size)
 
     def sum_in_group(self, tensor: Tensor) -> None:

@@ -57,6 +57,48 @@ def test_levels_that_do_not_fit_the_groups_are_refused(levels, match):
         FederationConfig(num_groups=4, outer_topology=Hierarchical(levels)).topology(4, 1, hybrid=False)
 
 
+def test_sites_given_by_the_user_are_the_blocks_of_their_level_and_the_others_nest():
+    levels = Hierarchical({2: 2, 4: 4, 8: 8}, sites=[[0, 5, 2, 7], [1, 4, 3, 6]])
+    assert levels.blocks(4, 8) == ((0, 5, 2, 7), (1, 4, 3, 6))
+    assert levels.blocks(2, 8) == ((0, 5), (2, 7), (1, 4), (3, 6))  # inside the sites
+    assert levels.site_blocks(8) == {2: levels.blocks(2, 8), 4: levels.blocks(4, 8)}
+    assert Hierarchical({2: 2, 4: 4}).blocks(2, 4) == ((0, 1), (2, 3))  # no sites: consecutive groups
+    assert levels != Hierarchical({2: 2, 4: 4, 8: 8}) and "sites [[0, 5, 2, 7], [1, 4, 3, 6]]" in levels.describe()
+
+
+@pytest.mark.parametrize(
+    ("sites", "match"),
+    [
+        ([[0, 1], [2]], r"must hold the same number of groups, got \[1, 2\]"),
+        ([[0, 1, 2], [3, 4, 5]], r"hold 3 groups each, but no level .* averages 3 groups"),
+        ([[0, 1], [1, 2]], r"must hold every one of the 4 groups \(0 .. 3\) exactly once"),
+        ([[0, 1], [2, 4]], r"must hold every one of the 4 groups"),
+        ([[0, -1], [2, 3]], r"an index >= 0, got -1"),
+        ([], r"`sites` must be a list of non-empty lists"),
+    ],
+)
+def test_sites_that_do_not_fit_are_refused(sites, match):
+    with pytest.raises(ValueError, match=match):
+        topology = Hierarchical({2: 2, 4: 4}, sites=sites)
+        FederationConfig(num_groups=4, sync_every=2, outer_topology=topology).topology(4, 1, hybrid=False)
+
+
+def test_a_site_of_groups_that_are_not_consecutive_averages_its_own_members():
+    topology = Hierarchical({2: 2, 4: 4}, sites=[[0, 3], [2, 1]])
+    config = FederationConfig(sync_every=2, reduce_dtype="float32", outer_topology=topology)
+
+    def work(g: int, comm: Any) -> Tensor:
+        shards = [torch.full((3,), float(g))]
+        fed = Federation(config, comm)
+        fed.start(shards, step=0)
+        shards[0].mul_(2)
+        fed.maybe_sync(2)
+        return shards[0].clone()
+
+    results = ThreadGroups(4, site_blocks=config.site_blocks(4)).run(work)
+    assert [r[0].item() for r in results] == [3.0] * 4  # (0 + 6) / 2 and (4 + 2) / 2; consecutive: 1, 1, 5, 5
+
+
 def test_sites_average_their_weights_and_the_federation_takes_the_outer_step():
     config = FederationConfig(sync_every=2, reduce_dtype="float32", outer_topology=Hierarchical({2: 2, 4: 4}))
 
@@ -121,7 +163,7 @@ def _averager_worker(rank: int, store: str, out_dir: str, ours: dict[int, int]) 
             num_groups=4, sync_every=2, reduce_dtype="float32", outer_topology=Hierarchical(ours)
         )  # one-rank groups, plain averaging
         topology = config.topology(4, 1, hybrid=False)
-        comm = build_federation_mesh(topology, "cpu", config.site_sizes(4)).communicator()
+        comm = build_federation_mesh(topology, "cpu", config.site_blocks(4)).communicator()
         net = _net()
         optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
         fed = Federation(config, comm)

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from lightning_fedshard import Hierarchical
+from tests.topology_spec import outer_topology
 from tests.toy import HIDDEN, IN, OUT, IndexedRegression, loss_fn
 from tests.trainer.worker import STRATEGIES
 
@@ -140,10 +140,10 @@ def _strategy(spec: dict[str, Any]) -> Any:
         kwargs["fsdp_modules" if spec["strategy"].endswith("2") else "auto_wrap_policy"] = {nn.Linear}
     if "timeout_s" in spec:
         kwargs["timeout"] = timedelta(seconds=spec["timeout_s"])
-    if "outer_topology" in spec:  # JSON keys are strings: the periods back to numbers
-        levels = {int(period): groups for period, groups in spec["outer_topology"]["levels"].items()}
-        kwargs["outer_topology"] = Hierarchical(levels)
-    return cls(sync_every=spec.get("sync_every", 3), outer_optimizer="nesterov", **kwargs)
+    if "outer_topology" in spec:
+        kwargs["outer_topology"] = outer_topology(spec["outer_topology"])
+    outer = spec.get("outer_optimizer", "nesterov")
+    return cls(sync_every=spec.get("sync_every", 3), outer_optimizer=outer, **kwargs)
 
 
 def _data() -> DataLoader:

@@ -31,6 +31,22 @@ STREAM = dict(sync_every=4, fragments=2, sync_delay=1, merge_alpha=0.5, reduce_d
 EAGER = dict(sync_every=4, fragments=2, eager_updates=True, reduce_dtype="int4", error_feedback=True)
 # 4 one-rank groups in 2 sites: the sites average after steps 2 and 6, the federation meets after 4 and 8
 HIERARCHICAL = dict(num_groups=4, sync_every=2, outer_topology={"levels": {2: 2, 4: 4}}, reduce_dtype="float32")
+# mixings of 4 one-rank groups every 2 steps, plain averaging: the groups differ after every sync
+MIXING = dict(num_groups=4, sync_every=2, outer_optimizer="fedavg", reduce_dtype="float32")
+RING = [[0.5, 0.25, 0, 0.25], [0.25, 0.5, 0.25, 0], [0, 0.25, 0.5, 0.25], [0.25, 0, 0.25, 0.5]]
+MIXINGS = {
+    "gossip": dict(MIXING, outer_topology={"gossip": {"peers": 1, "seed": 3}}),
+    "sampled": dict(MIXING, outer_topology={"sampled": {"groups_per_round": 2, "seed": 1}}),
+    "ring": dict(MIXING, outer_topology={"matrix": RING}),
+}
+# FL+HSDP on 8 ranks: 2 groups x 2 replicas x 2 shards mixing, and 4 groups x 2 replicas in 2 sites {0, 2}, {1, 3}
+HSDP_MIXING = {**HSDP, **MIXING, "num_groups": 2, "outer_topology": {"matrix": [[0.75, 0.25], [0.25, 0.75]]}}
+HSDP_SITES = {
+    **HSDP,
+    **HIERARCHICAL,
+    "shard_size": 1,
+    "outer_topology": {"levels": {2: 2, 4: 4}, "sites": [[0, 2], [1, 3]]},
+}
 
 
 def _family(prefix: str, base: dict, runs_from: str) -> list[dict]:
@@ -71,6 +87,14 @@ SCENARIOS_4 = [
     dict(FSDP, **EAGER, name="eager_inflight", resume_from="eager/ckpts/step=5.ckpt"),
     dict(FSDP, **HIERARCHICAL, name="hierarchical", ckpt=True),
     dict(FSDP, **HIERARCHICAL, name="hierarchical_apart", resume_from="hierarchical/ckpts/step=3.ckpt"),
+    *(
+        run
+        for name, mixing in MIXINGS.items()
+        for run in (
+            dict(FSDP, **mixing, name=name, ckpt=True),
+            dict(FSDP, **mixing, name=f"{name}_apart", resume_from=f"{name}/ckpts/step=3.ckpt"),
+        )
+    ),
 ]
 SCENARIOS_8 = [
     *_family("hfull", HSDP, "hfull"),
@@ -85,6 +109,10 @@ SCENARIOS_8 = [
     *_family("hsharded2", {**HSDP2, **SHARDED}, "hsharded2")[:2],
     dict(HSDP, **EAGER, **SHARDED, name="heager", ckpt=True),
     dict(HSDP, **EAGER, **SHARDED, name="heager_inflight", resume_from="heager/ckpts/step=5.ckpt"),
+    dict(HSDP_MIXING, name="hmixing", ckpt=True),
+    dict(HSDP_MIXING, name="hmixing_apart", resume_from="hmixing/ckpts/step=3.ckpt"),
+    dict(HSDP_SITES, **SHARDED, name="hsites", ckpt=True),
+    dict(HSDP_SITES, **SHARDED, name="hsites_apart", resume_from="hsites/ckpts/step=3.ckpt"),
 ]
 # (world, resumed run, uninterrupted run, checkpoint step)
 RESUMES = [
@@ -364,11 +392,18 @@ def test_resume_with_fragments_and_a_sum_in_flight_is_exact(four, eight, world, 
 # -- a hierarchical outer topology -----------------------------------------------------------------------------
 
 
-def test_resume_while_the_sites_hold_different_weights_is_exact(four):
-    got, want = _ranks(four, "hierarchical_apart"), _ranks(four, "hierarchical")
-    assert got[0]["num_syncs"] == want[0]["num_syncs"] == 2  # the federation met after steps 4 and 8
-    # after the site sync of step 2 the two sites hold different weights, and the checkpoint of step 3 keeps them
-    assert not torch.equal(want[0]["shards_at"][3], want[2]["shards_at"][3])
+@pytest.mark.parametrize(
+    ("world", "name", "other_group"),
+    [(4, "hierarchical", 2), (4, "gossip", 1), (4, "sampled", 1), (4, "ring", 1), (8, "hmixing", 4), (8, "hsites", 2)],
+)
+def test_resume_while_the_groups_hold_different_weights_is_exact(four, eight, world, name, other_group):
+    """Mid-round (step 3, after the syncs of step 2) the groups differ; the checkpoint keeps every group's weights."""
+    root = four if world == 4 else eight
+    got, want = _ranks(root, f"{name}_apart"), _ranks(root, name)
+    if name == "hierarchical":
+        assert got[0]["num_syncs"] == want[0]["num_syncs"] == 2  # the federation met after steps 4 and 8
+    # rank 0 and the rank at the same in-group position of another group (another site) hold different weights
+    assert not torch.equal(want[0]["shards_at"][3], want[other_group]["shards_at"][3])
     for g, w in zip(got, want):
         assert torch.equal(g["initial"], w["shards_at"][3])
         for s in range(3, 8):

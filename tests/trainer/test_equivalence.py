@@ -16,10 +16,12 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from lightning_fedshard import Hierarchical
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.topology import FederationTopology
 from tests.launch import launch
 from tests.reference import reference_run
+from tests.topology_spec import outer_topology
 
 WORKER = Path(__file__).with_name("worker.py")
 # float32 outer traffic: these scenarios check the algorithm to `1e-5` against float32 references (the package default,
@@ -157,6 +159,38 @@ SCENARIOS_4 = [
         outer_optimizer="nesterov",
         max_steps=7,
     ),
+    # the same with sites that are not consecutive groups: {0, 3} and {1, 2}
+    dict(
+        BASE,
+        name="hierarchical_sites",
+        strategy="fl_fsdp",
+        num_groups=4,
+        sync_every=2,
+        outer_topology={"levels": {2: 2, 4: 4}, "sites": [[0, 3], [1, 2]]},
+        outer_optimizer="nesterov",
+        max_steps=7,
+    ),
+    # mixings: one-rank groups, plain averaging, stopping between two syncs (the end averages every group)
+    dict(
+        BASE,
+        name="gossip",
+        strategy="fl_fsdp",
+        num_groups=4,
+        sync_every=2,
+        outer_topology={"gossip": {"peers": 1, "seed": 3}},
+        outer_optimizer="fedavg",
+        max_steps=7,
+    ),
+    dict(
+        BASE,
+        name="sampled",
+        strategy="fl_fsdp",
+        num_groups=4,
+        sync_every=2,
+        outer_topology={"sampled": {"groups_per_round": 2, "seed": 1}},
+        outer_optimizer="fedavg",
+        max_steps=7,
+    ),
     # one-rank groups: the fed ring spans the world, where Lightning's own collectives run (it deadlocked once)
     dict(
         BASE, name="stream_one_rank_groups", strategy="fl_fsdp", num_groups=4, sync_every=2, sync_delay=1, max_steps=5
@@ -176,6 +210,18 @@ SCENARIOS_4 = [
     ),
 ]
 SCENARIOS_8 = [
+    # FL+HSDP with a mixing that leaves the two groups apart after every sync
+    dict(
+        BASE,
+        name="mixing_hsdp",
+        strategy="fl_hsdp",
+        num_groups=2,
+        shard_size=2,
+        sync_every=2,
+        outer_topology={"matrix": [[0.75, 0.25], [0.25, 0.75]]},
+        outer_optimizer="fedavg",
+        max_steps=5,
+    ),
     dict(
         BASE,
         name="eager_hsdp",
@@ -228,6 +274,7 @@ FSDP2_TWINS = {
     "hsdp_nesterov",
     "eager_f2",
     "hierarchical",
+    "gossip",
 }
 
 
@@ -299,8 +346,19 @@ def _reference(ranks: list[dict], spec: dict, topology: FederationTopology) -> d
         merge_alpha=spec.get("merge_alpha", 0.0),
         final_landing="reset",  # a fragment that lands at the last step keeps that landing's anchor
         eager=spec.get("eager_updates", False),
-        hierarchical=spec["outer_topology"]["levels"] if "outer_topology" in spec else None,
+        **_topology_reference(spec, topology.num_groups),
     )
+
+
+def _topology_reference(spec: dict, num_groups: int) -> dict:
+    """The reference's arguments for the spec's outer topology (none for the default)."""
+    if "outer_topology" not in spec:
+        return {}
+    topology = outer_topology(spec["outer_topology"])
+    if isinstance(topology, Hierarchical):
+        sites = [list(site) for site in topology.sites] if topology.sites else None
+        return {"hierarchical": topology.levels, "sites": sites}
+    return {"mixing": lambda round: topology.weights(round, num_groups)}
 
 
 def _assert_state_close(actual: dict, expected: dict, atol: float) -> float:
@@ -546,9 +604,17 @@ def test_streaming_syncs_match_the_reference(four, name, groups, shard):
 
 @pytest.mark.parametrize(
     ("name", "world", "groups", "shard"),
-    [*both(("eager_f2", 4, 2, 2)), ("eager_hsdp", 8, 2, 2), *both(("hierarchical", 4, 4, 1))],
+    [
+        *both(("eager_f2", 4, 2, 2)),
+        ("eager_hsdp", 8, 2, 2),
+        *both(("hierarchical", 4, 4, 1)),
+        ("hierarchical_sites", 4, 4, 1),
+        *both(("gossip", 4, 4, 1)),
+        ("sampled", 4, 4, 1),
+        ("mixing_hsdp", 8, 2, 2),
+    ],
 )
-def test_eager_updates_and_the_hierarchical_topology_match_the_reference(four, eight, name, world, groups, shard):
+def test_eager_updates_and_the_outer_topologies_match_the_reference(four, eight, name, world, groups, shard):
     ranks = (four if world == 4 else eight)[name]
     ref = _reference(ranks, _spec(name), FederationTopology(world, groups, shard))
     worst = _assert_state_close(ranks[0]["final"], ref["final"], atol=1e-6)

@@ -17,10 +17,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
 
 import lightning_fedshard
-from lightning_fedshard import Hierarchical
 from lightning_fedshard.checkpoint.checkpointer import fsdp_state_dict_type
 from lightning_fedshard.core import fsdp
 from tests import runtime_spy
+from tests.topology_spec import outer_topology
 from tests.toy import IndexedRegression, loss_fn, make_net
 
 runtime_spy.install()
@@ -152,9 +152,8 @@ def run(spec: dict[str, Any], root: Path) -> None:
         keys = ("num_groups", "shard_size", "sync_every", "outer_optimizer", "fragments", "sync_delay", "merge_alpha",
                 "reduce_dtype", "error_feedback", "plan", "eager_updates")  # fmt: skip
         kwargs = {k: spec[k] for k in keys if k in spec}
-        if "outer_topology" in spec:  # JSON keys are strings: the periods back to numbers
-            levels = {int(period): groups for period, groups in spec["outer_topology"]["levels"].items()}
-            kwargs["outer_topology"] = Hierarchical(levels)
+        if "outer_topology" in spec:
+            kwargs["outer_topology"] = outer_topology(spec["outer_topology"])
         if spec.get("wrap_linear"):  # one FSDP unit per Linear layer, so the model can be cut into fragments
             kwargs["fsdp_modules" if spec["strategy"].endswith("2") else "auto_wrap_policy"] = {torch.nn.Linear}
         strategy = spec["strategy"] if spec.get("by_name") else cls(**kwargs)
