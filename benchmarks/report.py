@@ -22,7 +22,7 @@ from typing import Any
 from benchmarks.harness.sweep import RESULTS
 from benchmarks.presets import CONFIGURATIONS
 from benchmarks.records import load, load_if_exists
-from benchmarks.reports import overlap, race, sweep, sync_options, throughput
+from benchmarks.reports import overlap, race, sweep, sync_options, throughput, topologies
 from benchmarks.reports.docs import provenance, replace_section
 from benchmarks.reports.targets import targets, targets_table
 
@@ -100,6 +100,7 @@ def build(paths: dict[str, Path]) -> Report:
     gossip = overlap.load_bytes_record(paths.get("gossip_bytes", RESULTS / "gossip_bytes.json"))
     eager, race_results = results.get("eager"), results.get("race")
     rows += overlap.targets(eager, _configs(analyses["eager"]) or {}, race_results, hsdp, gossip)
+    rows += topologies.targets(load_if_exists(paths.get("sites", RESULTS / "sites.json")))
     return Report(results, analyses, rows)
 
 

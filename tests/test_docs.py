@@ -128,6 +128,7 @@ def test_plan_defaults_table_is_the_command_signature():
     presets = {
         "model_config", "seq_len", "nodes", "devices_per_node", "peak_tflops", "mfu", "step_seconds",
         "device_memory_gib", "intra_gbytes_per_s", "intra_latency_us", "inter_gbit_per_s", "inter_latency_us",
+        "nodes_per_site", "site_mbit_per_s",
     }  # fmt: skip
     assert set(signature) - presets == set(documented)
 

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any, Literal
 
 from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.core.outer_topology import OuterTopologySpec
 from lightning_fedshard.plan.predict import Prediction
 from lightning_fedshard.plan.specs import CLUSTERS, GIB, MODELS, ClusterSpec, ModelSpec, TrainSetup
 from lightning_fedshard.plan.sweep import compare
@@ -31,6 +32,8 @@ def plan(
     intra_latency_us: float | None = None,
     inter_gbit_per_s: float | None = None,
     inter_latency_us: float | None = None,
+    nodes_per_site: int | None = None,
+    site_mbit_per_s: float | None = None,
     num_groups: int | None = None,
     shard_size: int | None = None,
     sync_every: int = 8,
@@ -40,6 +43,7 @@ def plan(
     reduce_dtype: Literal["float32", "bfloat16", "float16", "int8", "int4", "sparse"] = "int4",
     error_feedback: bool | None = None,
     outer_optimizer: Literal["fedavg", "nesterov"] = "fedavg",
+    outer_topology: OuterTopologySpec = "all",
     micro_batch: int = 2,
     grad_accum: int = 1,
     precision: Literal["bf16", "fp32"] = "bf16",
@@ -70,6 +74,8 @@ def plan(
         intra_latency_us: Latency of a message inside a node (microseconds).
         inter_gbit_per_s: Network bandwidth of one node (Gbit/s), shared by its ranks.
         inter_latency_us: Latency of a message between nodes (microseconds).
+        nodes_per_site: Consecutive nodes that form a site (default: the preset's; ``emulated-2x2x2`` has 2).
+        site_mbit_per_s: Bandwidth of each site's uplink to the other sites (Mbit/s).
         num_groups: Federation groups (default: one per node for FL+FSDP, 2 for FL+HSDP).
         shard_size: Ranks one replica is sharded over (HSDP, FL+HSDP; default: a node).
         sync_every: Optimizer steps between two outer steps.
@@ -79,6 +85,8 @@ def plan(
         reduce_dtype: Outer traffic dtype.
         error_feedback: int8/int4/sparse residuals (host memory).
         outer_optimizer: ``fedavg`` or ``nesterov`` (host memory of the momentum).
+        outer_topology: ``"all"``, or a ``Hierarchical`` / ``Gossip`` / ``Sampled`` / ``Mixing`` (``class_path`` and
+            ``init_args``): each kind of sync is predicted on its own links.
         micro_batch: Sequences per rank per micro-batch.
         grad_accum: Micro-batches per optimizer step.
         precision: ``bf16`` (parameters gathered and gradients reduced in bf16, float32 master weights and AdamW) or
@@ -96,7 +104,7 @@ def plan(
     spec = _model(model, model_config, seq_len)
     machine = _cluster(
         cluster, nodes, devices_per_node, peak_tflops, mfu, step_seconds, device_memory_gib,
-        intra_gbytes_per_s, intra_latency_us, inter_gbit_per_s, inter_latency_us,
+        intra_gbytes_per_s, intra_latency_us, inter_gbit_per_s, inter_latency_us, nodes_per_site, site_mbit_per_s,
     )  # fmt: skip
     wide = 4 if precision == "fp32" else 2
     federation = FederationConfig(
@@ -109,6 +117,7 @@ def plan(
         reduce_dtype=reduce_dtype,
         error_feedback=error_feedback,
         outer_optimizer=outer_optimizer,
+        outer_topology=outer_topology,
     )
     base = TrainSetup(
         strategy="fl_fsdp",
@@ -136,7 +145,7 @@ def _model(name: str, config: Path | None, seq_len: int | None) -> ModelSpec:
 def _cluster(name: str, *overrides: float | None) -> ClusterSpec:
     if name not in CLUSTERS:
         raise ValueError(f"Unknown `cluster={name!r}`; choose one of {sorted(CLUSTERS)}.")
-    nodes, devices, tflops, mfu, step, memory, intra_bw, intra_lat, inter_bw, inter_lat = overrides
+    nodes, devices, tflops, mfu, step, memory, intra_bw, intra_lat, inter_bw, inter_lat, per_site, site = overrides
     changes: dict[str, Any] = {
         "num_nodes": nodes,
         "devices_per_node": devices,
@@ -148,6 +157,8 @@ def _cluster(name: str, *overrides: float | None) -> ClusterSpec:
         "intra_latency": None if intra_lat is None else intra_lat * 1e-6,
         "inter_bandwidth": None if inter_bw is None else inter_bw * 1e9 / 8,
         "inter_latency": None if inter_lat is None else inter_lat * 1e-6,
+        "nodes_per_site": per_site,
+        "site_bandwidth": None if site is None else site * 1e6 / 8,
     }
     return replace(CLUSTERS[name], **{k: v for k, v in changes.items() if v is not None})
 
@@ -180,6 +191,16 @@ def summary(p: Prediction) -> dict[str, Any]:
         "batch_per_step": p.batch_per_step,
         "bottleneck": p.bottleneck,
         "collectives": [asdict(c) for c in (*p.step_collectives, *p.sync_collectives)],
+        "sync_levels": [
+            {
+                "name": level.name,
+                "per_step": level.per_step,
+                "seconds": level.seconds,
+                "link_bytes": level.link_bytes,
+                "site_bytes": level.site_bytes,
+            }
+            for level in p.sync_levels
+        ],  # fmt: skip
     }
 
 

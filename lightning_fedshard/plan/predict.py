@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from lightning_fedshard.core.codecs import SparseTopK
 from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.core.outer_topology import Mixing
 from lightning_fedshard.core.reducers import AllReduceSum, Reducer
 from lightning_fedshard.core.topology import FederationTopology
 from lightning_fedshard.plan.framing import (
@@ -57,6 +58,7 @@ class Collective:
         calls: Calls per optimizer step (per sync for outer collectives).
         crosses_nodes: Whether any ring edge leaves a node.
         messages: Messages all nodes together send into the network in one call.
+        site_bytes: Payload bytes all sites together send over their uplinks in one call (0 on one site).
     """
 
     name: str
@@ -67,6 +69,7 @@ class Collective:
     calls: float
     crosses_nodes: bool
     messages: float = 0.0
+    site_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,36 @@ class Memory:
 
 
 @dataclass(frozen=True)
+class SyncLevel:
+    """One kind of sync of the outer topology and how often it happens.
+
+    Attributes:
+        name: E.g. ``"all groups"``, ``"sites of 2 groups"``, ``"gossip (mean over 16 rounds)"``.
+        per_step: Syncs of this kind per optimizer step (``fragments / sync_every`` for the default topology).
+        collectives: What one such sync sends.
+    """
+
+    name: str
+    per_step: float
+    collectives: list[Collective]
+
+    @property
+    def seconds(self) -> float:
+        """Time of one such sync."""
+        return sum(c.seconds for c in self.collectives)
+
+    @property
+    def link_bytes(self) -> float:
+        """Bytes all nodes send into the network in one such sync."""
+        return sum(c.link_bytes * c.calls for c in self.collectives)
+
+    @property
+    def site_bytes(self) -> float:
+        """Payload bytes all sites send over their uplinks in one such sync."""
+        return sum(c.site_bytes * c.calls for c in self.collectives)
+
+
+@dataclass(frozen=True)
 class Prediction:
     """What one setup does on one cluster, per optimizer step.
 
@@ -115,6 +148,8 @@ class Prediction:
         memory: Memory per rank.
         fits: Whether the device memory holds it.
         bottleneck: ``"compute"``, ``"intra-node collectives"``, ``"inter-node collectives"`` or ``"outer sync"``.
+        sync_levels: Every kind of sync of the outer topology with its rate (one level for the default topology,
+            whose collectives are :attr:`sync_collectives`).
     """
 
     setup: TrainSetup
@@ -132,6 +167,7 @@ class Prediction:
     fits: bool
     bottleneck: str
     notes: list[str] = field(default_factory=list)
+    sync_levels: list[SyncLevel] = field(default_factory=list)
 
     @property
     def sequences_per_step(self) -> int:
@@ -163,8 +199,7 @@ class Prediction:
     def link_bytes_per_step(self) -> float:
         """Bytes all nodes send into the network per optimizer step, syncs amortized (the link counters' view)."""
         step = sum(c.link_bytes * c.calls for c in self.step_collectives)
-        sync = sum(c.link_bytes * c.calls for c in self.sync_collectives)
-        return step + sync * self.setup.federation.fragments / self.setup.federation.sync_every
+        return step + sum(level.link_bytes * level.per_step for level in self.sync_levels)
 
     @property
     def link_bytes_per_sync(self) -> float:
@@ -184,7 +219,10 @@ def topology_of(setup: TrainSetup, cluster: ClusterSpec) -> FederationTopology:
         else 1
     )
     config = FederationConfig(num_groups=num_groups, shard_size=setup.federation.shard_size if setup.hybrid else None)
-    return config.topology(cluster.num_nodes, cluster.devices_per_node, setup.hybrid)
+    topology = config.topology(cluster.num_nodes, cluster.devices_per_node, setup.hybrid)
+    if setup.federated and (outer := setup.federation.hierarchical or setup.federation.mixing) is not None:
+        outer.check_groups(topology.num_groups)  # the strategy's own check of the groups against the topology
+    return topology
 
 
 def ring(
@@ -210,39 +248,76 @@ def ring(
         messages: The messages one rank sends over its ring edge in one call (all pieces), as ``(share of the
             edge's payload, messages)`` parts; each part is framed on its own on a cluster with a ``tcp_mtu``.
     """
-    node_out: dict[int, float] = defaultdict(float)
-    rank_out = intra_out = 0.0  # the most one rank sends, over any edge and over an edge inside its node
-    crosses, steps = False, 0
-    link = sent = 0.0
+    edges: list[tuple[int, int, float]] = []
+    steps = 0
     for members in rings:
         n = len(members)
         if n < 2:
             continue
         per_edge = factor * (n - 1) / n * tensor_bytes
-        rank_out = max(rank_out, per_edge)
         steps = max(steps, int(factor) * (n - 1))
-        for i, rank in enumerate(members):
-            nxt = members[(i + 1) % n]
-            node = rank // cluster.devices_per_node
-            if node != nxt // cluster.devices_per_node:
-                node_out[node] += per_edge
-                link += _on_the_link(per_edge, messages, cluster)
-                sent += sum(count for _, count in messages)
-                crosses = True
-            else:
-                intra_out = max(intra_out, per_edge)
+        edges += [(rank, members[(i + 1) % n], per_edge) for i, rank in enumerate(members)]
+    return _edges(name, edges, calls, cluster, pieces * steps, messages)
+
+
+def exchange(
+    name: str, sends: Sequence[tuple[int, int]], message_bytes: float, cluster: ClusterSpec, calls: float = 1.0
+) -> Collective:
+    """Point-to-point messages of ``message_bytes`` each, ``(sender, receiver)`` global ranks, all at once."""
+    return _edges(name, [(a, b, message_bytes) for a, b in sends], calls, cluster, 1, ((1.0, 1),))
+
+
+def _edges(
+    name: str,
+    edges: Sequence[tuple[int, int, float]],
+    calls: float,
+    cluster: ClusterSpec,
+    latency_steps: int,
+    messages: Messages,
+) -> Collective:
+    """A collective that sends ``bytes`` over every ``(sender, receiver, bytes)`` edge at the same time.
+
+    Edges that leave a node share the node's network bandwidth; edges that leave a site also share the site's uplink
+    (each direction), so the slowest of the node links, the uplinks and the busiest rank's intra-node edges decides.
+    """
+    node_out: dict[int, float] = defaultdict(float)
+    site_out: dict[int, float] = defaultdict(float)
+    site_in: dict[int, float] = defaultdict(float)
+    rank_out: dict[int, float] = defaultdict(float)
+    intra_out: dict[int, float] = defaultdict(float)
+    link = sent = 0.0
+    crosses = crosses_sites = False
+    for sender, receiver, nbytes in edges:
+        rank_out[sender] += nbytes
+        node, other = sender // cluster.devices_per_node, receiver // cluster.devices_per_node
+        if node == other:
+            intra_out[sender] += nbytes
+            continue
+        node_out[node] += nbytes
+        link += _on_the_link(nbytes, messages, cluster)
+        sent += sum(count for _, count in messages)
+        crosses = True
+        if cluster.site_of(node) != cluster.site_of(other):
+            site_out[cluster.site_of(node)] += nbytes
+            site_in[cluster.site_of(other)] += nbytes
+            crosses_sites = True
     network = max(node_out.values(), default=0.0) / cluster.inter_bandwidth
-    intra = intra_out / cluster.intra_bandwidth
-    latency = pieces * steps * (cluster.inter_latency if crosses else cluster.intra_latency)
+    uplink = max([*site_out.values(), *site_in.values()], default=0.0) / (cluster.site_bandwidth or math.inf)
+    intra = max(intra_out.values(), default=0.0) / cluster.intra_bandwidth
+    if crosses_sites:
+        step_latency = max(cluster.inter_latency, cluster.site_latency)
+    else:
+        step_latency = cluster.inter_latency if crosses else cluster.intra_latency
     return Collective(
         name,
-        max(network, intra) + latency,
+        max(network, uplink, intra) + latency_steps * step_latency,
         max(node_out.values(), default=0.0),
         link,
-        rank_out,
+        max(rank_out.values(), default=0.0),
         calls,
         crosses,
         sent,
+        sum(site_out.values()),
     )
 
 
@@ -333,6 +408,104 @@ def sync_collectives(model: ModelSpec, setup: TrainSetup, t: FederationTopology,
         shard_rings = [t.shard_ranks(g, r) for g in range(groups) for r in range(t.num_replicas)]
         collectives.append(_stats_sums("sync statistics: sums in the group", shard_rings, t.shard_size, stats, c))
     return collectives
+
+
+#: Rounds of a mixing topology's seeded schedule the planner averages over.
+MIXING_ROUNDS = 16
+
+
+def sync_levels(model: ModelSpec, setup: TrainSetup, t: FederationTopology, c: ClusterSpec) -> list[SyncLevel]:
+    """Every kind of sync of ``setup``'s outer topology, what one sends and how often it happens per step.
+
+    The default topology has one: the outer sum of a fragment, ``fragments / sync_every`` times per step. A
+    hierarchical level of ``k < G`` groups is a float32 ring all-reduce over each block (one ring per block and fed
+    ring), and its rate is the share of steps whose largest dividing period is that level's. A mixing round sends each
+    group's float32 shards to every group that takes a share of them (point to point), averaged over
+    :data:`MIXING_ROUNDS` rounds of the seeded schedule; a uniform round is the default outer sum.
+    """
+    federation = setup.federation
+    outer = sync_collectives(model, setup, t, c)
+    if not outer:
+        return []
+    hierarchical, mixing = federation.hierarchical, federation.mixing
+    if hierarchical is not None:
+        numel = math.ceil(model.num_parameters / t.shard_size)
+        rates = _level_rates(list(hierarchical.levels))
+        levels = []
+        for period, size in hierarchical.levels.items():
+            if size >= t.num_groups:
+                levels.append(SyncLevel(f"all {t.num_groups} groups", rates[period], outer))
+                continue
+            rings = [
+                sorted(t.fed_ranks(r, s)[g] for g in block)
+                for r in range(t.num_replicas)
+                for s in range(t.shard_size)
+                for block in hierarchical.blocks(size, t.num_groups)
+            ]
+            messages = ((1.0, ring_allreduce_messages(numel * 4, size, 4)),)
+            site = ring(f"site average ({size} groups, float32)", rings, numel * 4.0, 2.0, 1.0, c, 1, messages)
+            levels.append(SyncLevel(f"sites of {size} groups", rates[period], [site]))
+        return levels
+    if mixing is not None:
+        return [_mixing_level(mixing, model, t, c, federation.sync_every, outer)]
+    return [SyncLevel("all groups", federation.fragments / federation.sync_every, outer)]
+
+
+def _level_rates(periods: list[int]) -> dict[int, float]:
+    """For each period, the share of steps at which it is the largest period dividing the step."""
+    span = math.lcm(*periods)
+    counts = dict.fromkeys(periods, 0)
+    for step in range(1, span + 1):
+        due = [p for p in periods if step % p == 0]
+        if due:
+            counts[max(due)] += 1
+    return {p: counts[p] / span for p in periods}
+
+
+def _mixing_level(
+    mixing: Mixing, model: ModelSpec, t: FederationTopology, c: ClusterSpec, every: int, outer: list[Collective]
+) -> SyncLevel:
+    """A mixing's sync, its time and bytes the mean over :data:`MIXING_ROUNDS` rounds."""
+    groups = t.num_groups
+    message = math.ceil(model.num_parameters / t.shard_size) * 4.0
+    rounds = []
+    for round in range(MIXING_ROUNDS):
+        matrix = mixing.weights(round, groups)
+        if bool((matrix - 1.0 / groups).abs().max() <= 1e-12):
+            rounds.append(outer)
+            continue
+        sends = [
+            (ring[j], ring[i])
+            for r in range(t.num_replicas)
+            for s in range(t.shard_size)
+            for ring in [t.fed_ranks(r, s)]
+            for i in range(groups)
+            for j in range(groups)
+            if i != j and matrix[i, j] > 0
+        ]
+        rounds.append([exchange("mix (float32, point to point)", sends, message, c)])
+    mean = _mean_collective(f"{mixing.describe()}, mean over {MIXING_ROUNDS} rounds", rounds)
+    return SyncLevel(mixing.describe(), 1.0 / every, [mean])
+
+
+def _mean_collective(name: str, rounds: list[list[Collective]]) -> Collective:
+    """One collective whose time and bytes are the means over ``rounds`` of their collectives' totals."""
+    n = len(rounds)
+
+    def mean(attribute: str, weighted: bool = True) -> float:
+        return sum(getattr(col, attribute) * (col.calls if weighted else 1) for r in rounds for col in r) / n
+
+    return Collective(
+        name,
+        mean("seconds", weighted=False),
+        mean("node_bytes"),
+        mean("link_bytes"),
+        mean("rank_bytes"),
+        1.0,
+        any(col.crosses_nodes for r in rounds for col in r),
+        mean("messages"),
+        mean("site_bytes"),
+    )
 
 
 def _stats_sums(name: str, rings: list[list[int]], n: int, values: Sequence[int], c: ClusterSpec) -> Collective:
@@ -436,7 +609,11 @@ def predict(model: ModelSpec, cluster: ClusterSpec, setup: TrainSetup) -> Predic
     inner = max(compute, collective) if cluster.overlap_collectives else compute + collective
     syncs = sync_collectives(model, setup, t, cluster)
     sync = sum(col.seconds for col in syncs)
-    exposed = exposed_sync_seconds(setup.federation, sync, inner)
+    levels = sync_levels(model, setup, t, cluster)
+    if setup.federation.hierarchical is None and setup.federation.mixing is None:
+        exposed = exposed_sync_seconds(setup.federation, sync, inner)
+    else:  # one fragment without overlap: every sync waits
+        exposed = sum(level.seconds * level.per_step for level in levels)
     step_seconds = inner + exposed
     mem = memory(model, setup, t)
     intra = sum(col.seconds * col.calls for col in step if not col.crosses_nodes)
@@ -466,4 +643,5 @@ def predict(model: ModelSpec, cluster: ClusterSpec, setup: TrainSetup) -> Predic
         fits=mem.device <= cluster.device_memory,
         bottleneck=max(parts, key=lambda k: parts[k]),
         notes=notes,
+        sync_levels=levels,
     )

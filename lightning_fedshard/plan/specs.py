@@ -136,6 +136,10 @@ class ClusterSpec:
         tcp_mtu: MTU of the links when the collectives are gloo's over TCP: link bytes then count the framing of
             every message (gloo's headers, TCP/IP/Ethernet headers, ACKs; :mod:`lightning_fedshard.plan.framing`).
             ``None``: link bytes are the payload (e.g. NCCL over NVLink and InfiniBand).
+        nodes_per_site: Consecutive nodes that form one site (``None``: one site). Traffic between sites crosses
+            each site's uplink, which every flow leaving or entering the site shares.
+        site_bandwidth: Bytes/s one site's uplink carries in each direction (needed with ``nodes_per_site``).
+        site_latency: Seconds per message between sites.
     """
 
     name: str
@@ -153,8 +157,12 @@ class ClusterSpec:
     overlap_collectives: bool = True
     gloo_reduce_scatter: bool = False
     tcp_mtu: int | None = None
+    nodes_per_site: int | None = None
+    site_bandwidth: float | None = None
+    site_latency: float = 0.0
 
     def __post_init__(self) -> None:
+        self._check_sites()
         _positive(self, "num_nodes", "devices_per_node", "peak_flops", "device_memory", "host_memory")
         _positive(self, "intra_bandwidth", "inter_bandwidth")
         if not 0 < self.mfu <= 1:
@@ -166,17 +174,31 @@ class ClusterSpec:
         if self.intra_latency < 0 or self.inter_latency < 0:
             raise ValueError(f"Latencies must be >= 0, got {self.intra_latency!r} and {self.inter_latency!r}.")
 
+    def _check_sites(self) -> None:
+        if self.nodes_per_site is None:
+            return
+        _positive(self, "nodes_per_site", "site_bandwidth")
+        if not isinstance(self.num_nodes, int) or self.num_nodes % self.nodes_per_site:
+            raise ValueError(f"`nodes_per_site={self.nodes_per_site}` must divide `num_nodes={self.num_nodes}`.")
+        if self.site_latency < 0:
+            raise ValueError(f"`site_latency={self.site_latency!r}` must be >= 0.")
+
     @property
     def world_size(self) -> int:
         """All ranks ``N``."""
         return self.num_nodes * self.devices_per_node
+
+    def site_of(self, node: int) -> int:
+        """The site of ``node`` (0 on a cluster of one site)."""
+        return 0 if self.nodes_per_site is None else node // self.nodes_per_site
 
 
 #: Cluster presets. ``leonardo-512`` is the paper's machine: 128 nodes x 4 A100 64 GB. Assumed: bf16 dense peak
 #: 312 TFLOP/s, MFU 0.4, NVLink 3 at 100 GB/s per rank-to-rank direction, 2 x dual-port HDR100 InfiniBand per node
 #: (4 x 100 Gbit/s = 50 GB/s), 5 us / 10 us latencies. ``emulated-4x2`` is the benchmark's CPU cluster (4 network
 #: namespaces x 2 ranks, gloo over TCP on veth links of the default MTU 1500, throttled by tc); its compute time and
-#: link rate are set per run.
+#: link rate are set per run. ``emulated-2x2x2`` is its two-site form: 2 sites of 2 nodes, 1 Gbit/s between the nodes
+#: of a site and 20 Mbit/s between the sites.
 CLUSTERS: dict[str, ClusterSpec] = {
     "leonardo-512": ClusterSpec(
         "leonardo-512",
@@ -206,6 +228,25 @@ CLUSTERS: dict[str, ClusterSpec] = {
         overlap_collectives=False,
         gloo_reduce_scatter=True,
         tcp_mtu=1500,
+    ),
+    "emulated-2x2x2": ClusterSpec(
+        "emulated-2x2x2",
+        num_nodes=4,
+        devices_per_node=2,
+        peak_flops=50e9,
+        mfu=1.0,
+        device_memory=12 * GIB,
+        host_memory=24 * GIB,
+        intra_bandwidth=1.5e9,
+        intra_latency=50e-6,
+        inter_bandwidth=1e9 / 8,
+        inter_latency=100e-6,
+        overlap_collectives=False,
+        gloo_reduce_scatter=True,
+        tcp_mtu=1500,
+        nodes_per_site=2,
+        site_bandwidth=20e6 / 8,
+        site_latency=100e-6,
     ),
 }
 

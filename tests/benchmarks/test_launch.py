@@ -28,6 +28,7 @@ class FakeCluster:
     """Nodes as plain processes, each doing what ``behaviours`` says: "write" run.json, "abort", or "exit"."""
 
     rate_mbit = None
+    sites = 1
 
     def __init__(self, behaviours: Sequence[str], out: Path) -> None:
         self.num_nodes = len(behaviours)
@@ -39,6 +40,9 @@ class FakeCluster:
 
     def tx_bytes(self) -> list[int]:
         return [0] * self.num_nodes
+
+    def site_tx_bytes(self) -> list[int]:
+        return []
 
     def command(self, index: int, argv: Sequence[str], env: dict[str, str]) -> list[str]:
         return [sys.executable, "-c", NODE, str(index), str(self.out), self.behaviours]

@@ -13,6 +13,7 @@ from benchmarks.metrics import link_label, link_slug, pace_window, spread
 from benchmarks.reports.docs import replace_section
 from benchmarks.reports.overlap import TARGET_IDS as OVERLAP_TARGET_IDS
 from benchmarks.reports.targets import TARGET_IDS, targets, targets_table
+from benchmarks.reports.topologies import TARGET_IDS as TOPOLOGY_TARGET_IDS
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 KEBAB = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
@@ -93,9 +94,9 @@ def test_target_ids_are_unique_kebab_case_and_those_of_targets_json():
     assert len(set(TARGET_IDS)) == len(TARGET_IDS)
     assert all(KEBAB.match(target_id) and len(target_id) <= 60 for target_id in TARGET_IDS)
     recorded = json.loads((RESULTS / "targets.json").read_text())
-    every = (*TARGET_IDS, *OVERLAP_TARGET_IDS)
+    every = (*TARGET_IDS, *OVERLAP_TARGET_IDS, *TOPOLOGY_TARGET_IDS)
     assert [row["id"] for row in recorded] == list(every) and len(set(every)) == len(every)
-    assert all(KEBAB.match(target_id) for target_id in OVERLAP_TARGET_IDS)
+    assert all(KEBAB.match(target_id) for target_id in (*OVERLAP_TARGET_IDS, *TOPOLOGY_TARGET_IDS))
     assert all({"id", "target", "measured", "bound", "met", "runs"} <= set(row) for row in recorded)
 
 
