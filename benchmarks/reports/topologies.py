@@ -22,6 +22,8 @@ from typing import Any
 
 from benchmarks import metrics
 from benchmarks.harness.config import RunConfig
+from benchmarks.reports.instrumentation import barrier_bytes
+from benchmarks.reports.overlap import WINDOW_BARRIERS
 from lightning_fedshard.plan.predict import predict
 from lightning_fedshard.plan.specs import CLUSTERS, MODELS, TrainSetup
 
@@ -30,7 +32,8 @@ SITES, GOSSIP, NOSYNC = "fl_fsdp-sites-4-16", "fl_fsdp-gossip-H4", "fl_fsdp-nosy
 CONFIGURATIONS = (FLAT_H, FLAT_4H, SITES, GOSSIP)
 WINDOW = range(17, 33)
 SPEED_BOUND, PPL_BOUND = 0.9, 0.02
-TARGET_IDS = ("hierarchical-speed", "hierarchical-ppl", "hierarchical-equal-time", "gossip-ppl")
+TARGET_IDS = ("hierarchical-speed", "hierarchical-ppl", "hierarchical-equal-time", "gossip-ppl", "topology-level-bytes")
+LEVEL_BYTES_BOUND = 0.03
 
 Row = dict[str, Any]
 
@@ -70,6 +73,37 @@ def predicted_step_seconds(run: dict[str, Any], compute_seconds: float) -> float
     return predict(replace(MODELS[config.size], seq_len=config.seq_len), cluster, setup).step_seconds
 
 
+def level_bytes(run: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per kind of sync: the median link bytes of its landings (the windows' barriers taken out) and the planner's."""
+    config = RunConfig.from_record(run["config"])
+    setup = TrainSetup(strategy="fl_fsdp", federation=config.federation, micro_batch=config.batch_size,
+                       param_bytes=4, grad_bytes=4)  # fmt: skip
+    prediction = predict(replace(MODELS[config.size], seq_len=config.seq_len), CLUSTERS["emulated-2x2x2"], setup)
+    mtu = CLUSTERS["emulated-2x2x2"].tcp_mtu
+    assert mtu is not None
+    barriers = WINDOW_BARRIERS * barrier_bytes(run["world_size"], run["config"]["devices"], mtu)
+    hierarchical = config.federation.hierarchical
+    found: dict[str, list[float]] = {}
+    for sync in run["syncs"]:
+        if sync["step"] >= config.max_steps:
+            continue
+        size = hierarchical.block_size(sync["step"]) if hierarchical is not None else None
+        level = (
+            0 if size is None or size < config.num_nodes or hierarchical is None else len(prediction.sync_levels) - 1
+        )
+        found.setdefault(prediction.sync_levels[level].name, []).append(sync["tx_bytes"] - barriers)
+    out = {}
+    for level in prediction.sync_levels:
+        if level.name in found:
+            measured = statistics.median(found[level.name])
+            out[level.name] = {
+                "measured": measured,
+                "predicted": level.link_bytes,
+                "error": measured / level.link_bytes - 1,
+            }
+    return out
+
+
 def analyze(results: dict[str, Any]) -> dict[str, Any]:
     """Per configuration: pace, perplexity, the planner's step time and error."""
     runs = by_configuration(results)
@@ -90,6 +124,7 @@ def analyze(results: dict[str, Any]) -> dict[str, Any]:
             "link_bytes_per_step": metrics.spread(metrics.link_bytes_per_step(r) for r in found),
             "runs": len(found),
         }
+        entry["level_bytes"] = level_bytes(found[0])
         if compute is not None:
             predicted = predicted_step_seconds(found[0], compute)
             entry["planner"] = {"predicted_step_seconds": predicted, "measured_step_seconds": measured_step,
@@ -103,7 +138,8 @@ def targets(results: dict[str, Any] | None) -> list[Row]:
     if results is None:
         return [_row(i, t, math.nan, b, False, 0) for i, t, b in (
             ("hierarchical-speed", SPEED_TEXT, SPEED_BOUND), ("hierarchical-ppl", PPL_TEXT, PPL_BOUND),
-            ("hierarchical-equal-time", EQUAL_TEXT, 2.0), ("gossip-ppl", GOSSIP_TEXT, PPL_BOUND))]  # fmt: skip
+            ("hierarchical-equal-time", EQUAL_TEXT, 2.0), ("gossip-ppl", GOSSIP_TEXT, PPL_BOUND),
+            ("topology-level-bytes", LEVEL_TEXT, LEVEL_BYTES_BOUND))]  # fmt: skip
     analysis = analyze(results)
     configs, runs = analysis["configs"], analysis["runs"]
     tps = {name: c["tokens_per_second"]["median"] for name, c in configs.items()}
@@ -125,9 +161,14 @@ def targets(results: dict[str, Any] | None) -> list[Row]:
     gossip_gap, gossip_gaps = paired_gap(runs, GOSSIP, FLAT_H)
     rows.append(_row("gossip-ppl", GOSSIP_TEXT, gossip_gap, PPL_BOUND, gossip_gap <= PPL_BOUND, 2 * len(gossip_gaps),
                      per_seed=gossip_gaps, planner_error={GOSSIP: planner[GOSSIP]}))  # fmt: skip
+    errors = {f"{name}: {level}": b["error"] for name, c in configs.items() for level, b in c["level_bytes"].items()}
+    worst = max(abs(e) for e in errors.values())
+    rows.append(_row("topology-level-bytes", LEVEL_TEXT, worst, LEVEL_BYTES_BOUND, worst <= LEVEL_BYTES_BOUND,
+                     sum(c["runs"] for c in configs.values()), per_level=errors))  # fmt: skip
     return rows
 
 
+LEVEL_TEXT = "every kind of sync's link bytes within 3% of the planner's byte model, two-site cluster (worst |error|)"
 SPEED_TEXT = ("Hierarchical({4: 2, 16: 4}) tokens/s against flat sync_every=16, 2 sites x 2 nodes x 2 ranks,"
               " 1 Gbit/s inside a site, 20 Mbit/s between sites")  # fmt: skip
 PPL_TEXT = "Hierarchical({4: 2, 16: 4}) perplexity after 32 steps against flat sync_every=4, paired by seed"
