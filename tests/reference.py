@@ -179,6 +179,22 @@ def federate(
     return {"anchors": anchors, "final": anchor, "groups_before": groups_before, "syncs": syncs}
 
 
+def _everyone_meets(
+    anchor: dict[str, Tensor],
+    opt: Outer,
+    groups: Sequence[Group],
+    step: int,
+    kind: str,
+    syncs: list[Sync],
+    anchors: dict[int, dict[str, Tensor]],
+) -> None:
+    """The whole federation meets: the anchor takes the outer step on every group, and every group restarts from it."""
+    syncs.append(Sync(step, 0, kind, _outer_step(anchor, opt, [g.weights() for g in groups], list(anchor))))
+    for g in groups:
+        g.load(_copy(anchor))
+    anchors[step] = _copy(anchor)
+
+
 def _federate_hierarchical(
     initial: dict[str, Tensor],
     groups: Sequence[Group],
@@ -212,18 +228,10 @@ def _federate_hierarchical(
                 for g in block:
                     g.load({k: v.clone() for k, v in mean.items()})
             continue
-        grad = _outer_step(anchor, opt, [g.weights() for g in groups], list(anchor))
-        syncs.append(Sync(done, 0, "landing", grad))
-        for g in groups:
-            g.load(_copy(anchor))
-        anchors[done] = _copy(anchor)
+        _everyone_meets(anchor, opt, groups, done, "landing", syncs, anchors)
         last_global = done
     if max_steps > 0 and last_global != max_steps:
-        grad = _outer_step(anchor, opt, [g.weights() for g in groups], list(anchor))
-        syncs.append(Sync(max_steps, 0, "final", grad))
-        for g in groups:
-            g.load(_copy(anchor))
-        anchors[max_steps] = _copy(anchor)
+        _everyone_meets(anchor, opt, groups, max_steps, "final", syncs, anchors)
     return {"anchors": anchors, "final": anchor, "groups_before": {}, "syncs": syncs}
 
 
@@ -255,11 +263,7 @@ def _federate_mixing(
             continue
         matrix = mixing(done // every - 1).double()
         if torch.equal(matrix, torch.full_like(matrix, 1.0 / len(groups))):
-            grad = _outer_step(anchor, opt, [g.weights() for g in groups], list(anchor))
-            syncs.append(Sync(done, 0, "landing", grad))
-            for g in groups:
-                g.load(_copy(anchor))
-            anchors[done] = _copy(anchor)
+            _everyone_meets(anchor, opt, groups, done, "landing", syncs, anchors)
             last_global = done
             continue
         weights = [_copy(g.weights()) for g in groups]  # copies: the groups are overwritten one by one below
@@ -269,11 +273,7 @@ def _federate_mixing(
                 for k, v in anchor.items()
             })  # fmt: skip
     if max_steps > 0 and last_global != max_steps:
-        grad = _outer_step(anchor, opt, [g.weights() for g in groups], list(anchor))
-        syncs.append(Sync(max_steps, 0, "final", grad))
-        for g in groups:
-            g.load(_copy(anchor))
-        anchors[max_steps] = _copy(anchor)
+        _everyone_meets(anchor, opt, groups, max_steps, "final", syncs, anchors)
     return {"anchors": anchors, "final": anchor, "groups_before": groups_before, "syncs": syncs}
 
 

@@ -88,9 +88,7 @@ def level_bytes(run: dict[str, Any]) -> dict[str, dict[str, float]]:
         if sync["step"] >= config.max_steps:
             continue
         size = hierarchical.block_size(sync["step"]) if hierarchical is not None else None
-        level = (
-            0 if size is None or size < config.num_nodes or hierarchical is None else len(prediction.sync_levels) - 1
-        )
+        level = 0 if size is None or size < prediction.topology.num_groups else len(prediction.sync_levels) - 1
         found.setdefault(prediction.sync_levels[level].name, []).append(sync["tx_bytes"] - barriers)
     out = {}
     for level in prediction.sync_levels:

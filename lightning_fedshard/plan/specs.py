@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from lightning_fedshard.core.config import FederationConfig
@@ -199,6 +199,22 @@ class ClusterSpec:
 #: namespaces x 2 ranks, gloo over TCP on veth links of the default MTU 1500, throttled by tc); its compute time and
 #: link rate are set per run. ``emulated-2x2x2`` is its two-site form: 2 sites of 2 nodes, 1 Gbit/s between the nodes
 #: of a site and 20 Mbit/s between the sites.
+_EMULATED_4X2 = ClusterSpec(
+    "emulated-4x2",
+    num_nodes=4,
+    devices_per_node=2,
+    peak_flops=50e9,
+    mfu=1.0,
+    device_memory=12 * GIB,
+    host_memory=24 * GIB,
+    intra_bandwidth=1.5e9,
+    intra_latency=50e-6,
+    inter_bandwidth=1.5e9,
+    inter_latency=100e-6,
+    overlap_collectives=False,
+    gloo_reduce_scatter=True,
+    tcp_mtu=1500,
+)
 CLUSTERS: dict[str, ClusterSpec] = {
     "leonardo-512": ClusterSpec(
         "leonardo-512",
@@ -213,37 +229,11 @@ CLUSTERS: dict[str, ClusterSpec] = {
         inter_bandwidth=50e9,
         inter_latency=10e-6,
     ),
-    "emulated-4x2": ClusterSpec(
-        "emulated-4x2",
-        num_nodes=4,
-        devices_per_node=2,
-        peak_flops=50e9,
-        mfu=1.0,
-        device_memory=12 * GIB,
-        host_memory=24 * GIB,
-        intra_bandwidth=1.5e9,
-        intra_latency=50e-6,
-        inter_bandwidth=1.5e9,
-        inter_latency=100e-6,
-        overlap_collectives=False,
-        gloo_reduce_scatter=True,
-        tcp_mtu=1500,
-    ),
-    "emulated-2x2x2": ClusterSpec(
-        "emulated-2x2x2",
-        num_nodes=4,
-        devices_per_node=2,
-        peak_flops=50e9,
-        mfu=1.0,
-        device_memory=12 * GIB,
-        host_memory=24 * GIB,
-        intra_bandwidth=1.5e9,
-        intra_latency=50e-6,
+    "emulated-4x2": _EMULATED_4X2,
+    "emulated-2x2x2": replace(
+        _EMULATED_4X2,
+        name="emulated-2x2x2",
         inter_bandwidth=1e9 / 8,
-        inter_latency=100e-6,
-        overlap_collectives=False,
-        gloo_reduce_scatter=True,
-        tcp_mtu=1500,
         nodes_per_site=2,
         site_bandwidth=20e6 / 8,
         site_latency=100e-6,

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from tests.topology_spec import outer_topology
+from benchmarks.harness.config import topology_from_record
 from tests.toy import HIDDEN, IN, OUT, IndexedRegression, loss_fn
 from tests.trainer.worker import STRATEGIES
 
@@ -141,7 +141,7 @@ def _strategy(spec: dict[str, Any]) -> Any:
     if "timeout_s" in spec:
         kwargs["timeout"] = timedelta(seconds=spec["timeout_s"])
     if "outer_topology" in spec:
-        kwargs["outer_topology"] = outer_topology(spec["outer_topology"])
+        kwargs["outer_topology"] = topology_from_record(spec["outer_topology"])
     outer = spec.get("outer_optimizer", "nesterov")
     return cls(sync_every=spec.get("sync_every", 3), outer_optimizer=outer, **kwargs)
 

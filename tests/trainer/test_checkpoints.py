@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.harness.config import topology_record
+from lightning_fedshard import Gossip, Hierarchical, Mixing, Sampled
 from lightning_fedshard.checkpoint import FEDSHARD_KEY
 from tests.launch import launch
 
@@ -30,22 +32,29 @@ DEATH = dict(ckpt=True, die_at_save_step=5, timeout_s=20)
 STREAM = dict(sync_every=4, fragments=2, sync_delay=1, merge_alpha=0.5, reduce_dtype="int8", error_feedback=True)
 EAGER = dict(sync_every=4, fragments=2, eager_updates=True, reduce_dtype="int4", error_feedback=True)
 # 4 one-rank groups in 2 sites: the sites average after steps 2 and 6, the federation meets after 4 and 8
-HIERARCHICAL = dict(num_groups=4, sync_every=2, outer_topology={"levels": {2: 2, 4: 4}}, reduce_dtype="float32")
+HIERARCHICAL = dict(
+    num_groups=4, sync_every=2, outer_topology=topology_record(Hierarchical({2: 2, 4: 4})), reduce_dtype="float32"
+)
 # mixings of 4 one-rank groups every 2 steps, plain averaging: the groups differ after every sync
 MIXING = dict(num_groups=4, sync_every=2, outer_optimizer="fedavg", reduce_dtype="float32")
 RING = [[0.5, 0.25, 0, 0.25], [0.25, 0.5, 0.25, 0], [0, 0.25, 0.5, 0.25], [0.25, 0, 0.25, 0.5]]
 MIXINGS = {
-    "gossip": dict(MIXING, outer_topology={"gossip": {"peers": 1, "seed": 3}}),
-    "sampled": dict(MIXING, outer_topology={"sampled": {"groups_per_round": 2, "seed": 1}}),
-    "ring": dict(MIXING, outer_topology={"matrix": RING}),
+    "gossip": dict(MIXING, outer_topology=topology_record(Gossip(peers=1, seed=3))),
+    "sampled": dict(MIXING, outer_topology=topology_record(Sampled(groups_per_round=2, seed=1))),
+    "ring": dict(MIXING, outer_topology=topology_record(Mixing(RING))),
 }
 # FL+HSDP on 8 ranks: 2 groups x 2 replicas x 2 shards mixing, and 4 groups x 2 replicas in 2 sites {0, 2}, {1, 3}
-HSDP_MIXING = {**HSDP, **MIXING, "num_groups": 2, "outer_topology": {"matrix": [[0.75, 0.25], [0.25, 0.75]]}}
+HSDP_MIXING = {
+    **HSDP,
+    **MIXING,
+    "num_groups": 2,
+    "outer_topology": topology_record(Mixing([[0.75, 0.25], [0.25, 0.75]])),
+}
 HSDP_SITES = {
     **HSDP,
     **HIERARCHICAL,
     "shard_size": 1,
-    "outer_topology": {"levels": {2: 2, 4: 4}, "sites": [[0, 2], [1, 3]]},
+    "outer_topology": topology_record(Hierarchical({2: 2, 4: 4}, sites=[[0, 2], [1, 3]])),
 }
 
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from lightning_fedshard import Hierarchical
+from benchmarks.harness.config import topology_from_record, topology_record
+from lightning_fedshard import Gossip, Hierarchical, Mixing, Sampled
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.topology import FederationTopology
 from tests.launch import launch
 from tests.reference import reference_run
-from tests.topology_spec import outer_topology
 
 WORKER = Path(__file__).with_name("worker.py")
 # float32 outer traffic: these scenarios check the algorithm to `1e-5` against float32 references (the package default,
@@ -155,7 +155,7 @@ SCENARIOS_4 = [
         strategy="fl_fsdp",
         num_groups=4,
         sync_every=2,
-        outer_topology={"levels": {2: 2, 4: 4}},
+        outer_topology=topology_record(Hierarchical({2: 2, 4: 4})),
         outer_optimizer="nesterov",
         max_steps=7,
     ),
@@ -166,7 +166,7 @@ SCENARIOS_4 = [
         strategy="fl_fsdp",
         num_groups=4,
         sync_every=2,
-        outer_topology={"levels": {2: 2, 4: 4}, "sites": [[0, 3], [1, 2]]},
+        outer_topology=topology_record(Hierarchical({2: 2, 4: 4}, sites=[[0, 3], [1, 2]])),
         outer_optimizer="nesterov",
         max_steps=7,
     ),
@@ -177,7 +177,7 @@ SCENARIOS_4 = [
         strategy="fl_fsdp",
         num_groups=4,
         sync_every=2,
-        outer_topology={"gossip": {"peers": 1, "seed": 3}},
+        outer_topology=topology_record(Gossip(peers=1, seed=3)),
         outer_optimizer="fedavg",
         max_steps=7,
     ),
@@ -187,7 +187,7 @@ SCENARIOS_4 = [
         strategy="fl_fsdp",
         num_groups=4,
         sync_every=2,
-        outer_topology={"sampled": {"groups_per_round": 2, "seed": 1}},
+        outer_topology=topology_record(Sampled(groups_per_round=2, seed=1)),
         outer_optimizer="fedavg",
         max_steps=7,
     ),
@@ -218,7 +218,7 @@ SCENARIOS_8 = [
         num_groups=2,
         shard_size=2,
         sync_every=2,
-        outer_topology={"matrix": [[0.75, 0.25], [0.25, 0.75]]},
+        outer_topology=topology_record(Mixing([[0.75, 0.25], [0.25, 0.75]])),
         outer_optimizer="fedavg",
         max_steps=5,
     ),
@@ -354,7 +354,7 @@ def _topology_reference(spec: dict, num_groups: int) -> dict:
     """The reference's arguments for the spec's outer topology (none for the default)."""
     if "outer_topology" not in spec:
         return {}
-    topology = outer_topology(spec["outer_topology"])
+    topology = topology_from_record(spec["outer_topology"])
     if isinstance(topology, Hierarchical):
         sites = [list(site) for site in topology.sites] if topology.sites else None
         return {"hierarchical": topology.levels, "sites": sites}

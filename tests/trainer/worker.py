@@ -17,10 +17,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
 
 import lightning_fedshard
+from benchmarks.harness.config import topology_from_record
 from lightning_fedshard.checkpoint.checkpointer import fsdp_state_dict_type
 from lightning_fedshard.core import fsdp
 from tests import runtime_spy
-from tests.topology_spec import outer_topology
 from tests.toy import IndexedRegression, loss_fn, make_net
 
 runtime_spy.install()
@@ -153,7 +153,7 @@ def run(spec: dict[str, Any], root: Path) -> None:
                 "reduce_dtype", "error_feedback", "plan", "eager_updates")  # fmt: skip
         kwargs = {k: spec[k] for k in keys if k in spec}
         if "outer_topology" in spec:
-            kwargs["outer_topology"] = outer_topology(spec["outer_topology"])
+            kwargs["outer_topology"] = topology_from_record(spec["outer_topology"])
         if spec.get("wrap_linear"):  # one FSDP unit per Linear layer, so the model can be cut into fragments
             kwargs["fsdp_modules" if spec["strategy"].endswith("2") else "auto_wrap_policy"] = {torch.nn.Linear}
         strategy = spec["strategy"] if spec.get("by_name") else cls(**kwargs)
