@@ -11,7 +11,9 @@ from lightning_fedshard import fabric
 from lightning_fedshard.checkpoint import CheckpointTopologyWarning
 from lightning_fedshard.core import (
     BlockQuantizer,
+    Elastic,
     FederationConfig,
+    FederationError,
     FederationTopology,
     FloatCodec,
     Gossip,
@@ -37,11 +39,13 @@ __all__ = [
     "fabric",
     "BlockQuantizer",
     "CheckpointTopologyWarning",
+    "Elastic",
     "FLFSDP2Strategy",
     "FLFSDPStrategy",
     "FLHSDP2Strategy",
     "FLHSDPStrategy",
     "FederationConfig",
+    "FederationError",
     "FederationTopology",
     "FloatCodec",
     "Gossip",

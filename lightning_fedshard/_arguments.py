@@ -27,6 +27,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 
 from lightning_fedshard.core.codecs import Codec
+from lightning_fedshard.core.elastic import Elastic
 from lightning_fedshard.core.config import (
     FederationConfig,
     OuterOptimizerSpec,
@@ -142,6 +143,7 @@ class FederatedArguments:
         merge_alpha: float = 0.0,
         eager_updates: bool | str = False,
         outer_topology: OuterTopologySpec = "all",
+        elastic: Elastic | None = None,
         plan: str | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
@@ -209,6 +211,18 @@ class FederatedArguments:
         """This rank's local parameter shards of the federated model."""
         return self.runtime.local_shards()
 
+    def _data_split(self, num_replicas: int, rank: int) -> dict[str, Any]:
+        """The training sampler's split: every rank its own part; an elastic group's ranks take their group's part.
+
+        An elastic job holds one group: its data is part ``group`` of ``num_groups`` (planned groups), so a group that
+        replaces a failed one trains on the data the failed one would have.
+        """
+        elastic = self.runtime.config.elastic
+        if elastic is None:
+            return {"num_replicas": num_replicas, "rank": rank}
+        group = elastic.group_index(self.runtime.num_groups)
+        return {"num_replicas": self.runtime.num_groups * num_replicas, "rank": group * num_replicas + rank}
+
 
 # jsonargparse (LightningCLI's --help) reads each argument's description from the class that takes it.
 FederatedArguments.__doc__ = (
@@ -257,6 +271,11 @@ class FSDP1Arguments(FederatedArguments):
     def _fsdp_options(self) -> dict[str, Any]:
         """The dict of FSDP arguments that the Lightning strategy behind this class passes to every FSDP unit."""
         raise NotImplementedError
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every rank reads its own data (an elastic group's ranks read their group's part)."""
+        return self._data_split(self.num_nodes * self.num_processes, self.global_rank)  # type: ignore[attr-defined]
 
     def _federated_wrap(self, module: Module, lightning_wrap: Callable[[Module], Module]) -> Module:
         """Shard ``module`` inside this rank's group (on CPU with the ``device_id`` FSDP needs) and start all equal."""
@@ -347,7 +366,7 @@ class FSDP2Arguments(FederatedArguments):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Every rank reads its own data: groups, replicas and the shards of one replica are all data parallel."""
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}  # type: ignore[attr-defined]
+        return self._data_split(self.num_nodes * self.num_processes, self.global_rank)  # type: ignore[attr-defined]
 
     def _use_federation_mesh(self) -> None:
         self._device_mesh = self.runtime.group_mesh

@@ -9,9 +9,11 @@ one call of :meth:`FederatedRuntime.after_optimizer_step` after every real optim
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,7 @@ from torch.optim import Optimizer
 from lightning_fedshard.checkpoint import FederationCheckpointer
 from lightning_fedshard.core.comm import Communicator
 from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.core.elastic import ElasticCommunicator, FederationError
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fsdp import FSDP1
 from lightning_fedshard.core.lazy import required
@@ -83,6 +86,10 @@ class FederatedRuntime:
         self._federation: Federation | None = None
         self._module: Module | None = None
         self._optimizers: list[Optimizer] = []
+        self._joined = False
+        self._joining = False
+        self._host_state: Callable[[], Any] | None = None
+        self._load_host_state: Callable[[Any], None] | None = None
 
     # -- topology and mesh ------------------------------------------------------------------------------------
 
@@ -102,12 +109,28 @@ class FederatedRuntime:
 
     def describe(self) -> str:
         """This job's federation in one line: the groups x replicas x shards and the sync options."""
+        elastic = self.config.elastic
+        if elastic is not None:
+            group = elastic.group_index(self.num_groups)
+            return f"{self.name}: {elastic.describe(group, self.num_groups)}, this job {self.topology}; {self.config.describe()}"
         one_group = " (one group: nothing to federate)" if self.syncs_are_identity else ""
         return f"{self.name}: {self.topology}{one_group}; {self.config.describe()}"
+
+    @property
+    def num_groups(self) -> int:
+        """The groups of the federation: of this job, or (elastic) those the federation is planned for."""
+        if self.config.elastic is not None:
+            assert self.config.num_groups is not None  # checked by FederationConfig
+            return self.config.num_groups
+        return self.topology.num_groups
 
     def validate(self, num_nodes: int, devices_per_node: int) -> None:
         """Check the topology in the launching process and warn about layouts that defeat the federation."""
         topology = self.resolve_topology(num_nodes, devices_per_node)
+        if self.config.elastic is not None:
+            self.config.elastic.group_index(self.num_groups)  # a missing or bad index fails before any rank starts
+            self.config.elastic.lighthouse_address()
+            return
         if topology.num_groups == 1:
             kind = "HSDP" if self.hybrid else "FSDP"
             rank_zero_warn(
@@ -140,8 +163,21 @@ class FederatedRuntime:
             return
         self.devices_per_node = devices_per_node
         self._mesh = build_federation_mesh(topology, device.type, self.config.site_blocks(topology.num_groups))
-        self._federation = Federation(self.config, self._make_communicator(self._mesh))
+        self._federation = self._new_federation()
         log.info(f"{self.name}: rank {self._mesh.rank} at {self._mesh.coords} of {topology}")
+
+    def _new_federation(self) -> Federation:
+        """A federation over this rank's communicator: the mesh's, or (elastic) torchft's around the job's mesh."""
+        elastic = self.config.elastic
+        if elastic is None or self._make_communicator is not _mesh_communicator:
+            communicator = self._make_communicator(self.mesh)
+        else:
+            group = elastic.group_index(self.num_groups)
+            communicator = ElasticCommunicator(elastic, group, self.mesh.communicator(), self._description)
+        federation = Federation(self.config, communicator)
+        federation.host_state = self._host_state_of_peer
+        federation.load_host_state = self._load_host_state_of_peer
+        return federation
 
     @property
     def mesh(self) -> FederationMesh:
@@ -203,7 +239,9 @@ class FederatedRuntime:
         """
         if self._federation is not None:
             self._federation.finish_pending()
-            self._federation = Federation(self.config, self._make_communicator(self.mesh))
+            self.close()
+            self._federation = self._new_federation()
+            self._joined = False
         self._module = None
         self._optimizers = []
         self.step = 0
@@ -246,6 +284,8 @@ class FederatedRuntime:
 
         This is what makes a one-group ``"fedavg"`` run exactly plain FSDP / HSDP, with no copy and no rounding.
         """
+        if self.config.elastic is not None:
+            return False  # other groups (other jobs) may join at any time
         return self.topology.num_groups == 1 and self.config.outer_optimizer == "fedavg"
 
     def is_due(self, step: int) -> bool:
@@ -258,20 +298,99 @@ class FederatedRuntime:
         If a checkpoint restored a federation whose sync of step ``step`` had not run yet (it was saved between the
         optimizer step and the sync), that sync runs now, as it did in the uninterrupted run.
         """
+        joined = None
+        if self.config.elastic is not None and not self._joined:
+            joined = self.join(step)
+            step = self.step
         self.step = step
         for listener in self.listeners:
             listener.on_start(step)
         federation = self.federation
-        federation.start(
+        self._start_federation(step)
+        rank_zero_info(self.describe())
+        if federation.config.fragments > 1:
+            rank_zero_info(f"{self.name}: streaming fragments (in module order): {self._fragment_summary()}")
+        if joined is not None or self.syncs_are_identity:
+            return joined
+        return self._synced(federation.maybe_sync(step))
+
+    def _start_federation(self, step: int) -> None:
+        self.federation.start(
             self.local_shards(),
             step,
             on_write=self.free_unsharded_params,
             unit_sizes=self.backend.unit_sizes(self.module),
         )
-        rank_zero_info(self.describe())
-        if federation.config.fragments > 1:
-            rank_zero_info(f"{self.name}: streaming fragments (in module order): {self._fragment_summary()}")
-        return None if self.syncs_are_identity else self._synced(federation.maybe_sync(step))
+
+    # -- elastic ----------------------------------------------------------------------------------------------
+
+    def set_host_state(self, state: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        """Elastic: what the strategy adds to the state a joining group receives (its loops, learning-rate schedules),
+        and how a joining group applies a peer's (``state`` runs on torchft's thread while this rank waits in a sync).
+        """
+        self._host_state, self._load_host_state = state, load
+
+    def join(self, step: int) -> SyncStats | None:
+        """Elastic: enter the federation at optimizer step ``step`` (collective with the other groups' ranks).
+
+        After it :attr:`step` is the step training continues from: the peers' if this group healed (its weights,
+        anchor, outer state, schedule and the strategy's loops are then theirs), else ``step``.
+
+        Returns:
+            The statistics of the sync this group took part in, if any.
+        """
+        self._start_federation(step)
+        self._joining = True
+        try:
+            self.step, stats = self.federation.join(step)
+        finally:
+            self._joining = False
+        self._joined = True
+        return None if stats is None else self._synced(stats)
+
+    @property
+    def joined(self) -> bool:
+        """Elastic: whether this group has joined the federation (always ``False`` in one job)."""
+        return self._joined
+
+    def _host_state_of_peer(self) -> dict[str, Any]:
+        return {"step": self.step, "host": self._host_state() if self._host_state is not None else None}
+
+    def _load_host_state_of_peer(self, step: int, state: dict[str, Any] | None) -> None:
+        """A peer's loops and schedules: taken when joining; a group already training must be at the peer's step."""
+        if self._joining:
+            if step != self.step and self._load_host_state is not None and state is not None:
+                if state.get("host") is not None:
+                    self._load_host_state(state["host"])
+            self.step = step
+            return
+        if step != self.step:
+            raise FederationError(
+                f"Elastic group {self.federation.communicator.group_index} fell behind the federation (it is at"
+                f" optimizer step {self.step}, the others at {step}; it was stopped or cut off for a while). It ends"
+                " here: restart it, and it joins again at the federation's step."
+            )
+
+    def _description(self) -> dict[str, Any]:
+        """What must be equal in every group at this rank's in-group position (the elastic admission check)."""
+        shards = self.local_shards()
+        layout = hashlib.sha1(repr([(tuple(s.shape), str(s.dtype)) for s in shards]).encode()).hexdigest()[:12]
+        dtypes = sorted({str(s.dtype).removeprefix("torch.") for s in shards})
+        topology = self.topology
+        return {
+            "strategy": f"{self.name} ({self.backend.name})",
+            "group shape": f"{topology.num_replicas} replica(s) x {topology.shard_size} shard(s)",
+            "model": f"{sum(s.numel() for s in shards):,} local values in {len(shards)} shards of {'/'.join(dtypes)}",
+            "shard layout": layout,
+            "num_groups": self.num_groups,
+            "sync options": self.config.describe(),
+        }
+
+    def close(self) -> None:
+        """Elastic: leave the federation (this group's manager stops; the others go on without it)."""
+        if self._federation is not None and self._federation.elastic is not None:
+            self._federation.elastic.close()
+        self._joined = False
 
     def after_optimizer_step(self, step: int | None = None) -> SyncStats | None:
         """Tell the federation that a real optimizer step completed; runs the outer step when one is due.
@@ -304,6 +423,8 @@ class FederatedRuntime:
         stats = self._synced(self.federation.finish(self.step))
         for listener in self.listeners:
             listener.on_finish(self)
+        if self.config.elastic is not None:
+            self.close()
         return stats
 
     def _synced(self, stats: SyncStats | None) -> SyncStats | None:

@@ -9,8 +9,9 @@ from torch.utils.data import Dataset
 IN, HIDDEN, OUT = 6, 10, 3
 
 
-def make_net() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+def make_net(hidden: int | None = None) -> nn.Sequential:
+    h = hidden or HIDDEN
+    return nn.Sequential(nn.Linear(IN, h), nn.Tanh(), nn.Linear(h, h), nn.Tanh(), nn.Linear(h, OUT))
 
 
 def loss_fn(net: nn.Module, x: Tensor, y: Tensor) -> Tensor:

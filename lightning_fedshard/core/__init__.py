@@ -3,6 +3,7 @@
 from lightning_fedshard.core.codecs import BlockQuantizer, ChunkCodec, Codec, FloatCodec, SparseTopK
 from lightning_fedshard.core.comm import Communicator, ProcessGroupCommunicator
 from lightning_fedshard.core.config import OUTER_OPTIMIZERS, FederationConfig, resolve_outer_optimizer
+from lightning_fedshard.core.elastic import Elastic, ElasticCommunicator, FederationError
 from lightning_fedshard.core.feedback import ErrorFeedback
 from lightning_fedshard.core.mesh import FederationMesh, build_federation_mesh
 from lightning_fedshard.core.outer import NONFINITE_POLICIES, NonFiniteOuterGradientError, OuterStep, SyncStats
@@ -20,8 +21,11 @@ __all__ = [
     "ChunkCodec",
     "Codec",
     "Communicator",
+    "Elastic",
+    "ElasticCommunicator",
     "ErrorFeedback",
     "FederationConfig",
+    "FederationError",
     "FederationMesh",
     "FederationTopology",
     "FloatCodec",

@@ -35,6 +35,13 @@ class Communicator(Protocol):
     def participants(self) -> tuple[int, ...]:
         """The groups that take part in the next sync, in fed-ring order; asked once per sync, when it begins."""
 
+    def joined(self) -> bool:
+        """Whether this group took the federation's state from a peer when :meth:`participants` was last asked.
+
+        A group that joins an elastic federation (or fell behind it) holds no round of its own at that sync: it adds
+        nothing to the sum and takes the mean of the others. Always ``False`` in one job.
+        """
+
     def sum_over_groups(self, tensor: Tensor) -> None:
         """Replace ``tensor`` in place by its sum over the fed ring."""
 
@@ -134,6 +141,10 @@ class ProcessGroupCommunicator:
     def participants(self) -> tuple[int, ...]:
         """Every group of the job."""
         return tuple(range(self.num_groups))
+
+    def joined(self) -> bool:
+        """Never: the groups of one job start together from the same weights."""
+        return False
 
     def sum_over_groups(self, tensor: Tensor) -> None:
         """All-reduce over the fed ring."""

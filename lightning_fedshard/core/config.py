@@ -21,6 +21,7 @@ from lightning_fedshard.core.codecs import (
     Codec,
     resolve_codec,
 )
+from lightning_fedshard.core.elastic import Elastic
 from lightning_fedshard.core.outer import NONFINITE_POLICIES, OuterOptimizerFactory, build_outer_optimizer
 from lightning_fedshard.core.outer_topology import Hierarchical, Mixing, OuterTopologySpec, resolve_outer_topology
 from lightning_fedshard.core.reducers import Reducer, make_reducer
@@ -101,6 +102,11 @@ class FederationConfig:
             whole mean until the mean lands). The anchor and the outer optimizer stay identical in every group;
             nothing a group trains is thrown away. Excludes ``sync_delay`` and ``merge_alpha``. See
             docs/configuration.md, "Eager updates".
+        elastic: Run each federation group as a job of its own, joined to the others through a torchft lighthouse:
+            groups may fail, be replaced and join while the others train (``lightning_fedshard.Elastic(lighthouse=...,
+            group=...)``; needs ``pip install lightning-fedshard[elastic]``; see docs/elastic.md). ``num_groups`` is
+            then the number of groups the federation is planned for (the data is split into that many parts), and the
+            job itself holds one group. Default ``None``: every group runs in this job.
         outer_topology: Which groups average at a sync: ``"all"`` (default: every group with every group) or
             ``lightning_fedshard.Hierarchical(levels={8: 2, 32: 4})``: blocks of consecutive groups (sites) average
             their weights at the smaller periods, the whole federation takes the outer step at the largest (see
@@ -132,6 +138,7 @@ class FederationConfig:
     error_feedback: bool | None = None
     eager_updates: bool | str = False
     outer_topology: OuterTopologySpec = "all"
+    elastic: Elastic | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_groups", "shard_size"):
@@ -155,6 +162,24 @@ class FederationConfig:
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"`on_nonfinite` must be one of {list(NONFINITE_POLICIES)}, got {self.on_nonfinite!r}.")
         self._check_streaming()
+        self._check_elastic()
+
+    def _check_elastic(self) -> None:
+        if self.elastic is None:
+            return
+        if not isinstance(self.elastic, Elastic):
+            raise ValueError(f"`elastic` must be a `lightning_fedshard.Elastic` or None, got {self.elastic!r}.")
+        if self.num_groups is None:
+            raise ValueError(
+                "An elastic federation needs `num_groups`: the number of groups it is planned for (the data is split"
+                " into that many parts, and each group's index is in [0, num_groups))."
+            )
+        if resolve_outer_topology(self.outer_topology) is not None or self.eager_updates is not False:
+            raise ValueError(
+                f"An elastic federation averages whichever groups take part in a sync; it runs neither"
+                f" `outer_topology={self.outer_topology!r}` nor `eager_updates={self.eager_updates!r}` (leave them"
+                " at 'all' and False)."
+            )
 
     def _check_streaming(self) -> None:
         _check_positive_int("fragments", self.fragments, allow_none=False)
@@ -207,6 +232,14 @@ class FederationConfig:
             ValueError: If the world size is not divisible by the number of groups, or a group by the shard size.
         """
         world_size = num_nodes * devices_per_node
+        if self.elastic is not None:  # the job is one group of the federation
+            shard_size = (self.shard_size or devices_per_node) if hybrid else world_size
+            if world_size % shard_size:
+                raise ValueError(
+                    f"The elastic group's {world_size} rank(s) are not divisible by `shard_size={shard_size}`"
+                    f"{' (the devices of one node, the default)' if self.shard_size is None else ''}."
+                )
+            return FederationTopology(world_size=world_size, num_groups=1, shard_size=shard_size)
         num_groups = self.num_groups or num_nodes
         if world_size % num_groups:
             raise ValueError(
@@ -242,6 +275,8 @@ class FederationConfig:
             parts.append(topology.describe())
         if self.merge_alpha:
             parts.append(f"merge_alpha={self.merge_alpha}")
+        if self.elastic is not None:
+            parts.append(f"elastic (federation {self.elastic.federation!r}, at least {self.elastic.min_groups} group(s))")
         parts.append(f"anchor on the {'CPU' if self.anchor_device == 'cpu' else 'device'}")
         return ", ".join(parts)
 

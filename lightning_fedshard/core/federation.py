@@ -17,6 +17,7 @@ from torch import Tensor
 
 from lightning_fedshard.core.comm import Communicator, sum_over_model
 from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.core.elastic import ElasticCommunicator, FederationError, cloned
 from lightning_fedshard.core.fragments import cut_fragments, landing_fragment, starting_fragment
 from lightning_fedshard.core.lazy import required
 from lightning_fedshard.core.outer import OuterStep, PendingSync, SyncStats
@@ -43,6 +44,22 @@ class Federation:
         self.last_synced_step = 0
         self.last_step = 0
         self.landed_at: list[int] = [0] * config.fragments
+        #: The groups of the last sync, in ring order (elastic: new members reset the error-feedback residuals).
+        self.members: tuple[int, ...] = ()
+        #: Elastic: what the host (the strategy) adds to the state a joining group receives, and how it applies it.
+        self.host_state: Callable[[], Any] | None = None
+        self.load_host_state: Callable[[int, Any], None] | None = None
+        #: Elastic: the sync the peers were in when this group last healed (``(fragment, step)``), if any.
+        self.peer_sync: tuple[int, int] | None = None
+        self._joining_at: int | None = None
+        if isinstance(communicator, ElasticCommunicator):
+            communicator.set_heal(self._heal_state, self._apply_heal)
+            communicator.on_new_members = self._on_new_members
+
+    @property
+    def elastic(self) -> ElasticCommunicator | None:
+        """The elastic communicator, when the groups are jobs of their own."""
+        return self.communicator if isinstance(self.communicator, ElasticCommunicator) else None
 
     @property
     def started(self) -> bool:
@@ -148,7 +165,100 @@ class Federation:
         if starting is not None:
             self._pending = self.outer.begin(starting, step, background=True)
         self.last_step = step
-        return stats
+        return self._elastic_stats(stats)
+
+    def join(self, step: int) -> tuple[int, SyncStats | None]:
+        """Elastic: enter the federation at optimizer step ``step``; collective with the groups of the quorum.
+
+        Takes the next quorum as a joining group. If a peer was ahead, this group heals (its anchor, outer state,
+        schedule and the host's state become the peer's, its shards the anchor) and then does what the peers do at
+        that point: the sync they are in, to which it adds nothing. If every group is joining (a new federation, or
+        all of one restarting from checkpoints) the quorum is only a change of members: nothing is summed and every
+        group keeps its weights. A join that is not committed is tried again at the next quorum.
+
+        Returns:
+            The optimizer step training continues from (the peers' when this group healed) and the statistics of the
+            sync this group took part in, if any.
+
+        Raises:
+            FederationError: If ``max_failures`` joins in a row were not committed, or as :meth:`ElasticCommunicator.
+                quorum` raises.
+        """
+        elastic = self.elastic
+        assert elastic is not None, "only an elastic federation is joined"
+        for _ in range(elastic.options.max_failures):
+            self._joining_at, self.peer_sync = step, None
+            try:
+                elastic.quorum(joining=True)
+            finally:
+                self._joining_at = None
+            if self.peer_sync is None:  # every group is joining: only the members change
+                stats: SyncStats | None = self.outer.complete(self.outer.begin(0, step, background=False), step=step)
+            else:
+                fragment, step = self.peer_sync
+                if self.config.sync_delay == 0:
+                    stats = self._land(step)
+                else:
+                    self._pending, stats = self.outer.begin(fragment, step, background=True), None
+                self.last_step = step
+            if stats is None or not stats.lost:
+                return step, self._elastic_stats(stats)
+        raise FederationError(
+            f"Elastic group {elastic.group_index} could not join the federation: {elastic.options.max_failures}"
+            " attempts in a row were not committed."
+        )
+
+    def _heal_state(self) -> dict[str, Any]:
+        """What a joining or lagging peer receives from this rank (torchft's thread; this rank waits in a quorum)."""
+        outer = self.outer
+        syncing = outer.syncing
+        step = syncing[1] if syncing is not None else self._joining_at
+        state = {
+            "outer": outer.state_dict(),
+            "schedule": {"last_synced_step": self.last_synced_step, "last_step": self.last_step,
+                         "landed_at": list(self.landed_at)},  # fmt: skip
+            "sync": syncing,
+            "step": step,
+            "host": self.host_state() if self.host_state is not None else None,
+        }
+        return cloned(state)
+
+    @torch.no_grad()
+    def _apply_heal(self, state: dict[str, Any]) -> None:
+        """Take a peer's state (training thread, inside a quorum): every shard becomes the healed anchor."""
+        outer = self.outer
+        outer.load_state_dict(state["outer"])
+        schedule = state["schedule"]
+        self.last_synced_step, self.last_step = int(schedule["last_synced_step"]), int(schedule["last_step"])
+        self.landed_at = [int(s) for s in schedule["landed_at"]]
+        outer.copy_anchor_to_shards()
+        outer.offsets = [None] * len(outer.fragments)
+        self._reset_residuals()
+        self._on_write()
+        sync = state["sync"]
+        self.peer_sync = None if sync is None else (int(sync[0]), int(sync[1]))
+        if self.load_host_state is not None:
+            self.load_host_state(int(state["step"]), state["host"])
+
+    def _on_new_members(self, members: tuple[int, ...]) -> None:
+        """The groups of a sync changed: residuals laid out over the old ring cannot be carried on."""
+        if self.members and members != self.members:
+            self._reset_residuals()
+        self.members = members
+
+    def _reset_residuals(self) -> None:
+        if self._outer is not None:
+            for reducer in self._outer.reducers:
+                feedback = getattr(reducer, "feedback", None)
+                if feedback is not None:
+                    feedback.reset()
+
+    def _elastic_stats(self, stats: SyncStats | None) -> SyncStats | None:
+        """Add the groups of the sync and the time spent healing (elastic only)."""
+        elastic = self.elastic
+        if stats is None or elastic is None:
+            return stats
+        return replace(stats, groups=len(self.members), heal_seconds=elastic.last_heal_seconds)
 
     def _hierarchical_sync(self, step: int) -> SyncStats:
         """A block of consecutive groups averages its weights, or the whole federation takes the outer step."""
@@ -295,7 +405,7 @@ class Federation:
         With a single group there is nothing to agree on: its current weights are the consensus and stay in place
         (so a one-group run validates and saves what plain FSDP would).
         """
-        if self._outer is None or len(self.communicator.participants()) == 1:
+        if self._outer is None or (self.elastic is None and len(self.communicator.participants()) == 1):
             yield
             return
         saved = [s.detach().clone() for s in self._outer.shards]
@@ -361,6 +471,8 @@ class Federation:
             "landed_at": list(self.landed_at),
             "pending": self._pending.state_dict() if self._pending is not None else None,
             "eager": {f: self._eager[f].state_dict() for f in sorted(self._eager)},
+            "members": list(self.members),
+            "membership": self.elastic.state_dict() if self.elastic is not None else None,
         }
 
     def group_state_dict(self) -> dict[str, Any]:
@@ -386,6 +498,9 @@ class Federation:
         # runs when training starts), and every fragment (the only one) landed then.
         self.last_step = int(state.get("last_step", self.last_synced_step))
         self.landed_at = [int(s) for s in state.get("landed_at", [self.last_synced_step] * self.config.fragments)]
+        self.members = tuple(int(g) for g in state.get("members", ()))
+        if self.elastic is not None and state.get("membership") is not None:
+            self.elastic.load_state_dict(state["membership"])
         self._eager = {
             int(f): PendingSync.from_state_dict(saved, self.outer.shards[0].device)
             for f, saved in state.get("eager", {}).items()

@@ -104,6 +104,11 @@ class SyncStats:
             at this sync (no outer step); 0 when the whole federation took the outer step.
         mixing_partners: With a mixing topology, the groups this group sent its weights to at this sync (no outer
             step); 0 otherwise.
+        joined_groups: Groups that took the federation's state from a peer at this sync (an elastic federation's
+            joining or lagging groups); they added nothing to the mean.
+        groups: With an elastic federation, the groups that took part in this sync (0 otherwise).
+        heal_seconds: With an elastic federation, the seconds this group spent receiving and loading a peer's state
+            at this sync (``None`` if it healed nothing).
     """
 
     outer_grad_norm: float
@@ -122,6 +127,9 @@ class SyncStats:
     effective_utilization: float | None = None
     site_size: int = 0
     mixing_partners: int = 0
+    joined_groups: tuple[int, ...] = ()
+    groups: int = 0
+    heal_seconds: float | None = None
 
     def as_dict(self, prefix: str = "fedshard/") -> dict[str, float]:
         """The statistics as a flat ``{name: value}`` dict for loggers."""
@@ -147,6 +155,12 @@ class SyncStats:
             stats[f"{prefix}site_size"] = float(self.site_size)
         if self.mixing_partners:
             stats[f"{prefix}mixing_partners"] = float(self.mixing_partners)
+        if self.groups:
+            stats[f"{prefix}groups"] = float(self.groups)
+        if self.joined_groups:
+            stats[f"{prefix}joined_groups"] = float(len(self.joined_groups))
+        if self.heal_seconds is not None:
+            stats[f"{prefix}heal_seconds"] = self.heal_seconds
         return stats
 
 
@@ -162,6 +176,8 @@ class PendingSync:
         participants: The groups taking part in this sync, in fed-ring order (asked once, when it began).
         started_at: Optimizer step after which the pseudo-gradient was taken (``None`` if unknown).
         broken: Groups whose pseudo-gradient held NaN/Inf (``on_nonfinite="skip_group"``); known to every rank.
+        joined: Groups that took the federation's state from a peer at this sync (an elastic group that joined, or
+            fell behind): their pseudo-gradient is not a round of theirs, so they add nothing; known to every rank.
         own_sq: Squared L2 norm of this rank's own pseudo-gradient of the fragment (for the drift statistic).
         own_dot_sum: Inner product of this rank's own pseudo-gradient with the summed one (for the drift statistic),
             once the sum is known and only when the reduction left the own pseudo-gradient intact (quantized
@@ -180,11 +196,21 @@ class PendingSync:
     clock: float
     exposed: float = 0.0
     own_dot_sum: float | None = None
+    joined: tuple[int, ...] = ()
     _future: Future[Tensor] | None = field(default=None, repr=False)
     _part: Tensor | None = field(default=None, repr=False)
     _result: Tensor | None = field(default=None, repr=False)
     _own: Tensor | None = field(default=None, repr=False)
     _finish: Callable[[Tensor], Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def contributors(self) -> int:
+        """Groups whose pseudo-gradient enters the mean: the participants less the broken and the joined ones."""
+        return len(self.participants) - len(self.broken) - len(self.joined)
+
+    def absent(self, group: int) -> bool:
+        """Whether ``group`` adds nothing to this sync's sum (broken or joined)."""
+        return group in self.broken or group in self.joined
 
     def result(self) -> Tensor:
         """The pseudo-gradient summed over the groups (waits for the reduction if it still runs).
@@ -216,6 +242,7 @@ class PendingSync:
             "participants": list(self.participants),
             "started_at": self.started_at,
             "broken": list(self.broken),
+            "joined": list(self.joined),
             "own_sq": self.own_sq,
             "bytes_sent": self.bytes_sent,
             "result": self.result().detach().to("cpu", copy=True),
@@ -230,6 +257,7 @@ class PendingSync:
             participants=tuple(state.get("participants", ())),  # filled in by the federation for older checkpoints
             started_at=state["started_at"],
             broken=tuple(state["broken"]),
+            joined=tuple(state.get("joined", ())),
             own_sq=float(state["own_sq"]),
             bytes_sent=int(state["bytes_sent"]),
             clock=time.perf_counter(),
@@ -304,6 +332,9 @@ class OuterStep:
         self.reducers: list[Reducer] = [build() for _ in self.fragments]
         self.reduce_dtype = self.reducers[0].input_dtype  # the pseudo-gradient buffer's dtype
         self._executor: ThreadPoolExecutor | None = None
+        #: ``(fragment, step)`` while :meth:`begin` waits for the groups of that sync (elastic: a peer may then read
+        #: this rank's state to heal), else ``None``.
+        self.syncing: tuple[int, int | None] | None = None
 
     @property
     def optimizer(self) -> Optimizer:
@@ -353,12 +384,17 @@ class OuterStep:
         start = time.perf_counter()
         with torch.profiler.record_function("fedshard::pseudogradient"):
             local, finite = taken if taken is not None else self._pseudogradient(fragment)
-        participants = self.communicator.participants()
-        broken = self._nonfinite_groups(finite, local.device, participants)
-        if broken and (self.on_nonfinite == "raise" or len(broken) == len(participants)):
+        self.syncing = (fragment, step)
+        try:
+            participants = self.communicator.participants()
+        finally:
+            self.syncing = None
+        joined_now = self.communicator.joined()
+        broken, joined = self._absent_groups(finite or joined_now, joined_now, local.device, participants)
+        if broken and (self.on_nonfinite == "raise" or len(broken) + len(joined) == len(participants)):
             raise NonFiniteOuterGradientError(broken, self.num_syncs, step)
-        if self.communicator.group_index in broken:
-            local.zero_()  # a broken group adds nothing to the sum; the mean divides by the healthy groups
+        if self.communicator.group_index in broken or joined_now:
+            local.zero_()  # an absent group adds nothing to the sum; the mean divides by the contributing groups
         reducer, members = self.reducers[fragment], len(participants)
         part, finish = self._replica_part(fragment, local, members)
         pending = PendingSync(
@@ -366,13 +402,17 @@ class OuterStep:
             participants=participants,
             started_at=step,
             broken=tuple(broken),
+            joined=tuple(joined),
             own_sq=_squared_norm(local),
             bytes_sent=reducer.wire_bytes(part.numel(), members),
             clock=start,
             _own=None if reducer.sums_in_place else local,
             _finish=finish,
         )
-        if background:
+        if pending.contributors == 0:
+            # Every group joined (a fresh federation, or all of it restarting): a change of members, nothing to sum.
+            pending.bytes_sent, pending._result, pending._own = 0, local, None
+        elif background:
             pending._future = self._background().submit(self._sum_across_groups, part, fragment, members)
         else:
             pending._part = self._sum_across_groups(part, fragment, members)
@@ -392,15 +432,20 @@ class OuterStep:
         start = time.perf_counter()
         with torch.profiler.record_function("fedshard::outer_all_reduce_wait"):
             local = pending.result()
-        if not self.communicator.should_commit():
+        committed = self.communicator.should_commit()
+        healthy = pending.contributors
+        if healthy == 0:  # only a change of members: the weights, the anchor and the outer state stay as they are
+            if not committed:
+                self.syncs_lost += 1
+            return self._stats(pending, start, outer_grad_norm=0.0, drift=0.0, lost=not committed)
+        if not committed:
             return self._drop_lost(pending, start, write)
-        healthy = len(pending.participants) - len(pending.broken)
         local.div_(healthy)
         mean_sq = _squared_norm(local)
         if pending.own_dot_sum is not None:
             own_dot_mean = pending.own_dot_sum / healthy
         else:  # summed exactly in place: the mean is the groups' mean, <d_g, d> averages to |d|^2
-            own_dot_mean = 0.0 if self.communicator.group_index in pending.broken else mean_sq
+            own_dot_mean = 0.0 if pending.absent(self.communicator.group_index) else mean_sq
         norm, drift = self._global_norms(pending, own_dot_mean, mean_sq, local.device)
         with torch.profiler.record_function("fedshard::outer_optimizer_step"):
             self._set_grads(local, pending.fragment)
@@ -477,7 +522,7 @@ class OuterStep:
         Waits for the sum. The fragment's outer optimizer steps a copy of the anchor from a copy of its state, so an
         eager run validates the consensus of every round trained so far, not of the rounds landed so far.
         """
-        mean = pending.result() / (len(pending.participants) - len(pending.broken))
+        mean = pending.result() / pending.contributors
         indices = self.fragments[pending.fragment]
         anchors = [self.anchor[i].detach().clone().requires_grad_(True) for i in indices]
         optimizer = self.optimizers[pending.fragment]
@@ -507,8 +552,8 @@ class OuterStep:
 
         ``offset`` holds ``d_g`` on the way in.
         """
-        healthy = len(pending.participants) - len(pending.broken)
-        if self.communicator.group_index in pending.broken:
+        healthy = pending.contributors
+        if pending.absent(self.communicator.group_index):
             offset.zero_()  # a skipped group adds nothing to the sum and restarts from the anchor
         weight = 1.0 / healthy if self.eager_rule == "share" else 1.0
         offset.mul_(float(self.optimizers[fragment].param_groups[0]["lr"]) * weight)
@@ -577,6 +622,7 @@ class OuterStep:
             seconds=now - pending.clock,
             num_syncs=self.num_syncs,
             skipped_groups=pending.broken,
+            joined_groups=pending.joined,
             fragment=pending.fragment,
             exposed_seconds=pending.exposed + (now - start),
             syncs_lost=self.syncs_lost,
@@ -750,16 +796,21 @@ class OuterStep:
             offset += n
         return flat, bool(finite)
 
-    def _nonfinite_groups(self, finite: bool, device: torch.device, participants: tuple[int, ...]) -> list[int]:
-        """Taking-part groups whose pseudo-gradient holds NaN/Inf anywhere, known to every rank of the sync.
+    def _absent_groups(
+        self, finite: bool, joined: bool, device: torch.device, participants: tuple[int, ...]
+    ) -> tuple[list[int], list[int]]:
+        """Taking-part groups whose pseudo-gradient holds NaN/Inf anywhere, and those that joined at this sync.
 
-        One flag per participant, summed over the fed ring and then inside the group (two tiny all-reduces).
+        Known to every rank of the sync: two flags per participant, summed over the fed ring and then inside the group
+        (two tiny all-reduces).
         """
-        flags = torch.zeros(len(participants), dtype=torch.float64, device=device)
-        if not finite:
-            flags[participants.index(self.communicator.group_index)] = 1.0
-        sum_over_model(self.communicator, flags)
-        return [g for g, flag in zip(participants, flags.tolist()) if flag > 0]
+        flags = torch.zeros(2, len(participants), dtype=torch.float64, device=device)
+        mine = participants.index(self.communicator.group_index)
+        flags[0, mine] = 0.0 if finite else 1.0
+        flags[1, mine] = 1.0 if joined else 0.0
+        sum_over_model(self.communicator, flags.view(-1))
+        nonfinite, joining = flags.tolist()
+        return [g for g, f in zip(participants, nonfinite) if f > 0], [g for g, f in zip(participants, joining) if f > 0]
 
     def _set_grads(self, flat: Tensor, fragment: int) -> None:
         offset = 0
@@ -784,7 +835,7 @@ class OuterStep:
         sums = torch.tensor([pending.own_sq, own_dot_mean, mean_sq], dtype=torch.float64, device=device)
         sum_over_model(self.communicator, sums)
         total_own_sq, total_dot, total_mean_sq = sums.tolist()
-        healthy = len(pending.participants) - len(pending.broken)
+        healthy = pending.contributors
         mean_sq_all = total_mean_sq / len(pending.participants)  # every group holds the same mean
         drift_sq = (total_own_sq - 2.0 * total_dot) / healthy + mean_sq_all
         return math.sqrt(max(mean_sq_all, 0.0)), math.sqrt(max(drift_sq, 0.0))

@@ -52,9 +52,38 @@ class _FabricHooks(FederatedArguments):
         return super().setup_optimizer(optimizer)  # type: ignore[misc]
 
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        if self.runtime.config.elastic is not None and not self.runtime.joined:
+            raise RuntimeError(
+                f"An elastic `{type(self).__name__}` steps only after the group joined the federation: call"
+                " `fabric.strategy.join(...)` after setting up the model and optimizer (and loading a checkpoint), and"
+                " start the loop at the step it returns."
+            )
         output = super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
         self.runtime.after_optimizer_step()
         return output
+
+    def join(self, state: dict[str, Any] | None = None) -> int:
+        """Elastic: enter the federation; returns the optimizer step to continue from (collective over the groups).
+
+        Call it once, after ``fabric.setup`` of the model and optimizer (and ``fabric.load`` when resuming), before the
+        loop. A group that joins a running federation takes a peer's weights, anchor, outer state and step, and the
+        state of every object in ``state`` that has ``state_dict`` / ``load_state_dict`` (a learning-rate scheduler,
+        a torchdata ``StatefulDataLoader``): give the same keys in every group. Its inner optimizer starts fresh. In
+        a federation that is not elastic this only returns :attr:`num_steps`.
+        """
+        if self.runtime.config.elastic is None:
+            return self.runtime.step
+        objects = dict(state or {})
+        self.runtime.set_host_state(
+            lambda: {k: v.state_dict() for k, v in objects.items()},
+            lambda saved: _load_objects(objects, saved),
+        )
+        self.runtime.start(self.runtime.step)
+        return self.runtime.step
+
+    def teardown(self) -> None:
+        self.runtime.close()  # elastic: this group leaves the federation
+        super().teardown()  # type: ignore[misc]
 
     @property
     def num_steps(self) -> int:
@@ -157,7 +186,8 @@ class _FederatedFabricStrategy(_FabricHooks, FSDP1Arguments, FSDPStrategy):
     @override
     def setup_module(self, module: Module) -> Module:
         module = self._federated_wrap(module, super().setup_module)
-        self.runtime.start(self.runtime.step)
+        if self.runtime.config.elastic is None:  # an elastic group starts when it joins (`join`)
+            self.runtime.start(self.runtime.step)
         return module
 
     @override
@@ -191,12 +221,21 @@ class _FederatedFabricFSDP2Strategy(_FabricHooks, FSDP2Arguments, ModelParallelS
     @override
     def setup_module(self, module: Module) -> Module:
         module = self.runtime.wrap(module, self._shard_and_materialize)
-        self.runtime.start(self.runtime.step)
+        if self.runtime.config.elastic is None:  # an elastic group starts when it joins (`join`)
+            self.runtime.start(self.runtime.step)
         return module
 
     def _shard_and_materialize(self, module: Module) -> Module:
         module = super().setup_module(module)  # ModelParallelStrategy: parallelize, then materialize meta tensors
         return module.to(self.root_device)
+
+
+def _load_objects(objects: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Load a peer's states into the objects given to ``join`` (the same keys in every group)."""
+    if set(saved) != set(objects):
+        raise ValueError(f"This group joins with the objects {sorted(objects)}, the federation's are {sorted(saved)}.")
+    for key, obj in objects.items():
+        obj.load_state_dict(saved[key])
 
 
 @document_federation_args(FSDP1_ARGS_DOC)

@@ -56,6 +56,33 @@ class _TrainerHooks(FederatedArguments):
         place_outer_sync_first(trainer)
         if not self.runtime.holds(self.lightning_module):
             self.runtime.release_model()
+        if self.runtime.config.elastic is not None:
+            self.runtime.set_host_state(lambda: _loop_state(trainer), lambda state: _load_loop_state(trainer, state))
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Elastic: the group joins the federation when ``fit`` asks for its training data.
+
+        This is the last moment before the loop commits to a position, and the first after a checkpoint was restored:
+        a group that heals takes a peer's loops (its step, epoch and batch position, and the data loader's position if
+        the loader is resumable) and learning-rate schedules here, as if it resumed from the peer's checkpoint.
+        """
+        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        module = self.lightning_module
+        trainer = module.trainer if module is not None else None
+        if (
+            self.runtime.config.elastic is not None
+            and trainer is not None
+            and trainer.state.fn == TrainerFn.FITTING
+            and trainer.training
+            and not self.runtime.joined
+        ):
+            self.runtime.set_optimizers(trainer.optimizers)
+            self.runtime.join(trainer.global_step)
+        return dataloader
+
+    def teardown(self) -> None:
+        self.runtime.close()  # elastic: this group leaves (a later `fit` joins again)
+        super().teardown()  # type: ignore[misc]
 
     # -- checkpoints: the consensus as the model, every group's own state beside it (lightning_fedshard/checkpoint/) ---
 
@@ -263,6 +290,37 @@ class FLHSDP2Strategy(_FederatedFSDP2Strategy):
     strategy_name = "fl_hsdp2"
     description = "FL+HSDP on FSDP2 (fully_shard): HSDP inside federation groups, outer steps between"
     hybrid = True
+
+
+def _loop_state(trainer: Trainer) -> dict[str, Any]:
+    """What a joining group takes from this one: the fit loop's position and the learning-rate schedules."""
+    return {
+        "fit_loop": trainer.fit_loop.state_dict(),
+        "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+        "hyperparameters": [_hyperparameters(optimizer) for optimizer in trainer.optimizers],
+    }
+
+
+def _hyperparameters(optimizer: Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's settings (learning rate, betas, ...), without its parameters."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def _load_loop_state(trainer: Trainer, state: dict[str, Any]) -> None:
+    """Continue from a peer's loop position, as a resume from a checkpoint it saved after its last step would."""
+    trainer.fit_loop.load_state_dict(state["fit_loop"])
+    schedulers = trainer.lr_scheduler_configs
+    if len(schedulers) != len(state["lr_schedulers"]):
+        raise ValueError(
+            f"This group has {len(schedulers)} learning-rate scheduler(s), the federation's {len(state['lr_schedulers'])}."
+        )
+    for config, saved in zip(schedulers, state["lr_schedulers"]):
+        config.scheduler.load_state_dict(saved)
+    # The inner optimizer's state is the group's own and starts fresh, but its settings follow the schedules: a
+    # scheduler writes them only at its next step, and until then they must be the federation's, not the initial ones.
+    for optimizer, groups in zip(trainer.optimizers, state["hyperparameters"]):
+        for group, saved in zip(optimizer.param_groups, groups):
+            group.update(saved)
 
 
 def place_outer_sync_first(trainer: Trainer) -> None:

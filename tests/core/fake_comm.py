@@ -87,6 +87,9 @@ class _ThreadCommunicator:
     def participants(self) -> tuple[int, ...]:
         return tuple(range(self.num_groups))
 
+    def joined(self) -> bool:
+        return False
+
     def sum_over_groups(self, tensor: Tensor) -> None:
         self._groups._all_reduce_sum(self._g, tensor)
 

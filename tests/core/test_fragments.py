@@ -122,6 +122,9 @@ class _SlowComm:
     def participants(self) -> tuple[int, ...]:
         return self._inner.participants()
 
+    def joined(self) -> bool:
+        return False
+
     def sum_over_groups(self, tensor: Tensor) -> None:
         if not threading.current_thread().name.startswith("fedshard-outer"):
             self._inner.sum_over_groups(tensor)

@@ -1,0 +1,677 @@
+"""Elastic federations: every group is a job of its own, and the groups meet through torchft.
+
+In one job a federation's groups share one ``torch.distributed`` world: if any rank of any group fails, every group
+stops. In an elastic federation each group is an ordinary job (its own launch, its own default process group, FSDP or
+HSDP inside), and the sync between groups runs through `torchft <https://github.com/pytorch/torchft>`_: a *lighthouse*
+decides which groups take part in each sync (the *quorum*), every rank joins a reconfigurable process group with the
+ranks at its in-group position in the other groups (its fed ring), and a group that starts late or fell behind takes
+the federation's state from a peer (it *heals*).
+
+:class:`Elastic` holds the options; :class:`ElasticCommunicator` implements the
+:class:`~lightning_fedshard.core.comm.Communicator` seam on torchft's ``Manager``. Per sync:
+
+1. :meth:`ElasticCommunicator.participants` asks for a quorum (a group that is behind receives the anchor shards,
+   the outer optimizer states, the schedule and the host's loop state from a peer), then the groups exchange a small
+   description of themselves (federation name, model layout, sync options): a job that does not belong is refused
+   before any pseudo-gradient moves, and the others ask again without it;
+2. the sum over the fed ring runs on torchft's process group; a group that healed at this sync (or is still joining)
+   sends zeros and is left out of the mean (:attr:`~lightning_fedshard.core.outer.PendingSync.joined`); a failed
+   collective is recorded, not raised, and every later collective of the sync is skipped;
+3. :meth:`ElasticCommunicator.should_commit` is torchft's vote: a group that saw an error does not apply the sync and
+   goes back to the anchor; at its next quorum it is behind and heals.
+
+The error-feedback residuals of int8/int4/sparse traffic are reset whenever the groups of a sync differ from the
+previous sync's (their chunks are laid out over the ring).
+
+This module knows nothing about Lightning. torchft is imported when a communicator connects, so the package imports
+without it (``pip install lightning-fedshard[elastic]`` installs it).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_fedshard.core.comm import ProcessGroupCommunicator
+
+log = logging.getLogger(__name__)
+
+#: Environment variables read when :class:`Elastic` leaves a value unset.
+GROUP_ENV = "FEDSHARD_GROUP"
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+
+#: The torchft release the elastic mode is tested with (``pip install lightning-fedshard[elastic]`` pins it).
+TORCHFT_VERSION = "0.2.0"
+
+#: Bytes of one group's description on the wire (JSON, zero padded).
+_DESCRIPTION_BYTES = 2048
+
+
+class FederationError(RuntimeError):
+    """An elastic federation cannot go on: the lighthouse is gone, too few groups, a refused join, a failing heal."""
+
+
+@dataclass(frozen=True)
+class Elastic:
+    """Run each federation group as a job of its own, joined to the others through a torchft lighthouse.
+
+    Every group job gets the same options except ``group`` (or sets ``FEDSHARD_GROUP`` in its environment). The
+    strategy's ``num_groups`` is then the number of groups the federation is planned for: the training data is split
+    into that many parts and group ``g`` trains on part ``g``, whichever groups are running.
+
+    Args:
+        lighthouse: The lighthouse's address, e.g. ``"http://10.0.0.1:29510"``; default: ``$TORCHFT_LIGHTHOUSE``.
+        group: This group's index in ``[0, num_groups)``; default: ``$FEDSHARD_GROUP``. A group that replaces a failed
+            one takes its index (and its data).
+        federation: The federation's name; a job of another federation is refused by the running groups.
+        min_groups: A sync commits only with at least this many groups; with fewer, the groups wait for more (up to
+            ``quorum_timeout``) and then stop with an error.
+        timeout: Seconds a collective between groups, a heal's transfer or a commit vote may take: a hung group costs
+            the others at most this much (then it is left out).
+        quorum_timeout: Seconds to wait for a quorum; longer than a round (a joining group waits for the others'
+            next sync).
+        connect_timeout: Seconds to reach the lighthouse and the managers when connecting.
+        quorum_retries: Times a group retries a quorum the lighthouse did not answer (rides out a short lighthouse
+            outage; a long one ends every group with an error).
+        max_failures: Syncs in a row that a group may fail to commit (e.g. a heal that keeps failing) before it stops
+            with an error.
+        group_timeout: Seconds without a sign of life from another rank of this group before this rank ends the
+            group (a group fails as a unit; a half-dead group would stall the federation at every quorum).
+        hostname: The address other groups reach this group's manager at; default: the machine's host name.
+        manager_port: Port of this group's manager (rank 0); default: a free one.
+    """
+
+    lighthouse: str | None = None
+    group: int | None = None
+    federation: str = "fedshard"
+    min_groups: int = 1
+    timeout: float = 60.0
+    quorum_timeout: float = 900.0
+    connect_timeout: float = 60.0
+    quorum_retries: int = 10
+    max_failures: int = 3
+    group_timeout: float = 30.0
+    hostname: str | None = None
+    manager_port: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("min_groups", "max_failures"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"`Elastic({name}=...)` must be a positive integer, got {value!r}.")
+        if not isinstance(self.quorum_retries, int) or self.quorum_retries < 0:
+            raise ValueError(f"`Elastic(quorum_retries=...)` must be a non-negative integer, got {self.quorum_retries!r}.")
+        for name in ("timeout", "quorum_timeout", "connect_timeout", "group_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"`Elastic({name}=...)` must be a positive number of seconds, got {value!r}.")
+        if not self.federation or not all(c.isalnum() or c in "-." for c in self.federation):
+            raise ValueError(
+                f"`Elastic(federation={self.federation!r})` must be a non-empty name of letters, digits, '-' and '.'."
+            )
+        if self.group is not None and (not isinstance(self.group, int) or isinstance(self.group, bool)):
+            raise ValueError(f"`Elastic(group=...)` must be an integer, got {self.group!r}.")
+
+    def group_index(self, num_groups: int) -> int:
+        """This group's index: ``group``, or ``$FEDSHARD_GROUP``; checked against ``num_groups``.
+
+        Raises:
+            ValueError: If neither is set, or the index is outside ``[0, num_groups)``.
+        """
+        group: object = self.group
+        if group is None:
+            value = os.environ.get(GROUP_ENV)
+            if value is None:
+                raise ValueError(
+                    f"An elastic group needs its index: pass `Elastic(group=...)` or set ${GROUP_ENV} in the job's"
+                    " environment."
+                )
+            try:
+                group = int(value)
+            except ValueError:
+                raise ValueError(f"${GROUP_ENV}={value!r} is not a group index.") from None
+        assert isinstance(group, int)
+        if not 0 <= group < num_groups:
+            raise ValueError(f"The elastic group index {group} is outside [0, num_groups={num_groups}).")
+        return group
+
+    def lighthouse_address(self) -> str:
+        """``lighthouse``, or ``$TORCHFT_LIGHTHOUSE``.
+
+        Raises:
+            ValueError: If neither is set.
+        """
+        address = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        if not address:
+            raise ValueError(
+                f"An elastic group needs the lighthouse's address: pass `Elastic(lighthouse='http://host:29510')` or"
+                f" set ${LIGHTHOUSE_ENV}."
+            )
+        return address
+
+    def describe(self, group: int, num_groups: int) -> str:
+        """One line for the log at the start of training."""
+        return (
+            f"elastic group {group} of {num_groups} in federation {self.federation!r} (lighthouse"
+            f" {self.lighthouse or os.environ.get(LIGHTHOUSE_ENV, '?')}, at least {self.min_groups} group(s) per sync)"
+        )
+
+
+HealSave = Callable[[], dict[str, Any]]
+HealLoad = Callable[[dict[str, Any]], None]
+
+
+class ElasticCommunicator:
+    """The :class:`~lightning_fedshard.core.comm.Communicator` of one rank of an elastic group, on torchft.
+
+    Collectives inside the group (``sum_in_group``, the replicas' gather) run on the job's own mesh; the fed ring is
+    torchft's reconfigurable gloo process group, rebuilt by the manager whenever the groups of a quorum change, with
+    a second ring beside it for the training thread's statistics.
+
+    Args:
+        options: The elastic options.
+        group: This group's index.
+        local: The job's own communicator (one group: the in-group collectives).
+        describe: This rank's description for the admission check: a JSON-able dict of what must be equal in every
+            group at this in-group position (model layout, sync options); called once per new quorum.
+    """
+
+    def __init__(
+        self,
+        options: Elastic,
+        group: int,
+        local: ProcessGroupCommunicator,
+        describe: Callable[[], Mapping[str, Any]],
+    ) -> None:
+        self.options = options
+        self._group = group
+        self._local = local
+        self._describe = describe
+        self._manager: Any = None
+        self._rings: Any = None
+        self._watchdog: GroupWatchdog | None = None
+        self._ring: tuple[int, ...] = ()
+        self._checked_quorum: int | None = None
+        self._taken = False  # a quorum taken by `quorum()` that the next `participants()` uses
+        self._joining = False
+        self._joined = False
+        self._save: HealSave | None = None
+        self._load: HealLoad | None = None
+        self._healed: dict[str, Any] | None = None
+        self._manager_state: dict[str, int] | None = None
+        #: Called with the new groups whenever the groups of a sync differ from the previous sync's.
+        self.on_new_members: Callable[[tuple[int, ...]], None] | None = None
+        #: Seconds the last heal took (receiving and loading the state), ``None`` if the last quorum healed nothing.
+        self.last_heal_seconds: float | None = None
+
+    # -- the seam ---------------------------------------------------------------------------------------------
+
+    @property
+    def group_index(self) -> int:
+        """This group's index (the ring lists groups by index)."""
+        return self._group
+
+    @property
+    def num_replicas(self) -> int:
+        """The replicas of this rank's shard inside its group."""
+        return self._local.num_replicas
+
+    @property
+    def replica_index(self) -> int:
+        """This rank's place among them."""
+        return self._local.replica_index
+
+    def gather_replicas(self, output: Tensor, input: Tensor) -> None:
+        """Inside the job: the replicas' all-gather."""
+        self._local.gather_replicas(output, input)
+
+    def sum_in_group(self, tensor: Tensor) -> None:
+        """Inside the job: the all-reduce over this replica's shards."""
+        self._local.sum_in_group(tensor)
+
+    def participants(self) -> tuple[int, ...]:
+        """The groups of this sync, in ring order: the quorum taken by :meth:`quorum`, or a new one."""
+        if not self._taken:
+            self.quorum()
+        self._taken = False
+        return self._ring
+
+    def joined(self) -> bool:
+        """Whether this group healed at the last quorum, or took it to join the federation."""
+        return self._joined
+
+    def sum_over_groups(self, tensor: Tensor) -> None:
+        """All-reduce (sum) over the fed ring; zeros after a failure."""
+        from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
+
+        options = AllreduceOptions()
+        options.reduceOp = ReduceOp.SUM
+        self._collective(lambda: self._rings.allreduce([tensor], options), tensor)
+
+    def sum_stats_over_groups(self, tensor: Tensor) -> None:
+        """All-reduce (sum) over the statistics ring; zeros after a failure."""
+        from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
+
+        options = AllreduceOptions()
+        options.reduceOp = ReduceOp.SUM
+        self._collective(lambda: self._rings.stats.allreduce([tensor], options), tensor)
+
+    def all_to_all(self, output: Tensor, input: Tensor) -> None:
+        """``alltoall_base`` over the fed ring (equal parts); zeros after a failure."""
+        from torch.distributed.distributed_c10d import AllToAllOptions
+
+        if len(self._ring) == 1:
+            output.copy_(input)
+            return
+        self._collective(lambda: self._rings.alltoall_base(output, input, [], [], AllToAllOptions()), output)
+
+    def all_gather(self, output: Tensor, input: Tensor) -> None:
+        """All-gather into one tensor over the fed ring; zeros after a failure."""
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        if len(self._ring) == 1:
+            output.copy_(input)
+            return
+        work = lambda: self._rings.allgather_into_tensor_coalesced([output], [input], AllgatherOptions())  # noqa: E731
+        self._collective(work, output)
+
+    def sum_over_site(self, tensor: Tensor, size: int) -> None:
+        """Not in an elastic federation: its groups change, so it has no fixed sites."""
+        raise NotImplementedError("An elastic federation averages all its groups; it has no sites.")
+
+    def mix_over_groups(self, tensor: Tensor, matrix: Tensor) -> None:
+        """Not in an elastic federation: a mixing matrix needs a fixed set of groups."""
+        raise NotImplementedError("An elastic federation averages all its groups; it does not mix them.")
+
+    def should_commit(self) -> bool:
+        """torchft's vote: ``False`` on every rank of this group if any of them saw an error in this sync.
+
+        Raises:
+            FederationError: After ``max_failures`` syncs in a row that did not commit.
+        """
+        try:
+            committed = bool(self._manager.should_commit(timeout=timedelta(seconds=self.options.timeout)))
+        except RuntimeError as error:
+            raise FederationError(
+                f"Elastic group {self._group} could not commit {self.options.max_failures + 1} syncs in a row (the"
+                f" last error: {self._error_text()}); it stops instead of retrying forever. Restart it to join again."
+            ) from error
+        if not committed:
+            log.warning(f"Elastic group {self._group}: the sync was not committed ({self._error_text()}).")
+        return committed
+
+    # -- elastic ----------------------------------------------------------------------------------------------
+
+    def set_heal(self, save: HealSave, load: HealLoad) -> None:
+        """What a peer sends this group when it heals (``save`` runs on torchft's thread), and how it is applied.
+
+        ``save`` must return tensors that nothing changes later (copies) and run no collective; ``load`` runs in the
+        training thread, inside :meth:`participants` (or :meth:`quorum`).
+        """
+        self._save, self._load = save, load
+
+    def quorum(self, joining: bool = False) -> tuple[int, ...]:
+        """Ask the lighthouse for this sync's groups (the next :meth:`participants` returns them); collective.
+
+        A group that is behind receives the federation's state from a peer and applies it before this returns.
+        With ``joining=True`` this group presents itself one commit behind the state it holds, so that a peer that
+        holds as much hands it the federation's current position, and it adds nothing to the sync it takes part in.
+
+        Raises:
+            FederationError: If the lighthouse cannot be reached, no quorum forms in ``quorum_timeout`` (fewer than
+                ``min_groups`` groups), or this job does not belong to the federation it reached.
+        """
+        manager = self._connect()
+        if joining and manager.current_step() > 0:
+            state = manager.state_dict()
+            manager.load_state_dict({**state, "step": state["step"] - 1})
+        self._joining = joining
+        while True:
+            self._healed = None
+            self.last_heal_seconds = None
+            started = time.perf_counter()
+            try:
+                manager.start_quorum(timeout=timedelta(seconds=self.options.quorum_timeout))
+            except Exception as error:  # torchft raises what its RPC raised: timeouts, connection errors
+                raise FederationError(self._quorum_failure(error)) from error
+            ring = self._rings.members
+            if manager.errored() is None and self._rings.quorum_id != self._checked_quorum:
+                if not self._admitted(ring):
+                    continue  # a job that does not belong was in this quorum: ask again without it
+                self._checked_quorum = self._rings.quorum_id
+            break
+        healed = self._healed is not None
+        if healed:
+            assert self._load is not None and self._healed is not None
+            self._load(self._healed)
+            self.last_heal_seconds = time.perf_counter() - started
+            self._healed = None
+        self._joined = joining or healed or manager.errored() is not None
+        if ring != self._ring and self.on_new_members is not None:
+            self.on_new_members(ring)
+        self._ring = ring
+        self._taken = True
+        return ring
+
+    @property
+    def step(self) -> int:
+        """Syncs (and changes of members) this group committed, as torchft counts them."""
+        if self._manager is not None:
+            return int(self._manager.current_step())
+        return int((self._manager_state or {}).get("step", 0))
+
+    def state_dict(self) -> dict[str, int]:
+        """torchft's counters of this group (kept in checkpoints, so a restarted federation agrees on its step)."""
+        if self._manager is not None:
+            return dict(self._manager.state_dict())
+        return dict(self._manager_state or {"step": 0, "batches_committed": 0})
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Restore :meth:`state_dict` (applied when the manager connects, if it has not yet)."""
+        self._manager_state = {"step": int(state["step"]), "batches_committed": int(state.get("batches_committed", 0))}
+        if self._manager is not None:
+            self._manager.load_state_dict(self._manager_state)
+
+    def close(self) -> None:
+        """Leave the federation: stop the manager (its heartbeats end, the others stop waiting for it)."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+        if self._manager is not None:
+            self._manager_state = dict(self._manager.state_dict())
+            self._manager.shutdown(wait=False)
+            self._manager = None
+            self._checked_quorum = None
+
+    # -- internals --------------------------------------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        """Start this rank's torchft manager (rank 0 of the group also hosts the group's manager server)."""
+        if self._manager is not None:
+            return self._manager
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's native side logs every quorum at INFO otherwise
+        from torchft.checkpointing import HTTPTransport
+        from torchft.manager import Manager
+
+        options = self.options
+        timeout = timedelta(seconds=options.timeout)
+        self._rings = _fed_rings(timeout)
+        manager = Manager(
+            pg=self._rings,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=options.min_groups,
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=options.quorum_timeout),
+            connect_timeout=timedelta(seconds=options.connect_timeout),
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            lighthouse_addr=options.lighthouse_address(),
+            replica_id=f"{options.federation}_{self._group}",
+            port=options.manager_port,
+            hostname=options.hostname or _hostname(),
+            checkpoint_transport=HTTPTransport(timeout=timeout, num_chunks=0),
+            max_retries=options.max_failures,
+            quorum_retries=options.quorum_retries,
+        )
+        manager.register_state_dict_fn("fedshard", self._receive, self._send)
+        if self._manager_state is not None:
+            manager.load_state_dict(self._manager_state)
+        self._manager = manager
+        if dist.get_world_size() > 1:
+            self._watchdog = GroupWatchdog(options.group_timeout)
+            self._watchdog.start()
+        return manager
+
+    def _send(self) -> dict[str, Any]:
+        """What a peer receives from this rank when it heals (torchft's thread; this rank waits in its quorum)."""
+        if self._save is None:
+            raise FederationError(f"Elastic group {self._group} was asked for its state before it started.")
+        return self._save()
+
+    def _receive(self, state: dict[str, Any]) -> None:
+        """Keep a peer's state: it is applied once the quorum is known to hold only this federation's groups."""
+        self._healed = state
+
+    def _collective(self, work: Callable[[], Any], output: Tensor) -> None:
+        """Run one collective over a ring; after this sync's first failure, skip it and leave zeros instead."""
+        manager = self._manager
+        if manager.errored() is None:
+            try:
+                work().wait()
+                return
+            except Exception as error:  # gloo raises RuntimeError on a dead or timed-out peer
+                log.warning(f"Elastic group {self._group}: a collective between groups failed: {error}")
+                manager.report_error(error)
+        output.zero_()
+
+    def _admitted(self, ring: tuple[int, ...]) -> bool:
+        """Exchange descriptions over the ring; raise if this job does not belong, else tell whether all groups do.
+
+        Raises:
+            FederationError: Naming what differs, with both values.
+        """
+        description = {
+            "federation": self.options.federation,
+            "group": self._group,
+            "joining": self._joining or self._healed is not None,
+            **self._describe(),
+        }
+        encoded = json.dumps(description, sort_keys=True, default=str).encode()
+        if len(encoded) > _DESCRIPTION_BYTES:
+            raise FederationError(f"This group's description is too long to exchange ({len(encoded)} bytes).")
+        mine = torch.zeros(_DESCRIPTION_BYTES, dtype=torch.uint8)
+        mine[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+        everyone = torch.zeros(len(ring) * _DESCRIPTION_BYTES, dtype=torch.uint8)
+        if len(ring) > 1:
+            self._collective(
+                lambda: self._rings.stats.allgather_into_tensor_coalesced([everyone], [mine], _gather_options()),
+                everyone,
+            )
+        else:
+            everyone.copy_(mine)
+        verdict: str | None = None
+        if self._manager.errored() is None:  # else the sync fails anyway, is not committed, and the next quorum checks
+            descriptions = [_decode(row) for row in everyone.view(len(ring), _DESCRIPTION_BYTES)]
+            verdict = _check_members(descriptions, int(self._manager.participating_rank() or 0))
+        # One decision for the whole group (its ranks sit on different rings): refused anywhere, retry anywhere, or go.
+        code = torch.tensor([{None: 0, "retry": 1}.get(verdict, 2)], dtype=torch.int64)
+        dist.all_reduce(code, op=dist.ReduceOp.MAX)
+        if int(code) == 2:
+            reason = verdict if verdict not in (None, "retry") else "another rank of this group was refused"
+            self.close()
+            raise FederationError(f"This job (elastic group {self._group}) was refused: {reason}.")
+        return int(code) == 0
+
+    def _quorum_failure(self, error: BaseException) -> str:
+        return (
+            f"Elastic group {self._group} got no quorum from the lighthouse at {self.options.lighthouse_address()}"
+            f" within {self.options.quorum_timeout:g} s and {self.options.quorum_retries} retries: the lighthouse is"
+            f" down or unreachable, or fewer than `min_groups={self.options.min_groups}` groups are running"
+            f" ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})."
+        )
+
+    def _error_text(self) -> str:
+        error = self._manager.errored() if self._manager is not None else None
+        if error is None:
+            return "too few groups or a peer's failed vote"
+        original = getattr(error, "original_exception", error)
+        return f"{type(original).__name__}: {str(original).splitlines()[0] if str(original) else ''}"
+
+
+def _check_members(descriptions: list[dict[str, Any]], position: int) -> str | None:
+    """Whether every group of a quorum belongs to one federation: ``None`` if so, ``"retry"`` if another group does
+    not, or the reason this rank's group (at ring ``position``) is refused.
+
+    The groups already training (not joining) define the federation; when every group is joining, the most common
+    description does (the first in ring order among equally common ones). A group whose description differs is refused;
+    so is a joining group whose index a running group already has (or, among joining groups, a later one in ring order).
+    """
+    comparable = [_comparable(d) for d in descriptions]
+    keys = [json.dumps(c, sort_keys=True) for c in comparable]
+    running = [k for k, d in zip(keys, descriptions) if not d["joining"]]
+    pool = running or keys
+    reference_key = max(pool, key=lambda k: (pool.count(k), -pool.index(k)))
+    reference, mine = json.loads(reference_key), comparable[position]
+    if keys[position] != reference_key:
+        differences = [
+            f"{name} {mine.get(name)!r} here, {reference.get(name)!r} in the federation"
+            for name in sorted(set(reference) | set(mine))
+            if mine.get(name) != reference.get(name)
+        ]
+        return f"it does not belong to the federation it reached ({'; '.join(differences)})"
+    group = descriptions[position]["group"]
+    holders = [i for i, d in enumerate(descriptions) if d["group"] == group]
+    keeper = next((i for i in holders if not descriptions[i]["joining"]), holders[0])
+    if position != keeper:
+        return f"group {group} is already running in federation {mine['federation']!r}"
+    if any(k != reference_key for k in keys) or len({d["group"] for d in descriptions}) < len(descriptions):
+        return "retry"
+    return None
+
+
+def _comparable(description: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in description.items() if k not in ("group", "joining")}
+
+
+def _decode(row: Tensor) -> dict[str, Any]:
+    data = bytes(row.tolist()).rstrip(b"\0")
+    return json.loads(data.decode()) if data else {"federation": None, "group": -1, "joining": True}
+
+
+def _gather_options() -> Any:
+    from torch.distributed.distributed_c10d import AllgatherOptions
+
+    return AllgatherOptions()
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def _fed_rings(timeout: timedelta) -> Any:
+    """torchft's reconfigurable gloo group for the sums, with a second ring for statistics configured beside it."""
+    from torchft.process_group import ProcessGroupGloo
+
+    class FedRings(ProcessGroupGloo):
+        """The fed ring of one in-group position; ``stats`` is the same ring for the training thread's statistics."""
+
+        def __init__(self) -> None:
+            super().__init__(timeout=timeout)
+            self.stats = ProcessGroupGloo(timeout=timeout)
+            self.members: tuple[int, ...] = ()
+            self.quorum_id: int | None = None
+
+        def configure(
+            self,
+            store_addr: str,
+            replica_id: str,
+            rank: int,
+            world_size: int,
+            quorum_id: int | None = None,
+            group_rank: int | None = None,
+            group_world_size: int | None = None,
+            global_ranks: list[int] | None = None,
+        ) -> None:
+            args = (replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks)
+            super().configure(f"{store_addr}/sums", *args)
+            self.stats.configure(f"{store_addr}/stats", *args)
+            # torchft numbers the ranks of a quorum (group index) * (ranks per group) + (rank in the group), in ring
+            # order, from the trailing digits of each replica id ("<federation>_<group>").
+            size, position = group_world_size or 1, group_rank or 0
+            self.members = tuple((r - position) // size for r in (global_ranks or [0]))
+            self.quorum_id = quorum_id
+
+        def errored(self) -> Exception | None:
+            return super().errored() or self.stats.errored()
+
+    return FedRings()
+
+
+class GroupWatchdog:
+    """Ends this process when another rank of its group stops showing signs of life.
+
+    Every rank writes a heartbeat into the job's TCP store and reads the others'; a rank silent for ``timeout``
+    seconds (dead, or stopped) makes every other rank of the group exit, so that the group fails as a unit and its
+    manager stops heartbeating to the lighthouse. Without it a half-dead group keeps the federation waiting at every
+    quorum.
+
+    Args:
+        timeout: Seconds of silence before the group ends.
+        interval: Seconds between two heartbeats.
+    """
+
+    def __init__(self, timeout: float, interval: float = 1.0) -> None:
+        self.timeout = timeout
+        self.interval = min(interval, timeout / 4)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fedshard-group-watchdog", daemon=True)
+
+    def start(self) -> None:
+        """Start watching (in a daemon thread)."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching."""
+        self._stop.set()
+
+    def _run(self) -> None:
+        try:
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False
+            )
+            rank, world = dist.get_rank(), dist.get_world_size()
+        except Exception as error:  # no store to watch through: say so, the group is then not watched
+            log.warning(f"The elastic group watchdog could not reach the job's store and is off: {error}")
+            return
+        last_seen = {r: time.monotonic() for r in range(world) if r != rank}
+        beats = dict.fromkeys(last_seen, -1)
+        while not self._stop.wait(self.interval):
+            try:
+                store.add(f"fedshard/alive/{rank}", 1)  # a counter: `add` never waits for a key to exist
+                values = [store.add(f"fedshard/alive/{r}", 0) for r in last_seen]
+            except Exception as error:  # the store lives with rank 0: it is gone
+                self._end(f"the group's store is gone ({error})")
+                return
+            now = time.monotonic()
+            for r, value in zip(list(last_seen), values):
+                if value != beats[r]:
+                    beats[r], last_seen[r] = value, now
+                elif now - last_seen[r] > self.timeout:
+                    self._end(f"rank {r} of this group has shown no sign of life for {self.timeout:g} s")
+                    return
+
+    @staticmethod
+    def _end(reason: str) -> None:
+        log.error(f"Ending this elastic group: {reason}. A group fails as a unit; restart it to rejoin.")
+        logging.shutdown()
+        os._exit(75)
+
+
+def cloned(state: Any) -> Any:
+    """A copy of ``state`` whose tensors are detached CPU copies (what a heal may send while training goes on)."""
+    if isinstance(state, Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: cloned(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(cloned(v) for v in state)
+    return copy.deepcopy(state)
+
+
+__all__ = ["Elastic", "ElasticCommunicator", "FederationError", "GroupWatchdog", "cloned"]
