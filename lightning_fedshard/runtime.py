@@ -9,6 +9,7 @@ one call of :meth:`FederatedRuntime.after_optimizer_step` after every real optim
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -354,13 +355,23 @@ class FederatedRuntime:
         return self._joined
 
     def _host_state_of_peer(self) -> dict[str, Any]:
-        return {"step": self.step, "host": self._host_state() if self._host_state is not None else None}
+        return {
+            "step": self.step,
+            "host": self._host_state() if self._host_state is not None else None,
+            "hyperparameters": [_hyperparameters(optimizer) for optimizer in self._optimizers],
+        }
 
     def _load_host_state_of_peer(self, step: int, state: dict[str, Any] | None) -> None:
         """A peer's loops and schedules: taken when joining; a group already training must be at the peer's step."""
         if self._joining:
-            if step != self.step and self._load_host_state is not None and state is not None:
-                if state.get("host") is not None:
+            if step != self.step and state is not None:
+                # The inner optimizer's state is this group's own and starts fresh, but its settings (learning rate,
+                # betas, ...) follow the schedules: a scheduler writes them only at its next step, and until then they
+                # must be the federation's, not the initial ones. Then the strategy's own state (which may step them).
+                for optimizer, groups in zip(self._optimizers, state.get("hyperparameters", [])):
+                    for group, saved in zip(optimizer.param_groups, groups):
+                        group.update(saved)
+                if self._load_host_state is not None and state.get("host") is not None:
                     self._load_host_state(state["host"])
             self.step = step
             return
@@ -380,10 +391,10 @@ class FederatedRuntime:
         return {
             "strategy": f"{self.name} ({self.backend.name})",
             "group shape": f"{topology.num_replicas} replica(s) x {topology.shard_size} shard(s)",
-            "model": f"{sum(s.numel() for s in shards):,} local values in {len(shards)} shards of {'/'.join(dtypes)}",
+            "model": f"{sum(s.numel() for s in shards):,} values per rank in {len(shards)} shard(s) of {'/'.join(dtypes)}",
             "shard layout": layout,
             "num_groups": self.num_groups,
-            "sync options": self.config.describe(),
+            "sync options": dataclasses.replace(self.config, elastic=None, num_groups=None).describe(),
         }
 
     def close(self) -> None:
@@ -496,6 +507,11 @@ class FederatedRuntime:
             self.free_unsharded_params,
             self.backend,
         )
+
+
+def _hyperparameters(optimizer: Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's settings (learning rate, betas, ...), without its parameters."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
 def _mesh_communicator(mesh: FederationMesh) -> Communicator:

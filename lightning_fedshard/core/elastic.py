@@ -304,9 +304,15 @@ class ElasticCommunicator:
         try:
             committed = bool(self._manager.should_commit(timeout=timedelta(seconds=self.options.timeout)))
         except RuntimeError as error:
+            few = len(self._ring) < self.options.min_groups
+            reason = (
+                f"only {len(self._ring)} group(s) took part, fewer than `min_groups={self.options.min_groups}`"
+                if few
+                else f"the last error: {self._error_text()}"
+            )
             raise FederationError(
-                f"Elastic group {self._group} could not commit {self.options.max_failures + 1} syncs in a row (the"
-                f" last error: {self._error_text()}); it stops instead of retrying forever. Restart it to join again."
+                f"Elastic group {self._group} could not commit {self.options.max_failures + 1} syncs in a row"
+                f" ({reason}); it stops instead of retrying forever. Restart it to join again."
             ) from error
         if not committed:
             log.warning(f"Elastic group {self._group}: the sync was not committed ({self._error_text()}).")
@@ -497,11 +503,17 @@ class ElasticCommunicator:
         return int(code) == 0
 
     def _quorum_failure(self, error: BaseException) -> str:
+        address = self.options.lighthouse_address()
+        cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if not _reachable(address):
+            return (
+                f"Elastic group {self._group} lost the lighthouse at {address}: it did not answer within"
+                f" {self.options.quorum_timeout:g} s and {self.options.quorum_retries} retries ({cause})."
+            )
         return (
-            f"Elastic group {self._group} got no quorum from the lighthouse at {self.options.lighthouse_address()}"
-            f" within {self.options.quorum_timeout:g} s and {self.options.quorum_retries} retries: the lighthouse is"
-            f" down or unreachable, or fewer than `min_groups={self.options.min_groups}` groups are running"
-            f" ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})."
+            f"Elastic group {self._group} got no quorum within {self.options.quorum_timeout:g} s: fewer groups are"
+            f" running than the lighthouse at {address} waits for (its `--min_replicas`), or the others stopped"
+            f" ({cause})."
         )
 
     def _error_text(self) -> str:
@@ -523,7 +535,12 @@ def _check_members(descriptions: list[dict[str, Any]], position: int) -> str | N
     comparable = [_comparable(d) for d in descriptions]
     keys = [json.dumps(c, sort_keys=True) for c in comparable]
     running = [k for k, d in zip(keys, descriptions) if not d["joining"]]
-    pool = running or keys
+    if running:
+        pool = running
+    else:  # everyone is joining: the most common federation name first, then the most common description under it
+        names = [d["federation"] for d in descriptions]
+        name = max(names, key=lambda n: (names.count(n), -names.index(n)))
+        pool = [k for k, d in zip(keys, descriptions) if d["federation"] == name]
     reference_key = max(pool, key=lambda k: (pool.count(k), -pool.index(k)))
     reference, mine = json.loads(reference_key), comparable[position]
     if keys[position] != reference_key:
@@ -550,6 +567,19 @@ def _comparable(description: Mapping[str, Any]) -> dict[str, Any]:
 def _decode(row: Tensor) -> dict[str, Any]:
     data = bytes(row.tolist()).rstrip(b"\0")
     return json.loads(data.decode()) if data else {"federation": None, "group": -1, "joining": True}
+
+
+def _reachable(address: str, timeout: float = 2.0) -> bool:
+    """Whether something listens at ``address`` (``http://host:port``)."""
+    import socket
+    from urllib.parse import urlparse
+
+    parsed = urlparse(address if "://" in address else f"http://{address}")
+    try:
+        with socket.create_connection((parsed.hostname or "localhost", parsed.port or 29510), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def _gather_options() -> Any:

@@ -62,21 +62,32 @@ class _FabricHooks(FederatedArguments):
         self.runtime.after_optimizer_step()
         return output
 
-    def join(self, state: dict[str, Any] | None = None) -> int:
+    def join(self, state: dict[str, Any] | None = None, after_step: dict[str, Any] | None = None) -> int:
         """Elastic: enter the federation; returns the optimizer step to continue from (collective over the groups).
 
         Call it once, after ``fabric.setup`` of the model and optimizer (and ``fabric.load`` when resuming), before the
-        loop. A group that joins a running federation takes a peer's weights, anchor, outer state and step, and the
-        state of every object in ``state`` that has ``state_dict`` / ``load_state_dict`` (a learning-rate scheduler,
-        a torchdata ``StatefulDataLoader``): give the same keys in every group. Its inner optimizer starts fresh. In
-        a federation that is not elastic this only returns :attr:`num_steps`.
+        loop. A group that joins a running federation takes a peer's weights, anchor, outer state, step and optimizer
+        settings (learning rate, ...), and the state of every object in ``state`` and ``after_step`` (anything with
+        ``state_dict`` / ``load_state_dict``, e.g. a torchdata ``StatefulDataLoader``); its inner optimizer state
+        starts fresh. Give the same keys in every group.
+
+        A peer hands its state over inside its ``optimizer.step()``, where the sync runs: objects that the loop steps
+        *after* ``optimizer.step()`` (a learning-rate scheduler) go into ``after_step``, and are stepped once after
+        loading, as the peers step them. In a federation that is not elastic this only returns :attr:`num_steps`.
+
+        Args:
+            state: Objects to take from a peer as they are.
+            after_step: Objects to take from a peer and then ``step()`` once.
         """
         if self.runtime.config.elastic is None:
             return self.runtime.step
-        objects = dict(state or {})
+        objects, stepped = dict(state or {}), dict(after_step or {})
+        if set(objects) & set(stepped):
+            raise ValueError(f"`state` and `after_step` both name {sorted(set(objects) & set(stepped))}.")
+        everything = {**objects, **stepped}
         self.runtime.set_host_state(
-            lambda: {k: v.state_dict() for k, v in objects.items()},
-            lambda saved: _load_objects(objects, saved),
+            lambda: {k: v.state_dict() for k, v in everything.items()},
+            lambda saved: _load_objects(everything, saved, stepped),
         )
         self.runtime.start(self.runtime.step)
         return self.runtime.step
@@ -230,12 +241,14 @@ class _FederatedFabricFSDP2Strategy(_FabricHooks, FSDP2Arguments, ModelParallelS
         return module.to(self.root_device)
 
 
-def _load_objects(objects: dict[str, Any], saved: dict[str, Any]) -> None:
-    """Load a peer's states into the objects given to ``join`` (the same keys in every group)."""
+def _load_objects(objects: dict[str, Any], saved: dict[str, Any], stepped: dict[str, Any]) -> None:
+    """Load a peer's states into the objects given to ``join`` (the same keys in every group); step ``stepped``."""
     if set(saved) != set(objects):
         raise ValueError(f"This group joins with the objects {sorted(objects)}, the federation's are {sorted(saved)}.")
     for key, obj in objects.items():
         obj.load_state_dict(saved[key])
+    for obj in stepped.values():
+        obj.step()
 
 
 @document_federation_args(FSDP1_ARGS_DOC)

@@ -297,13 +297,7 @@ def _loop_state(trainer: Trainer) -> dict[str, Any]:
     return {
         "fit_loop": trainer.fit_loop.state_dict(),
         "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
-        "hyperparameters": [_hyperparameters(optimizer) for optimizer in trainer.optimizers],
     }
-
-
-def _hyperparameters(optimizer: Optimizer) -> list[dict[str, Any]]:
-    """Each parameter group's settings (learning rate, betas, ...), without its parameters."""
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
 def _load_loop_state(trainer: Trainer, state: dict[str, Any]) -> None:
@@ -316,11 +310,6 @@ def _load_loop_state(trainer: Trainer, state: dict[str, Any]) -> None:
         )
     for config, saved in zip(schedulers, state["lr_schedulers"]):
         config.scheduler.load_state_dict(saved)
-    # The inner optimizer's state is the group's own and starts fresh, but its settings follow the schedules: a
-    # scheduler writes them only at its next step, and until then they must be the federation's, not the initial ones.
-    for optimizer, groups in zip(trainer.optimizers, state["hyperparameters"]):
-        for group, saved in zip(optimizer.param_groups, groups):
-            group.update(saved)
 
 
 def place_outer_sync_first(trainer: Trainer) -> None:

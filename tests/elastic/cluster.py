@@ -52,6 +52,11 @@ class Job:
         for proc in self.procs:
             proc.wait()
 
+    def progress(self) -> int:
+        """The optimizer step of this group's last sync (-1 before its first)."""
+        path = self.out / "progress"
+        return int(path.read_text() or -1) if path.exists() else -1
+
     def result(self, rank: int = 0) -> dict[str, Any]:
         return torch.load(self.out / f"rank{rank}.pt", weights_only=False)
 

@@ -139,13 +139,16 @@ class Recorder(L.Callback):
         )
         if not stats.lost:
             self.consensus[step] = _consensus(trainer)
+        if RANK == 0:  # lets a test wait for a group to reach a step
+            (Path(self.spec["out"]) / "progress").write_text(str(step))
 
 
 def _consensus(trainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+    state = trainer.strategy.runtime.checkpointer.consensus_state_dict("full")
+    return {k: v.detach().clone() for k, v in state.items()}
 
 
-def _strategy(spec: dict[str, Any]) -> Any:
+def _strategy(spec: dict[str, Any], cls: Any = None) -> Any:
     elastic = lightning_fedshard.Elastic(
         federation=spec.get("federation", "tests"),
         timeout=spec.get("timeout", 10.0),
@@ -158,11 +161,13 @@ def _strategy(spec: dict[str, Any]) -> Any:
     kwargs = {k: spec[k] for k in keys if k in spec}
     if spec.get("fragments", 1) > 1:
         kwargs["fsdp_modules" if spec["strategy"].endswith("2") else "auto_wrap_policy"] = {torch.nn.Linear}
-    return STRATEGIES[spec["strategy"]](num_groups=spec["num_groups"], elastic=elastic, **kwargs)
+    cls = cls or STRATEGIES[spec["strategy"]]
+    return cls(num_groups=spec["num_groups"], elastic=elastic, **kwargs)
 
 
 def run(spec: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    spec = {**spec, "out": str(out)}
     module = Module(spec)
     recorder = Recorder(spec)
     callbacks: list[L.Callback] = [recorder]
@@ -191,6 +196,68 @@ def run(spec: dict[str, Any], out: Path) -> None:
         trainer.fit(module, data, ckpt_path=spec.get("resume"))
     except Exception as e:  # recorded for the test
         error = f"{type(e).__name__}: {e}"
+    _save(out, error, recorder, module, _consensus(trainer) if error is None else None, trainer.global_step)
+
+
+def run_fabric(spec: dict[str, Any], out: Path) -> None:
+    """The same training in a Fabric loop: the group joins explicitly, with its scheduler and loader."""
+    import lightning_fedshard.fabric as fabric_strategies
+    from torch.utils.data import DistributedSampler
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    out.mkdir(parents=True, exist_ok=True)
+    spec = {**spec, "out": str(out)}
+    strategy = _strategy(spec, getattr(fabric_strategies, STRATEGIES[spec["strategy"]].__name__))
+    fabric = L.Fabric(accelerator="cpu", devices=int(os.environ["DEVICES"]), strategy=strategy)
+    fabric.launch()
+    module = Module(spec)
+    model = fabric.setup_module(module.net)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=spec.get("lr", 0.05)))
+    total = spec["max_steps"]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / total)))
+    data = IndexedRegression()
+    sampler = DistributedSampler(data, shuffle=True, seed=0, **strategy.distributed_sampler_kwargs)
+    loader = StatefulDataLoader(data, batch_size=spec.get("batch_size", 4), sampler=sampler)
+    batches = fabric.setup_dataloaders(loader, use_distributed_sampler=False)
+    recorder = Recorder(spec)
+    shim = _FabricTrainer(strategy)
+    error = None
+    try:
+        step = strategy.join({"loader": loader}, after_step={"scheduler": scheduler})
+        recorder.joined_at = shim.global_step = step
+        recorder.initial = _consensus(shim)
+        recorder._record(shim)
+        while step < total:
+            for idx, x, y in batches:
+                if _fault(spec, "kill") == step:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                module.batches[step] = idx.tolist()
+                module.lrs[step] = optimizer.param_groups[0]["lr"]
+                fabric.backward(loss_fn(model, x, y))
+                optimizer.step()
+                optimizer.zero_grad()
+                scheduler.step()
+                step += 1
+                shim.global_step = step
+                recorder._record(shim)
+                if step == total:
+                    break
+        strategy.finish()
+        recorder._record(shim)
+    except Exception as e:  # recorded for the test
+        error = f"{type(e).__name__}: {e}"
+    _save(out, error, recorder, module, _consensus(shim) if error is None else None, step)
+
+
+class _FabricTrainer:
+    """What the recorder reads from a Trainer, for a Fabric loop."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.global_step = 0
+
+
+def _save(out: Path, error: str | None, recorder: Recorder, module: Module, final: Any, step: int) -> None:
     result = {
         "error": error,
         "group": int(os.environ["FEDSHARD_GROUP"]),
@@ -200,8 +267,8 @@ def run(spec: dict[str, Any], out: Path) -> None:
         "consensus": recorder.consensus,
         "batches": module.batches,
         "lrs": module.lrs,
-        "final": _consensus(trainer) if error is None else None,
-        "global_step": trainer.global_step,
+        "final": final,
+        "global_step": step,
     }
     torch.save(result, out / f"rank{RANK}.pt")
     sys.stdout.flush()
@@ -218,4 +285,5 @@ def _loader(spec: dict[str, Any]) -> DataLoader:
 
 
 if __name__ == "__main__":
-    run(json.loads(sys.argv[1]), Path(sys.argv[2]))
+    spec = json.loads(sys.argv[1])
+    (run_fabric if spec.get("fabric") else run)(spec, Path(sys.argv[2]))
