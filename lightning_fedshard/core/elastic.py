@@ -33,6 +33,7 @@ import copy
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -45,6 +46,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_fedshard.core.comm import ProcessGroupCommunicator
+from lightning_fedshard.core.quiet import quiet_torchft
 
 log = logging.getLogger(__name__)
 
@@ -411,7 +413,9 @@ class ElasticCommunicator:
         from torchft.checkpointing import HTTPTransport
         from torchft.manager import Manager
 
+        quiet_torchft()
         options = self.options
+        self._check_lighthouse()
         timeout = timedelta(seconds=options.timeout)
         self._rings = _fed_rings(timeout)
         manager = Manager(
@@ -441,6 +445,24 @@ class ElasticCommunicator:
             self._watchdog = GroupWatchdog(options.group_timeout)
             self._watchdog.start()
         return manager
+
+    def _check_lighthouse(self) -> None:
+        """Refuse to join a lighthouse that serves another federation (from its status page, before any quorum).
+
+        Groups of two federations on one lighthouse would otherwise take turns in its quorums, each group syncing
+        with whoever asked at the same moment.
+        """
+        address = self.options.lighthouse_address()
+        running = _federations_at(address)
+        others = {name: groups for name, groups in running.items() if name != self.options.federation}
+        if others:
+            listed = "; ".join(f"{name!r} (groups {sorted(groups)})" for name, groups in sorted(others.items()))
+            self.close()
+            raise FederationError(
+                f"This job (elastic group {self._group}) was refused: the lighthouse at {address} serves another"
+                f" federation: {listed}, and this job belongs to federation {self.options.federation!r}. Give each"
+                " federation a lighthouse of its own, or the same `Elastic(federation=...)` to every group of one."
+            )
 
     def _send(self) -> dict[str, Any]:
         """What a peer receives from this rank when it heals (torchft's thread; this rank waits in its quorum)."""
@@ -567,6 +589,30 @@ def _comparable(description: Mapping[str, Any]) -> dict[str, Any]:
 def _decode(row: Tensor) -> dict[str, Any]:
     data = bytes(row.tolist()).rstrip(b"\0")
     return json.loads(data.decode()) if data else {"federation": None, "group": -1, "joining": True}
+
+
+#: A heartbeat line of the lighthouse's status page: ``<federation>_<group>:<uuid>: seen <seconds>s ago``.
+_HEARTBEAT = re.compile(r"^\s*([A-Za-z0-9.\-]+)_(\d+):[0-9a-f\-]{36}: seen ([0-9.e\-]+)s ago", re.MULTILINE)
+
+
+def _federations_at(address: str, recent: float = 10.0, timeout: float = 5.0) -> dict[str, set[int]]:
+    """The federations whose groups heartbeat to the lighthouse at ``address`` (seen in the last ``recent`` s).
+
+    Read from the lighthouse's status page (torchft has no other way to list its replicas); empty if the page cannot
+    be read.
+    """
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{address.rstrip('/')}/status", timeout=timeout) as response:
+            page = response.read().decode(errors="replace")
+    except (OSError, ValueError):
+        return {}
+    found: dict[str, set[int]] = {}
+    for name, group, age in _HEARTBEAT.findall(page):
+        if float(age) <= recent:
+            found.setdefault(name, set()).add(int(group))
+    return found
 
 
 def _reachable(address: str, timeout: float = 2.0) -> bool:

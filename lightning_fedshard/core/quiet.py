@@ -9,6 +9,7 @@ directly.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,3 +33,18 @@ def torch_choices_silenced() -> Iterator[None]:
         for message, category in _SILENCED:
             warnings.filterwarnings("ignore", message=message, category=category)
         yield
+
+
+class _TorchftCpuNoise(logging.Filter):
+    """Drops torchft's warning, at every change of an elastic federation's groups, that NCCL's flight recorder (a
+    CUDA-only trace) cannot be reset: on gloo there is none, and the warning says nothing a user can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unable to reset NCCL flight recorder" not in record.getMessage()
+
+
+def quiet_torchft() -> None:
+    """Install :class:`_TorchftCpuNoise` on torchft's manager logger (once)."""
+    logger = logging.getLogger("torchft.manager")
+    if not any(isinstance(f, _TorchftCpuNoise) for f in logger.filters):
+        logger.addFilter(_TorchftCpuNoise())

@@ -67,8 +67,8 @@ class Job:
 class Cluster:
     """A lighthouse and the group jobs a test starts."""
 
-    def __init__(self, root: Path, min_groups: int = 1, heartbeat_ms: int = 1000, join_ms: int = 2000) -> None:
-        os.environ.setdefault("RUST_LOG", "warn")  # before torchft's native side starts logging
+    def __init__(self, root: Path, min_groups: int = 1, heartbeat_ms: int = 2000, join_ms: int = 2000) -> None:
+        os.environ.setdefault("RUST_LOG", os.environ.get("LIGHTHOUSE_LOG", "warn"))  # before torchft's native side starts logging
         from torchft.coordination import LighthouseServer
 
         self.root = root
@@ -117,7 +117,7 @@ class Cluster:
                 "OMP_NUM_THREADS": "1",
                 "FEDSHARD_GROUP": str(group),
                 "TORCHFT_LIGHTHOUSE": self.address,
-                "RUST_LOG": "warn",
+                "RUST_LOG": os.environ.get("LIGHTHOUSE_LOG", "warn"),
                 "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
             }
             log = open(out / f"rank{rank}.log", "w")

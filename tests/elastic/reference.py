@@ -1,0 +1,110 @@
+"""An independent single-process reference of an elastic federation whose groups come and go.
+
+One full copy of the toy network per round and contributing group, no package code: what a run recorded as the groups
+of each sync (who took part, who joined, whether it was lost) is replayed with hand-written FedAvg:
+
+- a group's round starts from the anchor of the previous sync (lost or not: a lost sync leaves the anchor as it was
+  and sends every group back to it);
+- in the round, a group takes SGD steps on its own part of the data: rank ``r`` of group ``g`` (``W`` ranks per group,
+  ``G`` planned groups) reads batch ``t`` of a shuffling ``DistributedSampler`` with ``num_replicas = G * W`` and
+  ``rank = g * W + r``, whatever job runs the group - the data follows the optimizer step; the group's gradient is the
+  mean of its ranks'; the learning rate is the cosine schedule of step ``t``;
+- a committed sync averages ``anchor - weights`` over the groups that took part and did not join at that sync, and the
+  anchor takes that step (FedAvg: outer SGD with learning rate 1); groups that joined add nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import DistributedSampler
+
+from tests.toy import IndexedRegression, loss_fn, make_net
+
+
+def cosine_lr(step: int, total: int, base: float = 0.05) -> float:
+    return base * 0.5 * (1 + math.cos(math.pi * step / total))
+
+
+def group_batches(group: int, num_groups: int, ranks: int, steps: int, batch: int = 4) -> list[list[list[int]]]:
+    """``[step][rank]`` -> sample indices that rank ``rank`` of group ``group`` reads at each step."""
+    data = IndexedRegression()
+    order = []
+    for rank in range(ranks):
+        sampler = DistributedSampler(data, num_replicas=num_groups * ranks, rank=group * ranks + rank, shuffle=True,
+                                     seed=0)  # fmt: skip
+        sampler.set_epoch(0)
+        order.append(list(sampler))
+    return [[order[r][t * batch : (t + 1) * batch] for r in range(ranks)] for t in range(steps)]
+
+
+def initial_weights(seed: int = 0) -> dict[str, Tensor]:
+    torch.manual_seed(seed)
+    return {f"net.{k}": v.detach().clone() for k, v in make_net().state_dict().items()}
+
+
+def _train_round(weights: dict[str, Tensor], batches: list[list[list[int]]], lrs: list[float]) -> dict[str, Tensor]:
+    """SGD steps from ``weights``: one per entry of ``batches`` (each a list of the group's ranks' batches)."""
+    data = IndexedRegression()
+    net = make_net()
+    net.load_state_dict({k.removeprefix("net."): v.clone() for k, v in weights.items()})
+    for per_rank, lr in zip(batches, lrs):
+        grads = None
+        for indices in per_rank:
+            net.zero_grad()
+            x = torch.stack([data[i][1] for i in indices])
+            y = torch.stack([data[i][2] for i in indices])
+            loss_fn(net, x, y).backward()
+            step = [p.grad.clone() for p in net.parameters()]
+            grads = step if grads is None else [a + b for a, b in zip(grads, step)]
+        with torch.no_grad():
+            for p, g in zip(net.parameters(), grads):
+                p -= lr * g / len(per_rank)
+    return {f"net.{k}": v.detach().clone() for k, v in net.state_dict().items()}
+
+
+def timeline(records: list[list[dict[str, Any]]]) -> dict[int, dict[str, Any]]:
+    """One entry per sync step from the records of several groups, which must agree where they overlap."""
+    merged: dict[int, dict[str, Any]] = {}
+    for record in records:
+        for sync in record:
+            seen = {k: sync[k] for k in ("step", "members", "joined", "lost")}
+            if sync["step"] in merged:
+                assert merged[sync["step"]] == seen, (merged[sync["step"]], seen)
+            merged[sync["step"]] = seen
+    return merged
+
+
+def replay(
+    syncs: dict[int, dict[str, Any]], num_groups: int, ranks: int, total: int, initial: dict[str, Tensor]
+) -> dict[int, dict[str, Tensor]]:
+    """The anchor after every committed sync of the timeline ``syncs`` (see `timeline`); every group starts at 0."""
+    anchor = {k: v.clone() for k, v in initial.items()}
+    batches = {g: group_batches(g, num_groups, ranks, total) for g in range(num_groups)}
+    lrs = [cosine_lr(t, total) for t in range(total)]
+    anchors: dict[int, dict[str, Tensor]] = {0: _copy(anchor)}
+    previous = 0
+    for step in sorted(syncs):
+        sync = syncs[step]
+        contributors = [g for g in sync["members"] if g not in sync["joined"]]
+        if sync["lost"] or step == previous or not contributors:
+            previous = step
+            continue
+        deltas = []
+        for g in contributors:
+            weights = _train_round(anchor, batches[g][previous:step], lrs[previous:step])
+            deltas.append({k: anchor[k] - weights[k] for k in anchor})
+        anchor = {k: anchor[k] - 1.0 * sum(d[k] for d in deltas) / len(deltas) for k in anchor}
+        anchors[step] = _copy(anchor)
+        previous = step
+    return anchors
+
+
+def _copy(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v.clone() for k, v in weights.items()}
+
+
+__all__ = ["cosine_lr", "group_batches", "initial_weights", "replay", "timeline"]

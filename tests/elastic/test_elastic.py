@@ -1,0 +1,305 @@
+"""Elastic federations on torchft: groups as separate jobs that fail, hang, rejoin and are refused, on CPU/gloo.
+
+Each scenario starts an in-process lighthouse and its group jobs as subprocesses (``tests/elastic/cluster.py``) once
+per module, and the tests check what the jobs recorded: the survivors' anchors are bit-identical across groups and equal
+to an independent reference that replays the recorded membership (``tests/elastic/reference.py``), a group that joins
+is bit-identical to the others after its first sync (weights, step, learning rate, data position), and every failure
+ends within its bound with a clear error.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.elastic.cluster import Cluster, Job, wait_for
+from tests.elastic.reference import cosine_lr, group_batches, initial_weights, replay, timeline
+
+pytest.importorskip("torchft")
+
+pytestmark = pytest.mark.timeout(300)
+
+BASE = {"strategy": "fl_fsdp", "sync_every": 4, "max_steps": 24, "reduce_dtype": "float32", "step_sleep": 0.25}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("elastic")
+
+
+@pytest.fixture(scope="module")
+def dropouts(root: Path) -> Iterator[dict[int, Job]]:
+    """Four groups: 1 killed mid-round, 2 killed inside the sum over the groups, 3 stopped (SIGSTOP) mid-round."""
+    cluster = Cluster(root / "dropouts", min_groups=1)
+    spec = {**BASE, "num_groups": 4}
+    faults = {1: ("kill", 6), 2: ("kill_in_sum", 12), 3: ("stop", 14)}
+    jobs = {g: cluster.start(g, {**spec, **_fault(faults.get(g))}) for g in range(4)}
+    try:
+        jobs[0].wait(240)
+        yield jobs
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
+def rejoin(root: Path) -> Iterator[dict[str, Job]]:
+    """Three groups, the lighthouse waits for all three: group 2 is killed mid-round and a new job replaces it."""
+    cluster = Cluster(root / "rejoin", min_groups=3)
+    spec = {**BASE, "num_groups": 3}
+    jobs = {"0": cluster.start(0, spec), "1": cluster.start(1, spec), "dead": cluster.start(2, {**spec, **_fault(("kill", 6))})}
+    try:
+        jobs["dead"].wait(120)
+        jobs["2"] = cluster.start(2, spec)
+        for job in jobs.values():
+            job.wait(240)
+        yield jobs
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
+def fabric_rejoin(root: Path) -> Iterator[dict[str, Job]]:
+    """The same on Fabric, FSDP2, int4 with error feedback, two fragments and a sum overlapped with a step."""
+    cluster = Cluster(root / "fabric", min_groups=3)
+    spec = {**BASE, "num_groups": 3, "fabric": True, "strategy": "fl_fsdp2", "reduce_dtype": "int4", "fragments": 2,
+            "sync_delay": 1}  # fmt: skip
+    jobs = {"0": cluster.start(0, spec), "1": cluster.start(1, spec), "dead": cluster.start(2, {**spec, **_fault(("kill", 6))})}
+    try:
+        jobs["dead"].wait(120)
+        jobs["2"] = cluster.start(2, spec)
+        for job in jobs.values():
+            job.wait(240)
+        yield jobs
+    finally:
+        cluster.close()
+
+
+def _fault(fault: tuple[str, int] | None, rank: int = 0) -> dict[str, Any]:
+    return {} if fault is None else {"fault": {"kind": fault[0], "step": fault[1], "rank": rank}}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _max_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+# -- groups that drop out ----------------------------------------------------------------------------------------
+
+
+def test_survivors_go_on_without_the_groups_that_failed(dropouts):
+    survivor = dropouts[0].result()
+    assert survivor["error"] is None and survivor["global_step"] == 24
+    syncs = {s["step"]: s for s in survivor["syncs"]}
+    assert 1 not in syncs[8]["members"]  # killed at step 6: gone by the next sync
+    assert syncs[12]["lost"] and 2 in syncs[12]["members"]  # killed inside the sum: nobody applies that sync
+    assert 2 not in syncs[16]["members"] and 3 not in syncs[16]["members"]  # dead, and stopped at step 14
+    assert [s["members"] for s in survivor["syncs"] if s["step"] >= 16] == [[0]] * 3
+    assert not any(s["lost"] for s in survivor["syncs"] if s["step"] != 12)
+
+
+def test_the_anchors_of_the_survivors_agree_and_equal_the_reference(dropouts):
+    records = [dropouts[g].result() for g in (0, 2) if (dropouts[g].out / "rank0.pt").exists()]
+    records += [r for r in [_partial(dropouts[1]), _partial(dropouts[3])] if r is not None]
+    reference = replay(timeline([r["syncs"] for r in records]), 4, 1, 24, initial_weights())
+    survivor = dropouts[0].result()
+    for step, consensus in survivor["consensus"].items():
+        assert _max_error(consensus, reference[step]) < 1e-6, step
+    assert survivor["final"] is not None and _max_error(survivor["final"], reference[24]) < 1e-6
+
+
+def _partial(job: Job) -> dict[str, Any] | None:
+    """A killed job writes nothing: its syncs are known from the survivors' records only."""
+    return job.result() if (job.out / "rank0.pt").exists() else None
+
+
+# -- a group that joins ------------------------------------------------------------------------------------------
+
+
+def test_a_new_group_heals_and_is_bit_identical_after_its_first_sync(rejoin):
+    first, joiner = rejoin["0"].result(), rejoin["2"].result()
+    assert joiner["error"] is None and joiner["joined_at"] == 8  # the others waited for it at their next sync
+    join = joiner["syncs"][0]
+    assert join["step"] == 8 and join["joined"] == [2] and join["heal_seconds"] > 0
+    for step, consensus in joiner["consensus"].items():
+        assert _equal(consensus, first["consensus"][step]), step
+    assert _equal(joiner["final"], first["final"])
+
+
+def test_a_new_group_continues_at_the_federations_step_learning_rate_and_data(rejoin):
+    joiner, first = rejoin["2"].result(), rejoin["0"].result()
+    assert sorted(joiner["batches"]) == list(range(8, 24))
+    expected = group_batches(2, 3, 1, 24)
+    for step, indices in joiner["batches"].items():
+        assert indices == expected[step][0], step  # group 2's part of the data, at the federation's step
+        assert joiner["lrs"][step] == first["lrs"][step] == pytest.approx(cosine_lr(step, 24), rel=1e-12)
+
+
+def test_with_a_new_group_the_anchors_equal_the_reference(rejoin):
+    records = [rejoin[k].result() for k in ("0", "1", "2")]
+    reference = replay(timeline([r["syncs"] for r in records]), 3, 1, 24, initial_weights())
+    for record in records:
+        for step, consensus in record["consensus"].items():
+            assert _max_error(consensus, reference[step]) < 1e-6, (record["group"], step)
+
+
+def test_fabric_fsdp2_group_with_compressed_fragments_rejoins(fabric_rejoin):
+    first, joiner = fabric_rejoin["0"].result(), fabric_rejoin["2"].result()
+    assert first["error"] is None and joiner["error"] is None
+    assert joiner["joined_at"] == 7  # the others began a fragment's sum after step 7 (one step before it lands)
+    assert joiner["consensus"] and all(_equal(c, first["consensus"][s]) for s, c in joiner["consensus"].items())
+    assert _equal(joiner["final"], first["final"])
+    assert all(joiner["lrs"][s] == first["lrs"][s] for s in joiner["lrs"])
+    expected = group_batches(2, 3, 1, 24)
+    assert all(indices == expected[s][0] for s, indices in joiner["batches"].items())
+
+
+# -- a group fails as a unit -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rank_death(root: Path) -> Iterator[dict[int, Job]]:
+    """Two FL+HSDP groups of two replicas: rank 1 of group 1 dies at step 6."""
+    cluster = Cluster(root / "rank_death", min_groups=1)
+    spec = {**BASE, "num_groups": 2, "strategy": "fl_hsdp", "shard_size": 1}
+    jobs = {0: cluster.start(0, spec, ranks=2), 1: cluster.start(1, {**spec, **_fault(("kill", 6), rank=1)}, ranks=2)}
+    try:
+        wait_for(lambda: jobs[1].procs[1].poll() is not None, 120, "rank 1 of group 1 to die")
+        died = time.monotonic()
+        jobs[1].wait(60)
+        jobs[1].took = time.monotonic() - died  # type: ignore[attr-defined]
+        jobs[0].wait(240)
+        yield jobs
+    finally:
+        cluster.close()
+
+
+def test_a_rank_that_dies_takes_its_whole_group_down(rank_death):
+    codes = [p.poll() for p in rank_death[1].procs]
+    assert codes[1] == -9 and codes[0] not in (None, 0)  # the other rank ended too, with an error
+    assert rank_death[1].took < 15  # FSDP's collective fails at once; the group watchdog bounds the rest
+
+
+def test_the_other_group_goes_on_alone_and_equals_the_reference(rank_death):
+    survivor = rank_death[0].result()
+    assert survivor["error"] is None and survivor["global_step"] == 24
+    assert all(s["members"] == [0] for s in survivor["syncs"] if s["step"] >= 8)
+    records = [survivor] + ([rank_death[1].result()] if (rank_death[1].out / "rank0.pt").exists() else [])
+    reference = replay(timeline([r["syncs"] for r in records]), 2, 2, 24, initial_weights())
+    for step, consensus in survivor["consensus"].items():
+        assert _max_error(consensus, reference[step]) < 1e-6, step
+
+
+# -- who may join ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def refused(root: Path) -> Iterator[dict[int, Job]]:
+    """A running group, then a job with another model and one of another federation on the same lighthouse."""
+    cluster = Cluster(root / "refused", min_groups=1)
+    spec = {**BASE, "num_groups": 3, "max_steps": 80}  # long enough for the others to start while it trains
+    jobs = {0: cluster.start(0, spec)}
+    try:
+        wait_for(lambda: jobs[0].progress() >= 4, 120, "group 0 to train")
+        jobs[1] = cluster.start(1, {**spec, "hidden": 12})
+        jobs[2] = cluster.start(2, {**spec, "federation": "other"})
+        for job in jobs.values():
+            job.wait(240)
+        yield jobs
+    finally:
+        cluster.close()
+
+
+def test_a_job_with_another_model_is_refused_naming_both(refused):
+    error = refused[1].result()["error"]
+    assert error.startswith("FederationError: This job (elastic group 1) was refused")
+    assert "'279 values per rank in 1 shard(s) of float32' here, '219 values per rank" in error
+
+
+def test_a_job_of_another_federation_is_refused_naming_both(refused):
+    error = refused[2].result()["error"]
+    assert error.startswith("FederationError: This job (elastic group 2) was refused: the lighthouse at")
+    assert "serves another federation: 'tests' (groups [0" in error and "belongs to federation 'other'" in error
+
+
+def test_the_running_group_is_not_disturbed_by_refused_jobs(refused):
+    running = refused[0].result()
+    assert running["error"] is None and running["global_step"] == 80
+    assert all(s["members"] == [0] and not s["lost"] for s in running["syncs"])
+
+
+# -- the lighthouse ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def outage(root: Path) -> Iterator[dict[str, Any]]:
+    """Two groups: the lighthouse is down for 2 s, later for good."""
+    cluster = Cluster(root / "outage", min_groups=1)
+    spec = {**BASE, "num_groups": 2, "max_steps": 200, "quorum_timeout": 8, "quorum_retries": 3}
+    jobs = {0: cluster.start(0, spec), 1: cluster.start(1, spec)}
+    try:
+        wait_for(lambda: jobs[0].progress() >= 8, 120, "group 0 to train")
+        cluster.restart_lighthouse(2.0)
+        after_short = jobs[0].progress()
+        wait_for(lambda: jobs[0].progress() >= after_short + 8, 120, "training after a short outage")
+        cluster.stop_lighthouse()
+        gone = time.monotonic()
+        for job in jobs.values():
+            job.wait(120)
+        yield {"jobs": jobs, "took": time.monotonic() - gone, "after_short": after_short}
+    finally:
+        cluster.close()
+
+
+def test_a_short_lighthouse_outage_is_ridden_out(outage):
+    syncs = outage["jobs"][0].result()["syncs"]
+    after = [s for s in syncs if s["step"] > outage["after_short"]]
+    assert len(after) >= 2 and all(s["members"] == [0, 1] and not s["lost"] for s in after)
+
+
+def test_a_long_lighthouse_outage_ends_every_group_with_a_clear_error(outage):
+    for job in outage["jobs"].values():
+        result = job.result()
+        assert result["error"].startswith(f"FederationError: Elastic group {result['group']} lost the lighthouse at")
+        assert result["global_step"] < 200
+    assert outage["took"] < 60  # the quorum timeout (8 s) and 3 retries, not the default 15 minutes
+
+
+def test_fewer_groups_than_the_lighthouse_waits_for_is_a_clear_error(root):
+    cluster = Cluster(root / "alone", min_groups=2)
+    try:
+        job = cluster.start(0, {**BASE, "num_groups": 2, "quorum_timeout": 4, "quorum_retries": 0})
+        assert job.wait(120) == [3]
+        error = job.result()["error"]
+        assert "got no quorum within 4 s: fewer groups are running than the lighthouse" in error
+    finally:
+        cluster.close()
+
+
+# -- checkpoints -------------------------------------------------------------------------------------------------
+
+
+def test_a_whole_federation_restarted_from_checkpoints_resumes_exactly(root):
+    spec = {**BASE, "num_groups": 2, "max_steps": 14, "reduce_dtype": "int4", "ckpt_every": 6, "step_sleep": 0.0}
+    cluster = Cluster(root / "straight", min_groups=2)
+    try:
+        straight = [cluster.start(g, spec) for g in range(2)]
+        assert [job.wait(180) for job in straight] == [[0], [0]]
+    finally:
+        cluster.close()
+    cluster = Cluster(root / "resumed", min_groups=2)
+    try:
+        resumed = [cluster.start(g, {**spec, "resume": str(straight[g].out / "ckpts" / "step=6.ckpt")}) for g in range(2)]
+        assert [job.wait(180) for job in resumed] == [[0], [0]]
+    finally:
+        cluster.close()
+    for before, after in zip(straight, resumed):
+        assert after.result()["joined_at"] == 6  # mid-round: the groups held different weights when they stopped
+        assert _equal(after.result()["final"], before.result()["final"])
