@@ -27,13 +27,13 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 
 from lightning_fedshard.core.codecs import Codec
-from lightning_fedshard.core.elastic import Elastic
 from lightning_fedshard.core.config import (
     FederationConfig,
     OuterOptimizerSpec,
     federation_args_doc,
     outer_learning_rate_warning,
 )
+from lightning_fedshard.core.elastic import Elastic
 from lightning_fedshard.core.fsdp import FSDP1, fsdp_device_id
 from lightning_fedshard.core.fsdp2 import (
     FSDP2,

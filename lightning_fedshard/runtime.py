@@ -113,7 +113,8 @@ class FederatedRuntime:
         elastic = self.config.elastic
         if elastic is not None:
             group = elastic.group_index(self.num_groups)
-            return f"{self.name}: {elastic.describe(group, self.num_groups)}, this job {self.topology}; {self.config.describe()}"
+            shape = f"{self.topology.num_replicas} replica(s) x {self.topology.shard_size} shard(s)"
+            return f"{self.name}: {elastic.describe(group, self.num_groups)}, {shape} here; {self.config.describe()}"
         one_group = " (one group: nothing to federate)" if self.syncs_are_identity else ""
         return f"{self.name}: {self.topology}{one_group}; {self.config.describe()}"
 
@@ -326,8 +327,10 @@ class FederatedRuntime:
     # -- elastic ----------------------------------------------------------------------------------------------
 
     def set_host_state(self, state: Callable[[], Any], load: Callable[[Any], None]) -> None:
-        """Elastic: what the strategy adds to the state a joining group receives (its loops, learning-rate schedules),
-        and how a joining group applies a peer's (``state`` runs on torchft's thread while this rank waits in a sync).
+        """Elastic: what the strategy adds to the state a joining group receives, and how a joining group applies it.
+
+        E.g. the Trainer's loops and learning-rate schedules. ``state`` runs on torchft's thread while this rank waits
+        in a sync.
         """
         self._host_state, self._load_host_state = state, load
 
@@ -391,7 +394,8 @@ class FederatedRuntime:
         return {
             "strategy": f"{self.name} ({self.backend.name})",
             "group shape": f"{topology.num_replicas} replica(s) x {topology.shard_size} shard(s)",
-            "model": f"{sum(s.numel() for s in shards):,} values per rank in {len(shards)} shard(s) of {'/'.join(dtypes)}",
+            "model": f"{sum(s.numel() for s in shards):,} values per rank in {len(shards)} shard(s) of"
+            f" {'/'.join(dtypes)}",
             "shard layout": layout,
             "num_groups": self.num_groups,
             "sync options": dataclasses.replace(self.config, elastic=None, num_groups=None).describe(),

@@ -276,7 +276,9 @@ class FederationConfig:
         if self.merge_alpha:
             parts.append(f"merge_alpha={self.merge_alpha}")
         if self.elastic is not None:
-            parts.append(f"elastic (federation {self.elastic.federation!r}, at least {self.elastic.min_groups} group(s))")
+            parts.append(
+                f"elastic (federation {self.elastic.federation!r}, at least {self.elastic.min_groups} group(s))"
+            )
         parts.append(f"anchor on the {'CPU' if self.anchor_device == 'cpu' else 'device'}")
         return ", ".join(parts)
 

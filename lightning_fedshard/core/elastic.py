@@ -78,8 +78,11 @@ class Elastic:
         group: This group's index in ``[0, num_groups)``; default: ``$FEDSHARD_GROUP``. A group that replaces a failed
             one takes its index (and its data).
         federation: The federation's name; a job of another federation is refused by the running groups.
-        min_groups: A sync commits only with at least this many groups; with fewer, the groups wait for more (up to
+        min_groups: A sync runs only with at least this many groups; with fewer, the groups wait for more (up to
             ``quorum_timeout``) and then stop with an error.
+        start_groups: A new federation (every group joining at once) starts training only once this many groups
+            joined, so that groups whose jobs start a little later do not find the others ahead of them; default:
+            ``min_groups``.
         timeout: Seconds a collective between groups, a heal's transfer or a commit vote may take: a hung group costs
             the others at most this much (then it is left out).
         quorum_timeout: Seconds to wait for a quorum; longer than a round (a joining group waits for the others'
@@ -99,6 +102,7 @@ class Elastic:
     group: int | None = None
     federation: str = "fedshard"
     min_groups: int = 1
+    start_groups: int | None = None
     timeout: float = 60.0
     quorum_timeout: float = 900.0
     connect_timeout: float = 60.0
@@ -113,8 +117,16 @@ class Elastic:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"`Elastic({name}=...)` must be a positive integer, got {value!r}.")
+        if self.start_groups is not None and (
+            not isinstance(self.start_groups, int) or isinstance(self.start_groups, bool) or self.start_groups < 1
+        ):
+            raise ValueError(
+                f"`Elastic(start_groups=...)` must be a positive integer or None, got {self.start_groups!r}."
+            )
         if not isinstance(self.quorum_retries, int) or self.quorum_retries < 0:
-            raise ValueError(f"`Elastic(quorum_retries=...)` must be a non-negative integer, got {self.quorum_retries!r}.")
+            raise ValueError(
+                f"`Elastic(quorum_retries=...)` must be a non-negative integer, got {self.quorum_retries!r}."
+            )
         for name in ("timeout", "quorum_timeout", "connect_timeout", "group_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -209,6 +221,7 @@ class ElasticCommunicator:
         self._taken = False  # a quorum taken by `quorum()` that the next `participants()` uses
         self._joining = False
         self._joined = False
+        self._all_joining = False  # whether every group of the last checked quorum was joining
         self._save: HealSave | None = None
         self._load: HealLoad | None = None
         self._healed: dict[str, Any] | None = None
@@ -256,19 +269,11 @@ class ElasticCommunicator:
 
     def sum_over_groups(self, tensor: Tensor) -> None:
         """All-reduce (sum) over the fed ring; zeros after a failure."""
-        from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
-
-        options = AllreduceOptions()
-        options.reduceOp = ReduceOp.SUM
-        self._collective(lambda: self._rings.allreduce([tensor], options), tensor)
+        self._collective(lambda: self._rings.allreduce([tensor], _sum_options()), tensor)
 
     def sum_stats_over_groups(self, tensor: Tensor) -> None:
         """All-reduce (sum) over the statistics ring; zeros after a failure."""
-        from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
-
-        options = AllreduceOptions()
-        options.reduceOp = ReduceOp.SUM
-        self._collective(lambda: self._rings.stats.allreduce([tensor], options), tensor)
+        self._collective(lambda: self._rings.stats.allreduce([tensor], _sum_options()), tensor)
 
     def all_to_all(self, output: Tensor, input: Tensor) -> None:
         """``alltoall_base`` over the fed ring (equal parts); zeros after a failure."""
@@ -298,7 +303,7 @@ class ElasticCommunicator:
         raise NotImplementedError("An elastic federation averages all its groups; it does not mix them.")
 
     def should_commit(self) -> bool:
-        """torchft's vote: ``False`` on every rank of this group if any of them saw an error in this sync.
+        """Torchft's vote: ``False`` on every rank of this group if any of them saw an error in this sync.
 
         Raises:
             FederationError: After ``max_failures`` syncs in a row that did not commit.
@@ -346,12 +351,13 @@ class ElasticCommunicator:
             state = manager.state_dict()
             manager.load_state_dict({**state, "step": state["step"] - 1})
         self._joining = joining
+        deadline = time.monotonic() + self.options.quorum_timeout
+        healed, self.last_heal_seconds = False, None
         while True:
             self._healed = None
-            self.last_heal_seconds = None
             started = time.perf_counter()
             try:
-                manager.start_quorum(timeout=timedelta(seconds=self.options.quorum_timeout))
+                manager.start_quorum(timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
             except Exception as error:  # torchft raises what its RPC raised: timeouts, connection errors
                 raise FederationError(self._quorum_failure(error)) from error
             ring = self._rings.members
@@ -359,19 +365,31 @@ class ElasticCommunicator:
                 if not self._admitted(ring):
                     continue  # a job that does not belong was in this quorum: ask again without it
                 self._checked_quorum = self._rings.quorum_id
-            break
-        healed = self._healed is not None
-        if healed:
-            assert self._load is not None and self._healed is not None
-            self._load(self._healed)
-            self.last_heal_seconds = time.perf_counter() - started
-            self._healed = None
+            if self._healed is not None:
+                assert self._load is not None
+                self._load(self._healed)
+                healed, self.last_heal_seconds = True, time.perf_counter() - started
+                self._healed = None
+            if manager.errored() is not None or len(ring) >= self._enough(joining):
+                break
+            if time.monotonic() > deadline:
+                raise FederationError(
+                    f"Elastic group {self._group} waited {self.options.quorum_timeout:g} s for at least"
+                    f" {self._enough(joining)} group(s), and only {len(ring)} took part: {list(ring)}."
+                )
+            time.sleep(0.5)  # too few groups (`min_groups`, `start_groups`): ask again
         self._joined = joining or healed or manager.errored() is not None
         if ring != self._ring and self.on_new_members is not None:
             self.on_new_members(ring)
         self._ring = ring
         self._taken = True
         return ring
+
+    def _enough(self, joining: bool) -> int:
+        """The groups a quorum needs: ``min_groups``, or ``start_groups`` while every group of it is joining."""
+        if joining and self._all_joining:
+            return max(self.options.min_groups, self.options.start_groups or 0)
+        return self.options.min_groups
 
     @property
     def step(self) -> int:
@@ -381,7 +399,7 @@ class ElasticCommunicator:
         return int((self._manager_state or {}).get("step", 0))
 
     def state_dict(self) -> dict[str, int]:
-        """torchft's counters of this group (kept in checkpoints, so a restarted federation agrees on its step)."""
+        """Torchft's counters of this group (kept in checkpoints, so a restarted federation agrees on its step)."""
         if self._manager is not None:
             return dict(self._manager.state_dict())
         return dict(self._manager_state or {"step": 0, "batches_committed": 0})
@@ -515,6 +533,7 @@ class ElasticCommunicator:
         if self._manager.errored() is None:  # else the sync fails anyway, is not committed, and the next quorum checks
             descriptions = [_decode(row) for row in everyone.view(len(ring), _DESCRIPTION_BYTES)]
             verdict = _check_members(descriptions, int(self._manager.participating_rank() or 0))
+            self._all_joining = all(d["joining"] for d in descriptions)
         # One decision for the whole group (its ranks sit on different rings): refused anywhere, retry anywhere, or go.
         code = torch.tensor([{None: 0, "retry": 1}.get(verdict, 2)], dtype=torch.int64)
         dist.all_reduce(code, op=dist.ReduceOp.MAX)
@@ -547,8 +566,10 @@ class ElasticCommunicator:
 
 
 def _check_members(descriptions: list[dict[str, Any]], position: int) -> str | None:
-    """Whether every group of a quorum belongs to one federation: ``None`` if so, ``"retry"`` if another group does
-    not, or the reason this rank's group (at ring ``position``) is refused.
+    """Whether every group of a quorum belongs to one federation.
+
+    Returns ``None`` if so, ``"retry"`` if another group does not, or the reason this rank's group (at ring
+    ``position``) is refused.
 
     The groups already training (not joining) define the federation; when every group is joining, the most common
     description does (the first in ring order among equally common ones). A group whose description differs is refused;
@@ -628,6 +649,14 @@ def _reachable(address: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def _sum_options() -> Any:
+    from torch.distributed.distributed_c10d import AllreduceOptions
+
+    options = AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stubs type the field as ReduceOp
+    return options
+
+
 def _gather_options() -> Any:
     from torch.distributed.distributed_c10d import AllgatherOptions
 
@@ -641,7 +670,7 @@ def _hostname() -> str:
 
 
 def _fed_rings(timeout: timedelta) -> Any:
-    """torchft's reconfigurable gloo group for the sums, with a second ring for statistics configured beside it."""
+    """Torchft's reconfigurable gloo group for the sums, with a second ring for statistics configured beside it."""
     from torchft.process_group import ProcessGroupGloo
 
     class FedRings(ProcessGroupGloo):

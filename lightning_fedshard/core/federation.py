@@ -215,8 +215,11 @@ class Federation:
         step = syncing[1] if syncing is not None else self._joining_at
         state = {
             "outer": outer.state_dict(),
-            "schedule": {"last_synced_step": self.last_synced_step, "last_step": self.last_step,
-                         "landed_at": list(self.landed_at)},  # fmt: skip
+            "schedule": {
+                "last_synced_step": self.last_synced_step,
+                "last_step": self.last_step,
+                "landed_at": list(self.landed_at),
+            },  # fmt: skip
             "sync": syncing,
             "step": step,
             "host": self.host_state() if self.host_state is not None else None,

@@ -810,7 +810,9 @@ class OuterStep:
         flags[1, mine] = 1.0 if joined else 0.0
         sum_over_model(self.communicator, flags.view(-1))
         nonfinite, joining = flags.tolist()
-        return [g for g, f in zip(participants, nonfinite) if f > 0], [g for g, f in zip(participants, joining) if f > 0]
+        return [g for g, f in zip(participants, nonfinite) if f > 0], [
+            g for g, f in zip(participants, joining) if f > 0
+        ]
 
     def _set_grads(self, flat: Tensor, fragment: int) -> None:
         offset = 0

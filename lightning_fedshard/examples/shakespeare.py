@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import re
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol, TypedDict
@@ -29,7 +30,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler, Subset
 
 from lightning_fedshard.checkpoint.atomic import publish, save_file, unique_staging_dir, write_text
 
@@ -343,6 +344,9 @@ class ShakespeareDataModule(LightningDataModule):
         max_train_windows: Keep at most this many training windows, evenly spaced over the corpus (for fast runs).
         max_val_windows: Keep at most this many validation windows, evenly spaced over the held-out plays.
         seed: Seed of the per-group shuffling in the genre split.
+        resumable: Train from torchdata's ``StatefulDataLoader``, whose position Lightning keeps in checkpoints, so
+            that a resumed run - or a group that joins an elastic federation at the others' step - goes on with the
+            batch that step comes to instead of the epoch's first (needs ``torchdata``, in the ``elastic`` extra).
 
     Raises:
         ValueError: If an argument is out of range.
@@ -359,6 +363,7 @@ class ShakespeareDataModule(LightningDataModule):
         max_train_windows: int | None = None,
         max_val_windows: int | None = None,
         seed: int = 0,
+        resumable: bool = False,
     ) -> None:
         super().__init__()
         _check_at_least(seq_len=seq_len, batch_size=batch_size, minimum=1)
@@ -377,6 +382,7 @@ class ShakespeareDataModule(LightningDataModule):
         self.max_train_windows = max_train_windows
         self.max_val_windows = max_val_windows
         self.seed = seed
+        self.resumable = resumable
         self.tokenizer: PreTrainedTokenizerFast | None = None
         self._train_set: TokenWindows | None = None
         self._val_set: TokenWindows | None = None
@@ -524,8 +530,8 @@ class ShakespeareDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         """Shuffled training windows: over all ranks (IID) or over this rank's federation group (genre split)."""
         if self.split == "iid":
-            # Lightning wraps this in a DistributedSampler over all ranks when running distributed.
-            return self._loader(self.train_set, shuffle=True)
+            # A shuffling sampler, which Lightning replaces by a shuffling DistributedSampler over all ranks.
+            return self._loader(self.train_set, sampler=RandomSampler(self.train_set), resumable=self.resumable)
         num_groups, group_size, group, position = self._group_layout()
         pools = [self.train_set.indices_of(genres) for genres in assign_genres(num_groups)]
         # Every group runs epochs of the smallest group's length, so all ranks step in lockstep.
@@ -538,17 +544,23 @@ class ShakespeareDataModule(LightningDataModule):
         subset = Subset(self.train_set, pools[group])
         sampler = GroupSampler(subset, group_size, position, num_samples, seed=self.seed)
         # Lightning leaves a DistributedSampler in place, so each group keeps its own data.
-        return self._loader(subset, sampler=sampler)
+        return self._loader(subset, sampler=sampler, resumable=self.resumable)
 
     def val_dataloader(self) -> DataLoader:
         """All validation windows, in order."""
-        return self._loader(self.val_set, shuffle=False)
+        return self._loader(self.val_set)
 
-    def _loader(self, dataset: Dataset, shuffle: bool = False, sampler: DistributedSampler | None = None) -> DataLoader:
-        return DataLoader(
+    def _loader(self, dataset: Dataset, sampler: Sampler | None = None, resumable: bool = False) -> DataLoader:
+        loader: type[DataLoader] = DataLoader
+        if resumable:
+            # torchdata 0.11 calls a torch function that torch deprecates, on every rank; nothing a user can change.
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            loader = StatefulDataLoader
+        return loader(
             dataset,
             batch_size=self.batch_size,
-            shuffle=shuffle,
             sampler=sampler,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,

@@ -306,7 +306,8 @@ def _load_loop_state(trainer: Trainer, state: dict[str, Any]) -> None:
     schedulers = trainer.lr_scheduler_configs
     if len(schedulers) != len(state["lr_schedulers"]):
         raise ValueError(
-            f"This group has {len(schedulers)} learning-rate scheduler(s), the federation's {len(state['lr_schedulers'])}."
+            f"This group has {len(schedulers)} learning-rate scheduler(s), the federation's"
+            f" {len(state['lr_schedulers'])}."
         )
     for config, saved in zip(schedulers, state["lr_schedulers"]):
         config.scheduler.load_state_dict(saved)

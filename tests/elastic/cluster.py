@@ -68,14 +68,19 @@ class Cluster:
     """A lighthouse and the group jobs a test starts."""
 
     def __init__(self, root: Path, min_groups: int = 1, heartbeat_ms: int = 2000, join_ms: int = 2000) -> None:
-        os.environ.setdefault("RUST_LOG", os.environ.get("LIGHTHOUSE_LOG", "warn"))  # before torchft's native side starts logging
+        os.environ.setdefault(
+            "RUST_LOG", os.environ.get("LIGHTHOUSE_LOG", "warn")
+        )  # before torchft's native side starts logging
         from torchft.coordination import LighthouseServer
 
         self.root = root
         self.min_groups, self.heartbeat_ms, self.join_ms = min_groups, heartbeat_ms, join_ms
         self.port = free_port()
         self.lighthouse: Any = LighthouseServer(
-            bind=f"[::]:{self.port}", min_replicas=min_groups, join_timeout_ms=join_ms, heartbeat_timeout_ms=heartbeat_ms
+            bind=f"[::]:{self.port}",
+            min_replicas=min_groups,
+            join_timeout_ms=join_ms,
+            heartbeat_timeout_ms=heartbeat_ms,
         )
         self.address = self.lighthouse.address()
         self.jobs: list[Job] = []

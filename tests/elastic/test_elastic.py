@@ -51,7 +51,11 @@ def rejoin(root: Path) -> Iterator[dict[str, Job]]:
     """Three groups, the lighthouse waits for all three: group 2 is killed mid-round and a new job replaces it."""
     cluster = Cluster(root / "rejoin", min_groups=3)
     spec = {**BASE, "num_groups": 3}
-    jobs = {"0": cluster.start(0, spec), "1": cluster.start(1, spec), "dead": cluster.start(2, {**spec, **_fault(("kill", 6))})}
+    jobs = {
+        "0": cluster.start(0, spec),
+        "1": cluster.start(1, spec),
+        "dead": cluster.start(2, {**spec, **_fault(("kill", 6))}),
+    }
     try:
         jobs["dead"].wait(120)
         jobs["2"] = cluster.start(2, spec)
@@ -68,7 +72,11 @@ def fabric_rejoin(root: Path) -> Iterator[dict[str, Job]]:
     cluster = Cluster(root / "fabric", min_groups=3)
     spec = {**BASE, "num_groups": 3, "fabric": True, "strategy": "fl_fsdp2", "reduce_dtype": "int4", "fragments": 2,
             "sync_delay": 1}  # fmt: skip
-    jobs = {"0": cluster.start(0, spec), "1": cluster.start(1, spec), "dead": cluster.start(2, {**spec, **_fault(("kill", 6))})}
+    jobs = {
+        "0": cluster.start(0, spec),
+        "1": cluster.start(1, spec),
+        "dead": cluster.start(2, {**spec, **_fault(("kill", 6))}),
+    }
     try:
         jobs["dead"].wait(120)
         jobs["2"] = cluster.start(2, spec)
@@ -296,7 +304,9 @@ def test_a_whole_federation_restarted_from_checkpoints_resumes_exactly(root):
         cluster.close()
     cluster = Cluster(root / "resumed", min_groups=2)
     try:
-        resumed = [cluster.start(g, {**spec, "resume": str(straight[g].out / "ckpts" / "step=6.ckpt")}) for g in range(2)]
+        resumed = [
+            cluster.start(g, {**spec, "resume": str(straight[g].out / "ckpts" / "step=6.ckpt")}) for g in range(2)
+        ]
         assert [job.wait(180) for job in resumed] == [[0], [0]]
     finally:
         cluster.close()

@@ -96,9 +96,6 @@ class Recorder(L.Callback):
         self._seen: Any = None
 
     def on_train_start(self, trainer, pl_module):
-        if os.environ.get("DEBUG_SAMPLER"):
-            loader = trainer.train_dataloader
-            print("SAMPLER", type(loader.batch_sampler.sampler), {k: v for k, v in vars(loader.batch_sampler.sampler).items() if k != "dataset"}, flush=True)
         self.joined_at = trainer.global_step
         self.initial = _consensus(trainer)
         self._record(trainer)
@@ -156,6 +153,8 @@ def _strategy(spec: dict[str, Any], cls: Any = None) -> Any:
         connect_timeout=10.0,
         quorum_retries=spec.get("quorum_retries", 3),
         group_timeout=spec.get("group_timeout", 5.0),
+        start_groups=spec.get("start_groups"),
+        min_groups=spec.get("min_groups", 1),
     )
     keys = ("shard_size", "sync_every", "outer_optimizer", "fragments", "sync_delay", "reduce_dtype", "merge_alpha")
     kwargs = {k: spec[k] for k in keys if k in spec}
@@ -173,8 +172,9 @@ def run(spec: dict[str, Any], out: Path) -> None:
     callbacks: list[L.Callback] = [recorder]
     if spec.get("ckpt_every"):
         callbacks.append(
-            ModelCheckpoint(dirpath=out / "ckpts", filename="{step}", every_n_train_steps=spec["ckpt_every"],
-                            save_top_k=-1)  # fmt: skip
+            ModelCheckpoint(
+                dirpath=out / "ckpts", filename="{step}", every_n_train_steps=spec["ckpt_every"], save_top_k=-1
+            )  # fmt: skip
         )
     trainer = L.Trainer(
         accelerator="cpu",
@@ -201,9 +201,10 @@ def run(spec: dict[str, Any], out: Path) -> None:
 
 def run_fabric(spec: dict[str, Any], out: Path) -> None:
     """The same training in a Fabric loop: the group joins explicitly, with its scheduler and loader."""
-    import lightning_fedshard.fabric as fabric_strategies
     from torch.utils.data import DistributedSampler
     from torchdata.stateful_dataloader import StatefulDataLoader
+
+    import lightning_fedshard.fabric as fabric_strategies
 
     out.mkdir(parents=True, exist_ok=True)
     spec = {**spec, "out": str(out)}

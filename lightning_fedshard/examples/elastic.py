@@ -1,0 +1,495 @@
+"""An elastic federation on one machine: a lighthouse, one job per group, injected faults and a report.
+
+:class:`ElasticDemo` starts a torchft lighthouse and ``G`` group jobs that pre-train the example Llama on Shakespeare
+(each job: ``N`` ranks of one FL+FSDP group, started like any Lightning script), injects the faults of a spec
+(:func:`parse_faults`), and writes what happened: per group its steps, syncs committed and lost, heals and exit codes;
+per fault how long the surviving groups stalled; the final consensus checksum of every live group; the committed
+tokens per second. ``examples/elastic_shakespeare.py`` is its command line, and the tests and the elastic benchmark
+use it too.
+
+A group job (:func:`run_group`) writes one JSON line per event to ``<out>/group<g>.<incarnation>/events.jsonl``: its
+start, every optimizer step, every sync (the groups, who joined, whether it was lost, seconds spent healing and in the
+sync) and its end with the consensus checksum. The driver reads only these files and the exit codes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: What a fault does to a group: kill it (SIGKILL), stop it (SIGSTOP: a hung group), or start a new job for it.
+FAULT_KINDS = ("kill", "stop", "restart")
+
+#: Tokens one rank trains on per optimizer step (the demo's batch of 8 windows of 128 tokens).
+BATCH, SEQ_LEN = 8, 128
+
+
+@dataclass(frozen=True)
+class Fault:
+    """``kind`` applied to ``group`` once the furthest running group has done ``step`` optimizer steps."""
+
+    kind: str
+    group: int
+    step: int
+
+
+def parse_faults(spec: str, groups: int) -> list[Fault]:
+    """Parse ``"kill:1@20,stop:2@40,restart:1@30"`` into faults, in the order of their steps.
+
+    Raises:
+        ValueError: Naming the entry that is not ``KIND:GROUP@STEP`` with a known kind, a group in ``[0, groups)``
+            and a positive step.
+    """
+    faults = []
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        kind, _, rest = entry.partition(":")
+        group, _, step = rest.partition("@")
+        if kind not in FAULT_KINDS or not group.isdigit() or not step.isdigit():
+            raise ValueError(
+                f"Fault {entry!r} is not KIND:GROUP@STEP with KIND one of {list(FAULT_KINDS)}, e.g. 'kill:1@20'."
+            )
+        if not 0 <= int(group) < groups or int(step) < 1:
+            raise ValueError(f"Fault {entry!r}: the group must be in [0, {groups}) and the step positive.")
+        faults.append(Fault(kind, int(group), int(step)))
+    return sorted(faults, key=lambda f: f.step)
+
+
+# -- the driver ------------------------------------------------------------------------------------------------------
+
+
+#: Builds the command that runs a group job: (group, argv, environment) -> the command line.
+Launch = Callable[[int, list[str], dict[str, str]], list[str]]
+
+
+def local_launch(group: int, argv: list[str], env: dict[str, str]) -> list[str]:
+    """Run a group job on this machine (its environment is passed to ``Popen``)."""
+    return argv
+
+
+@dataclass
+class Incarnation:
+    """One job of one group: a process session, its event log and what became of it."""
+
+    group: int
+    index: int
+    out: Path
+    process: subprocess.Popen[bytes]
+    started: float
+    ended: float | None = None
+    stopped_at: float | None = None
+    exit_code: int | None = None
+
+    def events(self) -> list[dict[str, Any]]:
+        """The job's events so far."""
+        path = self.out / "events.jsonl"
+        if not path.exists():
+            return []
+        lines = path.read_text().splitlines()
+        return [json.loads(line) for line in lines if line.endswith("}")]  # the last line may be half written
+
+    def step(self) -> int:
+        """The job's last optimizer step (-1 before its first)."""
+        steps = [e["step"] for e in self.events() if e["event"] in ("step", "sync")]
+        return max(steps, default=-1)
+
+    @property
+    def running(self) -> bool:
+        """Whether the job runs and is not stopped."""
+        return self.ended is None and self.stopped_at is None and self.process.poll() is None
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to every process of the job."""
+        try:
+            os.killpg(self.process.pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+@dataclass
+class DemoConfig:
+    """What the demo runs: the federation, the training, the faults and the timeouts (seconds)."""
+
+    groups: int = 4
+    ranks_per_group: int = 1
+    max_steps: int = 96
+    sync_every: int = 8
+    faults: list[Fault] = field(default_factory=list)
+    reduce_dtype: str = "int4"
+    heartbeat: float = 2.0
+    join: float = 2.0
+    timeout: float = 15.0
+    quorum_timeout: float = 120.0
+    min_groups: int = 1
+    step_sleep: float = 0.0
+    size: str = "xs"
+    lr: float = 0.005
+
+
+class ElasticDemo:
+    """Starts the lighthouse and the group jobs, injects the faults, waits and reports.
+
+    Args:
+        config: The run.
+        out: Folder for the group jobs' event logs and logs.
+        launch: Builds each group job's command (default: a local process).
+        lighthouse: The address of a lighthouse already running; default: one started in this process.
+        node_address: The address a group's manager is reached at by the others (default: this machine's name).
+    """
+
+    def __init__(
+        self,
+        config: DemoConfig,
+        out: Path,
+        launch: Launch = local_launch,
+        lighthouse: str | None = None,
+        node_address: Callable[[int], str] | None = None,
+    ) -> None:
+        self.config = config
+        self.out = out
+        self.launch = launch
+        self._external_lighthouse = lighthouse
+        self._lighthouse: Any = None
+        self.node_address = node_address or (lambda group: socket.gethostname())
+        self.jobs: list[Incarnation] = []
+        self.fault_log: list[dict[str, Any]] = []
+
+    # -- running ------------------------------------------------------------------------------------------------------
+
+    def run(self, timeout: float = 3600.0) -> dict[str, Any]:
+        """Run the federation to ``max_steps`` with the faults; return the report. Ends every process it started."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        started = time.time()
+        try:
+            address = self._start_lighthouse()
+            for group in range(self.config.groups):
+                self._start(group, address)
+            pending = list(self.config.faults)
+            deadline = time.monotonic() + timeout
+            while any(j.running for j in self.jobs) or self._stopped_only():
+                self._reap()
+                step = max((j.step() for j in self.jobs if j.running), default=-1)
+                while pending and step >= pending[0].step:
+                    self._inject(pending.pop(0), address)
+                if self._stopped_only():
+                    break  # only hung groups are left: nothing will move any more
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the elastic demo ran past {timeout:.0f} s")
+                time.sleep(0.1)
+            self._reap()
+        finally:
+            self.close()
+        return self.report(time.time() - started)
+
+    def _stopped_only(self) -> bool:
+        alive = [j for j in self.jobs if j.ended is None and j.process.poll() is None]
+        return bool(alive) and all(j.stopped_at is not None for j in alive)
+
+    def _start_lighthouse(self) -> str:
+        if self._external_lighthouse is not None:
+            return self._external_lighthouse
+        os.environ.setdefault("RUST_LOG", "warn")
+        from torchft.coordination import LighthouseServer
+
+        self._lighthouse = LighthouseServer(
+            bind="[::]:0",
+            min_replicas=self.config.min_groups,
+            join_timeout_ms=int(self.config.join * 1000),
+            heartbeat_timeout_ms=int(self.config.heartbeat * 1000),
+        )
+        return str(self._lighthouse.address())
+
+    def _start(self, group: int, lighthouse: str) -> Incarnation:
+        index = sum(j.group == group for j in self.jobs)
+        out = self.out / f"group{group}.{index}"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "events.jsonl").unlink(missing_ok=True)  # left by an earlier run in the same folder
+        argv = [sys.executable, str(Path(__file__).resolve()), json.dumps(self._group_spec(group, lighthouse, out))]
+        env = {
+            **os.environ,
+            "MASTER_ADDR": self.node_address(group),
+            "MASTER_PORT": str(_free_port()),
+            "FEDSHARD_GROUP": str(group),
+            "OMP_NUM_THREADS": "1",
+            "RUST_LOG": "warn",
+            "PYTHONUNBUFFERED": "1",
+        }
+        log = open(out / "job.log", "wb")
+        process = subprocess.Popen(
+            self.launch(group, argv, env), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log.close()
+        job = Incarnation(group, index, out, process, time.time())
+        self.jobs.append(job)
+        return job
+
+    def _group_spec(self, group: int, lighthouse: str, out: Path) -> dict[str, Any]:
+        return {**asdict(self.config), "faults": [], "group": group, "lighthouse": lighthouse, "out": str(out),
+                "hostname": self.node_address(group)}  # fmt: skip
+
+    def _inject(self, fault: Fault, lighthouse: str) -> None:
+        current = [j for j in self.jobs if j.group == fault.group and j.ended is None]
+        record: dict[str, Any] = {**asdict(fault), "t": time.time()}
+        if fault.kind == "stop":
+            for job in current:
+                job.signal(signal.SIGSTOP)
+                job.stopped_at = record["t"]
+        else:
+            for job in current:
+                job.signal(signal.SIGKILL)
+                job.process.wait()
+                job.ended, job.exit_code = time.time(), job.process.returncode
+            if fault.kind == "restart":
+                self._start(fault.group, lighthouse)
+        self.fault_log.append(record)
+
+    def _reap(self) -> None:
+        for job in self.jobs:
+            if job.ended is None and job.process.poll() is not None:
+                job.ended, job.exit_code = time.time(), job.process.returncode
+
+    def close(self) -> None:
+        """End every process this demo started, and the lighthouse."""
+        for job in self.jobs:
+            if job.ended is None:
+                job.signal(signal.SIGCONT)
+                job.signal(signal.SIGKILL)
+                job.process.wait()
+                job.ended, job.exit_code = time.time(), job.process.returncode
+        if self._lighthouse is not None:
+            self._lighthouse.shutdown()
+            self._lighthouse = None
+
+    # -- the report ---------------------------------------------------------------------------------------------------
+
+    def report(self, wall: float) -> dict[str, Any]:
+        """What the group jobs recorded, per group and per fault, and the committed tokens per second."""
+        events = {(j.group, j.index): j.events() for j in self.jobs}
+        syncs = _timeline(events)
+        tokens_per_group_step = self.config.ranks_per_group * BATCH * SEQ_LEN
+        committed = sum(
+            len([g for g in s["members"] if g not in s["joined"]]) * s["steps"] * tokens_per_group_step
+            for s in syncs
+            if not s["lost"]
+        )
+        starts = [e["t"] for evs in events.values() for e in evs if e["event"] == "trained"]
+        ends = [e["t"] for evs in events.values() for e in evs if e["event"] == "end"]
+        span = (max(ends) - min(starts)) if starts and ends else math.nan
+        return {
+            "config": {**asdict(self.config), "faults": [asdict(f) for f in self.config.faults]},
+            "wall_seconds": wall,
+            "training_seconds": span,
+            "groups": [self._group_report(g, events) for g in range(self.config.groups)],
+            "faults": [self._fault_report(f, events) for f in self.fault_log],
+            "syncs": syncs,
+            "committed_tokens": committed,
+            "committed_tokens_per_s": committed / span if span and span > 0 else math.nan,
+            "alive_fraction": self._alive_fraction(min(starts, default=math.nan), max(ends, default=math.nan)),
+            "checksums": {
+                f"{g}.{i}": e["checksum"] for (g, i), evs in events.items() for e in evs if e["event"] == "end"
+            },
+        }
+
+    def _group_report(self, group: int, events: dict[tuple[int, int], list[dict[str, Any]]]) -> dict[str, Any]:
+        jobs = [j for j in self.jobs if j.group == group]
+        mine = [e for j in jobs for e in events[(group, j.index)]]
+        syncs = [e for e in mine if e["event"] == "sync"]
+        return {
+            "group": group,
+            "steps": max((e["step"] for e in mine if e["event"] in ("step", "sync")), default=0),
+            "syncs_committed": sum(not e["lost"] for e in syncs),
+            "syncs_lost": sum(e["lost"] for e in syncs),
+            "heals": [
+                {"step": e["step"], "seconds": e["heal_seconds"]} for e in syncs if e["heal_seconds"] is not None
+            ],
+            "jobs": [{"started": j.started, "ended": j.ended, "exit_code": j.exit_code} for j in jobs],
+        }
+
+    def _fault_report(
+        self, fault: dict[str, Any], events: dict[tuple[int, int], list[dict[str, Any]]]
+    ) -> dict[str, Any]:
+        """The surviving groups' stall: how much longer their first sync after the fault took than their usual sync."""
+        stalls = []
+        for (group, _), evs in events.items():
+            if group == fault["group"]:
+                continue
+            syncs = [e for e in evs if e["event"] == "sync" and e["step"] > 0]
+            before = [e["seconds"] for e in syncs if e["t"] < fault["t"]]
+            after = [e for e in syncs if e["t"] >= fault["t"]]
+            if before and after:
+                stalls.append(max(0.0, after[0]["seconds"] - statistics.median(before)))
+        return {**fault, "stall_seconds": max(stalls) if stalls else None}
+
+    def _alive_fraction(self, start: float, end: float) -> float:
+        """The time-weighted share of the planned groups that had a running (not stopped) job."""
+        if not end > start:
+            return math.nan
+        alive = 0.0
+        for job in self.jobs:
+            last = job.stopped_at or job.ended or end
+            alive += max(0.0, min(last, end) - max(job.started, start))
+        return alive / (self.config.groups * (end - start))
+
+
+def _timeline(events: dict[tuple[int, int], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Every sync once, from whichever groups took part, with the steps of the round it closed."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for evs in events.values():
+        for e in evs:
+            if e["event"] == "sync" and e["step"] not in by_step:
+                by_step[e["step"]] = {k: e[k] for k in ("step", "members", "joined", "lost")}
+    previous, syncs = 0, []
+    for step in sorted(by_step):
+        syncs.append({**by_step[step], "steps": step - previous})
+        previous = step
+    return syncs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def summary(report: dict[str, Any]) -> str:
+    """The report in a few lines for a person."""
+    lines = [f"elastic federation: {report['config']['groups']} groups x {report['config']['ranks_per_group']} rank(s)"]
+    for g in report["groups"]:
+        codes = [j["exit_code"] for j in g["jobs"]]
+        heals = ", ".join(f"step {h['step']} in {h['seconds']:.2f} s" for h in g["heals"]) or "none"
+        lines.append(
+            f"  group {g['group']}: {g['steps']} steps, {g['syncs_committed']} syncs committed, {g['syncs_lost']} lost,"
+            f" heals: {heals}; job exit codes {codes}"
+        )
+    for f in report["faults"]:
+        stall = "n/a" if f["stall_seconds"] is None else f"{f['stall_seconds']:.2f} s"
+        lines.append(f"  fault {f['kind']}:{f['group']}@{f['step']}: survivors stalled {stall}")
+    checksums = set(report["checksums"].values())
+    lines.append(
+        f"  committed {report['committed_tokens']:,} tokens, {report['committed_tokens_per_s']:,.0f} tokens/s;"
+        f" groups alive {report['alive_fraction']:.0%} of the time; final consensus checksums: "
+        + ("all equal" if len(checksums) == 1 else f"{len(checksums)} different")
+    )
+    return "\n".join(lines)
+
+
+# -- a group job ---------------------------------------------------------------------------------------------------
+
+
+def run_group(spec: dict[str, Any]) -> None:
+    """Train one group of the demo's federation with the Trainer, logging its events (see the module docstring)."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import Callback
+
+    import lightning_fedshard
+    from lightning_fedshard.examples import LlamaLM, ShakespeareDataModule
+
+    out = Path(spec["out"])
+
+    class Events(Callback):
+        """One JSON line per event, from rank 0 of the group."""
+
+        def __init__(self) -> None:
+            self._seen: Any = None
+            self._file = open(out / "events.jsonl", "a") if int(os.environ.get("LOCAL_RANK", 0)) == 0 else None
+            self._write({"event": "start", "step": -1})
+
+        def _write(self, event: dict[str, Any]) -> None:
+            if self._file is not None:
+                self._file.write(json.dumps({**event, "t": time.time()}) + "\n")
+                self._file.flush()
+
+        def on_train_start(self, trainer, pl_module):  # noqa: ANN001, D102
+            self._write({"event": "trained", "step": trainer.global_step})
+            self._sync(trainer)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001, D102
+            if spec["step_sleep"]:
+                time.sleep(spec["step_sleep"])
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001, D102
+            self._sync(trainer)
+            self._write({"event": "step", "step": trainer.global_step})
+
+        def on_train_end(self, trainer, pl_module):  # noqa: ANN001, D102
+            self._sync(trainer)
+            state = trainer.strategy.lightning_module_state_dict()
+            digest = hashlib.sha256()
+            for name in sorted(state):
+                digest.update(name.encode())
+                digest.update(state[name].detach().to(torch.float32).contiguous().numpy().tobytes())
+            self._write({"event": "end", "step": trainer.global_step, "checksum": digest.hexdigest()[:16]})
+
+        def _sync(self, trainer) -> None:  # noqa: ANN001
+            stats = trainer.strategy.runtime.last_sync_stats
+            if stats is None or stats is self._seen:
+                return
+            self._seen = stats
+            self._write(
+                {
+                    "event": "sync",
+                    "step": trainer.global_step,
+                    "members": list(trainer.strategy.federation.members),
+                    "joined": list(stats.joined_groups),
+                    "lost": stats.lost,
+                    "heal_seconds": stats.heal_seconds,
+                    "seconds": stats.seconds,
+                    "exposed_seconds": stats.exposed_seconds,
+                    "num_syncs": stats.num_syncs,
+                }
+            )
+
+    elastic = lightning_fedshard.Elastic(
+        lighthouse=spec["lighthouse"],
+        group=spec["group"],
+        federation="shakespeare",
+        min_groups=spec["min_groups"],
+        start_groups=spec["groups"],  # the federation starts once every planned group joined
+        timeout=spec["timeout"],
+        quorum_timeout=spec["quorum_timeout"],
+        hostname=spec["hostname"],
+        group_timeout=max(10.0, 2 * spec["timeout"]),
+    )
+    strategy = lightning_fedshard.FLFSDPStrategy(
+        num_groups=spec["groups"],
+        sync_every=spec["sync_every"],
+        reduce_dtype=spec["reduce_dtype"],
+        elastic=elastic,
+        auto_wrap_policy=LlamaLM.wrap_policy(),
+    )
+    L.seed_everything(0, verbose=False)
+    model = LlamaLM(size=spec["size"], vocab_size=4096, max_seq_len=SEQ_LEN, lr=spec["lr"], warmup_fraction=0.1)
+    data = ShakespeareDataModule(seq_len=SEQ_LEN, batch_size=BATCH, vocab_size=4096, resumable=True)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=spec["ranks_per_group"],
+        num_nodes=1,
+        strategy=strategy,
+        max_steps=spec["max_steps"],
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        callbacks=[Events()],
+    )
+    trainer.fit(model, datamodule=data)
+
+
+if __name__ == "__main__":  # a group job, started by ElasticDemo (Lightning re-runs this for its other ranks)
+    run_group(json.loads(sys.argv[1]))
+    sys.stdout.flush()
+    os._exit(0)  # gloo threads may still hold tensors: leave without finalizing the interpreter
