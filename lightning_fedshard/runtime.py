@@ -89,6 +89,7 @@ class FederatedRuntime:
         self._optimizers: list[Optimizer] = []
         self._joined = False
         self._joining = False
+        self._fell_behind: FederationError | None = None
         self._host_state: Callable[[], Any] | None = None
         self._load_host_state: Callable[[Any], None] | None = None
 
@@ -379,7 +380,9 @@ class FederatedRuntime:
             self.step = step
             return
         if step != self.step:
-            raise FederationError(
+            # Raised once this sync is over, so that the others' sync is not lost: this group takes part in it and
+            # adds nothing.
+            self._fell_behind = FederationError(
                 f"Elastic group {self.federation.communicator.group_index} fell behind the federation (it is at"
                 f" optimizer step {self.step}, the others at {step}; it was stopped or cut off for a while). It ends"
                 " here: restart it, and it joins again at the federation's step."
@@ -443,6 +446,8 @@ class FederatedRuntime:
         return stats
 
     def _synced(self, stats: SyncStats | None) -> SyncStats | None:
+        if self._fell_behind is not None:
+            raise self._fell_behind
         if stats is None:
             return None
         for listener in self.listeners:

@@ -90,6 +90,24 @@ def test_a_codec_with_its_parameters_is_given_in_yaml_and_on_the_command_line(tm
     assert federation.codec == SparseTopK(density=0.03, value_bits=4, chunk_size=4096) and federation.compressed
 
 
+def test_elastic_options_in_yaml(tmp_path, monkeypatch):
+    from lightning_fedshard import Elastic
+
+    monkeypatch.setenv("FEDSHARD_GROUP", "2")
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 2\n  num_nodes: 1\n  logger: false\n  strategy:\n"
+        "    class_path: lightning_fedshard.FLHSDPStrategy\n    init_args:\n      num_groups: 4\n"
+        "      elastic:\n        class_path: lightning_fedshard.Elastic\n"
+        "        init_args: {lighthouse: 'http://10.0.0.1:29510', federation: shakespeare, min_groups: 2}\n"
+        "model:\n  class_path: lightning_fedshard.examples.LlamaLM\n  init_args: {size: xs, vocab_size: 256}\n"
+    )
+    strategy = cli(args=["--config", str(config)], run=False).trainer.strategy
+    elastic = strategy.federation_config.elastic
+    assert elastic == Elastic(lighthouse="http://10.0.0.1:29510", federation="shakespeare", min_groups=2)
+    assert strategy.topology.num_groups == 1 and strategy.distributed_sampler_kwargs == {"num_replicas": 8, "rank": 4}
+
+
 def test_a_hierarchical_outer_topology_in_yaml(tmp_path):
     from lightning_fedshard import Hierarchical
 

@@ -9,6 +9,7 @@ ends within its bound with a clear error.
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +41,10 @@ def dropouts(root: Path) -> Iterator[dict[int, Job]]:
     faults = {1: ("kill", 6), 2: ("kill_in_sum", 12), 3: ("stop", 14)}
     jobs = {g: cluster.start(g, {**spec, **_fault(faults.get(g))}) for g in range(4)}
     try:
+        wait_for(lambda: jobs[0].progress() >= 20, 240, "group 0 to pass step 20")
+        jobs[3].signal(signal.SIGCONT)  # the hung group wakes up, far behind the federation
         jobs[0].wait(240)
+        jobs[3].wait(60)
         yield jobs
     finally:
         cluster.close()
@@ -108,9 +112,18 @@ def test_survivors_go_on_without_the_groups_that_failed(dropouts):
     syncs = {s["step"]: s for s in survivor["syncs"]}
     assert 1 not in syncs[8]["members"]  # killed at step 6: gone by the next sync
     assert syncs[12]["lost"] and 2 in syncs[12]["members"]  # killed inside the sum: nobody applies that sync
-    assert 2 not in syncs[16]["members"] and 3 not in syncs[16]["members"]  # dead, and stopped at step 14
-    assert [s["members"] for s in survivor["syncs"] if s["step"] >= 16] == [[0]] * 3
+    assert syncs[16]["members"] == [0]  # 2 died in the sum at 12, 3 hangs since step 14
     assert not any(s["lost"] for s in survivor["syncs"] if s["step"] != 12)
+    # Woken up at step 14 while group 0 passed 20, group 3 took part in group 0's next sync adding nothing, and ended.
+    woken = [s for s in survivor["syncs"] if 3 in s["members"] and s["step"] > 16]
+    assert len(woken) == 1 and woken[0]["joined"] == [3] and not woken[0]["lost"]
+    assert all(s["members"] == [0] for s in survivor["syncs"] if s["step"] > woken[0]["step"])
+
+
+def test_a_group_that_hung_and_woke_up_behind_the_others_ends_with_a_clear_error(dropouts):
+    result = dropouts[3].result()
+    assert result["error"].startswith("FederationError: Elastic group 3 fell behind the federation (it is at")
+    assert dropouts[3].procs[0].poll() == 3
 
 
 def test_the_anchors_of_the_survivors_agree_and_equal_the_reference(dropouts):
