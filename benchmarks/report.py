@@ -22,7 +22,7 @@ from typing import Any
 from benchmarks.harness.sweep import RESULTS
 from benchmarks.presets import CONFIGURATIONS
 from benchmarks.records import load, load_if_exists
-from benchmarks.reports import overlap, race, sweep, sync_options, throughput, topologies
+from benchmarks.reports import elastic, overlap, race, sweep, sync_options, throughput, topologies
 from benchmarks.reports.docs import provenance, replace_section
 from benchmarks.reports.targets import targets, targets_table
 
@@ -57,6 +57,8 @@ class Report:
             tables["overlap"] = overlap.table(self.configs("eager"), self.results["eager"], self.results.get("race"))
         if (horizon := self.results.get("horizon")) is not None:
             tables["horizon"] = overlap.horizon_table(horizon)
+        if (elastic_results := self.results.get("elastic")) is not None:
+            tables["elastic"] = elastic.table(elastic_results)
         if (analysis := self.analyses["race"]) is not None:
             moments = race.wall_time_table(analysis)
             tables["race"] = f"{race.link_table(analysis)}\n\n<details><summary>Every moment compared</summary>\n\n"
@@ -82,7 +84,7 @@ def build(paths: dict[str, Path]) -> Report:
     results = {"throughput": throughput_results} | {
         name: load_if_exists(path)
         for name, path in paths.items()
-        if name not in ("throughput", "hsdp_fed_bytes", "gossip_bytes")
+        if name not in ("throughput", "hsdp_fed_bytes", "gossip_bytes", "elastic")
     }
     configs = sweep.analyze(throughput_results)
     compute = sweep.compute_times(configs["configs"])
@@ -101,7 +103,14 @@ def build(paths: dict[str, Path]) -> Report:
     eager, race_results = results.get("eager"), results.get("race")
     rows += overlap.targets(eager, _configs(analyses["eager"]) or {}, race_results, hsdp, gossip)
     rows += topologies.targets(load_if_exists(paths.get("sites", RESULTS / "sites.json")))
+    results["elastic"] = _load_json(paths.get("elastic", RESULTS / "elastic.json"))
+    rows += elastic.targets(results["elastic"])
     return Report(results, analyses, rows)
+
+
+def _load_json(path: Path) -> dict[str, Any] | None:
+    """A results file that is not a sweep (no run records to check), or ``None`` if it does not exist."""
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def _configs(analysis: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -123,6 +132,8 @@ def plot(report: Report) -> list[Path]:
         paths += sync_options.plot(report.configs("sync_grid"), IMAGES)
     if (analysis := report.analyses["race"]) is not None:
         paths += race.plot(analysis, IMAGES)
+    if (elastic_results := report.results.get("elastic")) is not None:
+        paths += elastic.plot(elastic_results, IMAGES)
     return paths
 
 
@@ -143,6 +154,7 @@ def write_docs(report: Report, tables: dict[str, str]) -> None:
         ("horizon", "horizon"),
         ("race", "race"),
         ("race", "race_budgets"),
+        ("elastic", "elastic"),
     ):
         if table in tables:
             sections[table] = f"{tables[table]}\n\n{report.note(name)}"

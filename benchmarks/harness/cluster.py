@@ -102,6 +102,11 @@ class EmulatedCluster:
         """IPv4 address of node ``index`` on the cluster network."""
         return f"{SUBNET}.{index + 1}"
 
+    @property
+    def service_address(self) -> str:
+        """The switch's own address, for a service every node reaches (e.g. a lighthouse), outside every node's link."""
+        return f"{SUBNET}.254"
+
     def _switch_port(self, index: int) -> str:
         return f"{self.prefix}p{index}"
 
@@ -154,6 +159,7 @@ class EmulatedCluster:
             _run("ip", "-n", node, "addr", "add", f"{self.address(index)}/24", "dev", NODE_IFACE)
             _run("ip", "-n", node, "link", "set", NODE_IFACE, "up")
             _run("ip", "-n", node, "link", "set", "lo", "up")
+        _run("ip", "-n", self.switch, "addr", "add", f"{self.service_address}/24", "dev", "br0")
         self._wait_for_links()
 
     def destroy(self) -> None:
@@ -253,6 +259,10 @@ class EmulatedCluster:
     def command(self, index: int, argv: Sequence[str], env: dict[str, str]) -> list[str]:
         """``argv`` wrapped to run inside node ``index`` with ``env`` (``ip netns exec`` keeps no environment)."""
         return ["ip", "netns", "exec", self.node(index), "env", *(f"{k}={v}" for k, v in env.items()), *argv]
+
+    def service_command(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` wrapped to run in the switch, reachable by every node at :attr:`service_address`."""
+        return ["ip", "netns", "exec", self.switch, *argv]
 
 
 def _throttle(namespace: str, iface: str, rate_mbit: float | None) -> None:

@@ -40,4 +40,6 @@ def provenance(results: dict[str, Any]) -> str:
 
 def rerun_command(preset: str) -> str:
     """The command that runs ``preset`` again."""
-    return "python -m benchmarks.race" if preset == "race" else f"python -m benchmarks.run --preset {preset}"
+    if preset in ("race", "elastic"):
+        return f"python -m benchmarks.{preset}"
+    return f"python -m benchmarks.run --preset {preset}"

@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -451,7 +452,7 @@ class ElasticCommunicator:
             replica_id=f"{options.federation}_{self._group}",
             port=options.manager_port,
             hostname=options.hostname or _hostname(),
-            checkpoint_transport=HTTPTransport(timeout=timeout, num_chunks=0),
+            checkpoint_transport=_heal_transport(HTTPTransport, timeout, options.hostname),
             max_retries=options.max_failures,
             quorum_retries=options.quorum_retries,
         )
@@ -636,10 +637,26 @@ def _federations_at(address: str, recent: float = 10.0, timeout: float = 5.0) ->
     return found
 
 
+def _heal_transport(base: type, timeout: timedelta, hostname: str | None) -> Any:
+    """The HTTP transport of torchft for heals, advertised at ``hostname`` (torchft advertises the host name).
+
+    On a cluster the host name may not be what the other groups reach (a node's cluster interface, a container):
+    the heal server then answers at the address the manager is advertised at.
+    """
+    if hostname is None:
+        return base(timeout=timeout, num_chunks=0)
+
+    class AddressedHTTPTransport(base):  # type: ignore[misc, valid-type]
+        def address(self) -> str:
+            url = urlparse(super().address())
+            return url._replace(netloc=f"{hostname}:{url.port}").geturl()
+
+    return AddressedHTTPTransport(timeout=timeout, num_chunks=0)
+
+
 def _reachable(address: str, timeout: float = 2.0) -> bool:
     """Whether something listens at ``address`` (``http://host:port``)."""
     import socket
-    from urllib.parse import urlparse
 
     parsed = urlparse(address if "://" in address else f"http://{address}")
     try:

@@ -29,6 +29,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import lightning as L
+import torch
+from lightning.pytorch import Callback
+from typing_extensions import override
+
+import lightning_fedshard
+from lightning_fedshard.examples.llama import LlamaLM
+from lightning_fedshard.examples.shakespeare import ShakespeareDataModule
+
 #: What a fault does to a group: kill it (SIGKILL), stop it (SIGSTOP: a hung group), or start a new job for it.
 FAULT_KINDS = ("kill", "stop", "restart")
 
@@ -119,7 +128,12 @@ class Incarnation:
 
 @dataclass
 class DemoConfig:
-    """What the demo runs: the federation, the training, the faults and the timeouts (seconds)."""
+    """What the demo runs: the federation, the training, the faults and the timeouts (seconds).
+
+    ``heartbeat`` is how long a silent group keeps the others waiting before the lighthouse drops it; ``join`` how long
+    a quorum waits for groups that are alive but slower to reach the sync (long: a slow group is waited for, a dead or
+    hung one is dropped after ``heartbeat`` anyway).
+    """
 
     groups: int = 4
     ranks_per_group: int = 1
@@ -128,7 +142,7 @@ class DemoConfig:
     faults: list[Fault] = field(default_factory=list)
     reduce_dtype: str = "int4"
     heartbeat: float = 2.0
-    join: float = 2.0
+    join: float = 60.0
     timeout: float = 15.0
     quorum_timeout: float = 120.0
     min_groups: int = 1
@@ -182,8 +196,8 @@ class ElasticDemo:
                 step = max((j.step() for j in self.jobs if j.running), default=-1)
                 while pending and step >= pending[0].step:
                     self._inject(pending.pop(0), address)
-                if self._stopped_only():
-                    break  # only hung groups are left: nothing will move any more
+                if self._stopped_only() or self._finished_long_ago():
+                    break  # only hung groups are left, or jobs that started after the federation had finished
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the elastic demo ran past {timeout:.0f} s")
                 time.sleep(0.1)
@@ -191,6 +205,11 @@ class ElasticDemo:
         finally:
             self.close()
         return self.report(time.time() - started)
+
+    def _finished_long_ago(self) -> bool:
+        """Whether a group finished training more than a heartbeat timeout and 10 s ago (the others have too)."""
+        ends = [e["t"] for j in self.jobs for e in j.events() if e["event"] == "end"]
+        return bool(ends) and time.time() - min(ends) > self.config.heartbeat + 10.0
 
     def _stopped_only(self) -> bool:
         alive = [j for j in self.jobs if j.ended is None and j.process.poll() is None]
@@ -347,8 +366,11 @@ def _timeline(events: dict[tuple[int, int], list[dict[str, Any]]]) -> list[dict[
     by_step: dict[int, dict[str, Any]] = {}
     for evs in events.values():
         for e in evs:
-            if e["event"] == "sync" and e["step"] not in by_step:
-                by_step[e["step"]] = {k: e[k] for k in ("step", "members", "joined", "lost")}
+            if e["event"] != "sync":
+                continue
+            if e["step"] not in by_step:
+                by_step[e["step"]] = {k: e[k] for k in ("step", "members", "joined", "lost", "t")}
+            by_step[e["step"]]["t"] = min(by_step[e["step"]]["t"], e["t"])  # when the first group had it
     previous, syncs = 0, []
     for step in sorted(by_step):
         syncs.append({**by_step[step], "steps": step - previous})
@@ -387,70 +409,90 @@ def summary(report: dict[str, Any]) -> str:
 # -- a group job ---------------------------------------------------------------------------------------------------
 
 
+class EventLog(Callback):
+    """Writes one JSON line per event of a training job (rank 0 only) to ``<out>/events.jsonl``.
+
+    Events: ``start``; ``trained`` (training starts, at ``step``); ``step`` after every optimizer step; ``sync`` after
+    every sync (its groups, who joined, whether it was lost, the seconds spent healing, in the sync and blocking the
+    loop); ``end`` with the checksum of the consensus every group holds.
+
+    Args:
+        out: The job's folder.
+        step_sleep: Extra seconds per step (slows a demo down on a fast machine).
+    """
+
+    def __init__(self, out: Path, step_sleep: float = 0.0) -> None:
+        self.step_sleep = step_sleep
+        self._seen: Any = None
+        self._file = open(out / "events.jsonl", "a") if int(os.environ.get("LOCAL_RANK", 0)) == 0 else None
+        self._write({"event": "start", "step": -1})
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._write({"event": "trained", "step": trainer.global_step})
+        self._sync(trainer)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.step_sleep:
+            time.sleep(self.step_sleep)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._sync(trainer)
+        self._write({"event": "step", "step": trainer.global_step})
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._sync(trainer)
+        state = trainer.strategy.lightning_module_state_dict()  # the consensus (a collective inside the group)
+        digest = hashlib.sha256()
+        for name in sorted(state):
+            digest.update(name.encode())
+            digest.update(state[name].detach().to(torch.float32).contiguous().numpy().tobytes())
+        self._write({"event": "end", "step": trainer.global_step, "checksum": digest.hexdigest()[:16]})
+
+    def _write(self, event: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({**event, "t": time.time()}) + "\n")
+            self._file.flush()
+
+    def _sync(self, trainer: L.Trainer) -> None:
+        runtime = getattr(trainer.strategy, "runtime", None)
+        stats = runtime.last_sync_stats if runtime is not None else None
+        if stats is None or stats is self._seen:
+            return
+        self._seen = stats
+        members = list(trainer.strategy.federation.members)  # type: ignore[attr-defined]
+        self._write(
+            {
+                "event": "sync",
+                "step": trainer.global_step,
+                "members": members,
+                "joined": list(stats.joined_groups),
+                "lost": stats.lost,
+                "heal_seconds": stats.heal_seconds,
+                "seconds": stats.seconds,
+                "exposed_seconds": stats.exposed_seconds,
+                "num_syncs": stats.num_syncs,
+            }
+        )
+
+
+def training(spec: dict[str, Any]) -> tuple[LlamaLM, ShakespeareDataModule]:
+    """The demo's model and data: the example Llama on Shakespeare, the data resumable."""
+    L.seed_everything(0, verbose=False)
+    model = LlamaLM(size=spec["size"], vocab_size=4096, max_seq_len=SEQ_LEN, lr=spec["lr"], warmup_fraction=0.1)
+    data = ShakespeareDataModule(seq_len=SEQ_LEN, batch_size=BATCH, vocab_size=4096, resumable=True)
+    return model, data
+
+
 def run_group(spec: dict[str, Any]) -> None:
     """Train one group of the demo's federation with the Trainer, logging its events (see the module docstring)."""
-    import lightning as L
-    import torch
-    from lightning.pytorch.callbacks import Callback
-
-    import lightning_fedshard
-    from lightning_fedshard.examples import LlamaLM, ShakespeareDataModule
-
-    out = Path(spec["out"])
-
-    class Events(Callback):
-        """One JSON line per event, from rank 0 of the group."""
-
-        def __init__(self) -> None:
-            self._seen: Any = None
-            self._file = open(out / "events.jsonl", "a") if int(os.environ.get("LOCAL_RANK", 0)) == 0 else None
-            self._write({"event": "start", "step": -1})
-
-        def _write(self, event: dict[str, Any]) -> None:
-            if self._file is not None:
-                self._file.write(json.dumps({**event, "t": time.time()}) + "\n")
-                self._file.flush()
-
-        def on_train_start(self, trainer, pl_module):  # noqa: ANN001, D102
-            self._write({"event": "trained", "step": trainer.global_step})
-            self._sync(trainer)
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001, D102
-            if spec["step_sleep"]:
-                time.sleep(spec["step_sleep"])
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001, D102
-            self._sync(trainer)
-            self._write({"event": "step", "step": trainer.global_step})
-
-        def on_train_end(self, trainer, pl_module):  # noqa: ANN001, D102
-            self._sync(trainer)
-            state = trainer.strategy.lightning_module_state_dict()
-            digest = hashlib.sha256()
-            for name in sorted(state):
-                digest.update(name.encode())
-                digest.update(state[name].detach().to(torch.float32).contiguous().numpy().tobytes())
-            self._write({"event": "end", "step": trainer.global_step, "checksum": digest.hexdigest()[:16]})
-
-        def _sync(self, trainer) -> None:  # noqa: ANN001
-            stats = trainer.strategy.runtime.last_sync_stats
-            if stats is None or stats is self._seen:
-                return
-            self._seen = stats
-            self._write(
-                {
-                    "event": "sync",
-                    "step": trainer.global_step,
-                    "members": list(trainer.strategy.federation.members),
-                    "joined": list(stats.joined_groups),
-                    "lost": stats.lost,
-                    "heal_seconds": stats.heal_seconds,
-                    "seconds": stats.seconds,
-                    "exposed_seconds": stats.exposed_seconds,
-                    "num_syncs": stats.num_syncs,
-                }
-            )
-
     elastic = lightning_fedshard.Elastic(
         lighthouse=spec["lighthouse"],
         group=spec["group"],
@@ -469,9 +511,7 @@ def run_group(spec: dict[str, Any]) -> None:
         elastic=elastic,
         auto_wrap_policy=LlamaLM.wrap_policy(),
     )
-    L.seed_everything(0, verbose=False)
-    model = LlamaLM(size=spec["size"], vocab_size=4096, max_seq_len=SEQ_LEN, lr=spec["lr"], warmup_fraction=0.1)
-    data = ShakespeareDataModule(seq_len=SEQ_LEN, batch_size=BATCH, vocab_size=4096, resumable=True)
+    model, data = training(spec)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=spec["ranks_per_group"],
@@ -484,7 +524,7 @@ def run_group(spec: dict[str, Any]) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
-        callbacks=[Events()],
+        callbacks=[EventLog(Path(spec["out"]), spec["step_sleep"])],
     )
     trainer.fit(model, datamodule=data)
 

@@ -67,7 +67,7 @@ class Job:
 class Cluster:
     """A lighthouse and the group jobs a test starts."""
 
-    def __init__(self, root: Path, min_groups: int = 1, heartbeat_ms: int = 2000, join_ms: int = 2000) -> None:
+    def __init__(self, root: Path, min_groups: int = 1, heartbeat_ms: int = 2000, join_ms: int = 10000) -> None:
         os.environ.setdefault(
             "RUST_LOG", os.environ.get("LIGHTHOUSE_LOG", "warn")
         )  # before torchft's native side starts logging

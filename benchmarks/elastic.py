@@ -1,0 +1,251 @@
+"""Elastic federations on the emulated cluster: goodput through faults, the survivors' stall, and the time to N steps
+with a killed group against stopping and restarting the whole federation from a checkpoint.
+
+    sudo PYTHONPATH=. .venv/bin/python -m benchmarks.elastic            # about an hour on 2 cores
+    PYTHONPATH=. .venv/bin/python -m benchmarks.report --write-docs    # targets, table and plot
+
+4 emulated nodes x 2 ranks, 50 Mbit/s per node link; every node is one federation group (FL+FSDP over its 2 ranks,
+int4 outer traffic, a sync every 8 steps, the example Llama on Shakespeare). The lighthouse runs in the switch, outside
+every node's link. Each repeat runs, interleaved:
+
+- ``faultfree``: the elastic federation without faults;
+- ``faulted``: the same with 12 faults - 4 kills (SIGKILL), 4 hangs (SIGSTOP) and 4 restarts (a new job for a dead
+  or hung group, which joins and heals) - at the steps of :data:`FAULTS`;
+- ``elastic_restart``: one group killed at step ``K`` and started again at once; the time until the federation
+  reaches ``N`` steps;
+- ``checkpoint_restart``: the same federation in one job (the single-job mode), a checkpoint every ``C`` steps; one
+  node killed at step ``K`` and the job ended at once (as `srun --kill-on-bad-exit=1` does), then started again from
+  its last checkpoint (an exact resume); the time until it reaches ``N`` steps, the restart included.
+
+Results go to ``benchmarks/results/elastic.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness.cluster import NODE_IFACE, EmulatedCluster, namespaces_available
+from benchmarks.harness.machine import machine
+from benchmarks.harness.sweep import RESULTS
+from lightning_fedshard.examples.elastic import DemoConfig, ElasticDemo, Fault, parse_faults
+
+ROOT = Path(__file__).parents[1]
+NODES, RANKS, LINK_MBIT = 4, 2, 50.0
+#: The faulted run's faults: a kill, a hang and a restart of every group but group 0, twice for one of them.
+FAULTS = (
+    "kill:1@16,restart:1@24,stop:2@40,restart:2@52,kill:3@64,restart:3@72,"
+    "stop:1@88,restart:1@100,kill:2@112,restart:2@120,stop:3@132,restart:3@144"
+)
+FAULTED_STEPS = 160
+#: The restart comparison: N steps, a group (node) killed at step K, a checkpoint every C steps in one job.
+RESTART_STEPS, KILL_AT, CHECKPOINT_EVERY = 96, 50, 24
+LIGHTHOUSE_PORT = 29510
+
+
+def _env(cluster: EmulatedCluster, env: dict[str, str]) -> dict[str, str]:
+    """What a node's job needs of the driver's environment, with the node's own interface for gloo."""
+    keep = ("MASTER_ADDR", "MASTER_PORT", "FEDSHARD_GROUP", "RUST_LOG", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "HOME")
+    return {
+        **{k: env[k] for k in keep if k in env},
+        "PYTHONPATH": str(ROOT),
+        "GLOO_SOCKET_IFNAME": NODE_IFACE,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+
+
+def elastic_run(cluster: EmulatedCluster, out: Path, steps: int, faults: list[Fault]) -> dict[str, Any]:
+    """The elastic federation on the cluster, one group per node, with ``faults``; the demo's report."""
+    config = DemoConfig(groups=NODES, ranks_per_group=RANKS, max_steps=steps, faults=faults, timeout=15.0)
+    lighthouse = subprocess.Popen(
+        cluster.service_command(
+            [
+                str(Path(sys.executable).parent / "torchft_lighthouse"),
+                "--bind",
+                f"[::]:{LIGHTHOUSE_PORT}",
+                "--min_replicas",
+                "1",
+                "--join_timeout_ms",
+                str(int(config.join * 1000)),
+                "--heartbeat_timeout_ms",
+                str(int(config.heartbeat * 1000)),
+                "--quorum_tick_ms",
+                "100",
+            ]  # fmt: skip
+        ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "RUST_LOG": "warn"},
+    )
+    try:
+        time.sleep(1.0)
+        demo = ElasticDemo(
+            config,
+            out,
+            launch=lambda group, argv, env: cluster.command(group, argv, _env(cluster, env)),
+            lighthouse=f"http://{cluster.service_address}:{LIGHTHOUSE_PORT}",
+            node_address=cluster.address,
+        )
+        return demo.run(timeout=3600)
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+
+
+def checkpoint_restart_run(cluster: EmulatedCluster, out: Path, steps: int, kill_at: int, every: int) -> dict[str, Any]:
+    """The single-job federation: killed at ``kill_at``, started again from its last checkpoint, run to ``steps``."""
+    start = time.time()
+    spec = {"out": str(out), "steps": steps, "checkpoint_every": every, "resume": None}
+    first = _single_job(cluster, out, spec, kill_at=kill_at)
+    resumed_from = max((out / "ckpts").glob("*.ckpt"), key=lambda p: int(p.stem.split("=")[1]))
+    second = _single_job(cluster, out, {**spec, "resume": str(resumed_from)}, kill_at=None)
+    return {
+        "wall_seconds": time.time() - start,
+        "killed_at": first["killed_at"],
+        "resumed_from": resumed_from.name,
+        "second_run_seconds": second["seconds"],
+    }
+
+
+def _single_job(cluster: EmulatedCluster, out: Path, spec: dict[str, Any], kill_at: int | None) -> dict[str, Any]:
+    """Launch the single-job federation on every node; with ``kill_at``, kill node 1 there and wait for the rest."""
+    out.mkdir(parents=True, exist_ok=True)
+    events = out / "events.jsonl"
+    events.unlink(missing_ok=True)
+    resume = spec["resume"]
+    port = 29600 + int(time.time()) % 300
+    procs = []
+    started = time.time()
+    for node in range(NODES):
+        env = _env(cluster, {"MASTER_ADDR": cluster.address(0), "MASTER_PORT": str(port), **os.environ})
+        env.update({"NODE_RANK": str(node), "OMP_NUM_THREADS": "1"})
+        argv = [sys.executable, "-m", "benchmarks.elastic", "job", json.dumps(spec)]
+        log = open(out / f"node{node}.{'resumed' if resume else 'first'}.log", "wb")
+        procs.append(subprocess.Popen(cluster.command(node, argv, env), stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True, cwd=ROOT))  # fmt: skip
+        log.close()
+    result: dict[str, Any] = {"killed_at": None}
+    try:
+        if kill_at is not None:
+            while _last_step(events) < kill_at:
+                time.sleep(0.1)
+            # A node dies and the scheduler ends the job at once (`srun --kill-on-bad-exit=1`, torchrun's agent): the
+            # most favourable case for the single job, whose other groups would otherwise wait in their next sync
+            # until the process group's timeout (30 minutes by default).
+            os.killpg(procs[1].pid, signal.SIGKILL)
+            result["killed_at"] = _last_step(events)
+            for proc in procs:
+                os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            for proc in procs:
+                proc.wait(timeout=3600)
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    result["seconds"] = time.time() - started
+    return result
+
+
+def _last_step(events: Path) -> int:
+    if not events.exists():
+        return -1
+    steps = [json.loads(line)["step"] for line in events.read_text().splitlines() if line.endswith("}")]
+    return max(steps, default=-1)
+
+
+def run_single_job(spec: dict[str, Any]) -> None:
+    """One node's launcher of the single-job federation (Lightning starts the node's other rank)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import lightning_fedshard
+    from lightning_fedshard.examples.elastic import EventLog, training
+    from lightning_fedshard.examples.llama import LlamaLM
+
+    config = DemoConfig()
+    out = Path(spec["out"])
+    model, data = training({"size": config.size, "lr": config.lr})
+    strategy = lightning_fedshard.FLFSDPStrategy(
+        num_groups=NODES, sync_every=config.sync_every, reduce_dtype=config.reduce_dtype,
+        auto_wrap_policy=LlamaLM.wrap_policy(), state_dict_type="sharded",
+    )  # fmt: skip
+    callbacks: list[Any] = [
+        ModelCheckpoint(
+            dirpath=out / "ckpts", filename="{step}", every_n_train_steps=spec["checkpoint_every"], save_top_k=-1
+        ),
+    ]
+    if os.environ.get("NODE_RANK") == "0":
+        callbacks.append(EventLog(out))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=RANKS, num_nodes=NODES, strategy=strategy, max_steps=spec["steps"],
+        limit_val_batches=0, num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False,
+        logger=False, callbacks=callbacks,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=data, ckpt_path=spec["resume"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=FAULTED_STEPS, help="steps of the fault-free and faulted runs")
+    parser.add_argument("--faults", default=FAULTS)
+    parser.add_argument("--restart-steps", type=int, default=RESTART_STEPS)
+    parser.add_argument("--kill-at", type=int, default=KILL_AT)
+    parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY)
+    parser.add_argument("--out", type=Path, default=RESULTS / "elastic.json")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/fedshard-elastic-bench"))
+    args = parser.parse_args(argv)
+    if (reason := namespaces_available()) is not None:
+        sys.exit(f"benchmarks.elastic: {reason}")
+    _prepare_data()
+    faults = parse_faults(args.faults, NODES)
+    restart = parse_faults(f"kill:1@{args.kill_at},restart:1@{args.kill_at + 1}", NODES)
+    runs: list[dict[str, Any]] = []
+    record = {"preset": "elastic", "machine": machine("benchmarks.elastic"), "link_mbit": LINK_MBIT,
+              "nodes": NODES, "ranks_per_node": RANKS, "faults": args.faults, "faulted_steps": args.steps,
+              "restart": {"steps": args.restart_steps, "kill_at": args.kill_at,
+                          "checkpoint_every": args.checkpoint_every},
+              "runs": runs}  # fmt: skip
+    with EmulatedCluster(NODES) as cluster:
+        cluster.set_bandwidth(LINK_MBIT)
+        for repeat in range(args.repeats):
+            for kind in ("faultfree", "faulted", "elastic_restart", "checkpoint_restart"):
+                work = args.work / f"{kind}.{repeat}"
+                started = time.time()
+                if kind == "checkpoint_restart":
+                    result = checkpoint_restart_run(cluster, work, args.restart_steps, args.kill_at,
+                                                    args.checkpoint_every)  # fmt: skip
+                elif kind == "elastic_restart":
+                    result = elastic_run(cluster, work, args.restart_steps, restart)
+                else:
+                    result = elastic_run(cluster, work, args.steps, faults if kind == "faulted" else [])
+                runs.append({"kind": kind, "repeat": repeat, "started": started, "result": result})
+                print(f"{kind} #{repeat}: {time.time() - started:.0f} s", flush=True)
+                args.out.write_text(json.dumps(record, indent=1, default=str) + "\n")
+
+
+def _prepare_data() -> None:
+    """Tokenize the corpus once, before several jobs would do it at the same time."""
+    from lightning_fedshard.examples import ShakespeareDataModule
+
+    ShakespeareDataModule(seq_len=128, batch_size=8, vocab_size=4096).prepare_data()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["job"]:
+        run_single_job(json.loads(sys.argv[2]))
+        sys.stdout.flush()
+        os._exit(0)
+    main()

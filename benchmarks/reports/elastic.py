@@ -1,0 +1,184 @@
+"""Elastic federations through faults: their targets, their table and a plot.
+
+Input: ``python -m benchmarks.elastic`` (``benchmarks/results/elastic.json``): per repeat a fault-free and a faulted
+run of the elastic federation (4 one-node groups of 2 ranks, 50 Mbit/s), a killed-and-restarted group, and the
+single job stopped and restarted from a checkpoint, interleaved.
+
+- **goodput** of a faulted run: its committed tokens/s divided by (the fault-free run's committed tokens/s of the same
+  repeat x the faulted run's mean fraction of groups alive). Committed tokens count every round that a committed
+  sync closed, per group that contributed to it; a group is alive from its job's start until it is killed or stopped,
+  so the start-up time of a job that replaces a group counts as alive. Median over repeats.
+- **stall** of a fault: how much longer the surviving groups' first sync after it took than their median sync
+  before it (the largest over survivors).
+- **time to N steps**: from the first launch until every group finished ``N`` steps, start-ups included; the elastic
+  run's over the single job's, per repeat, then the median.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from benchmarks.reports import plotting
+
+GOODPUT_BOUND = 0.95
+TARGET_IDS = ("elastic-goodput", "elastic-stall-kill-s", "elastic-vs-restart")
+
+Row = dict[str, Any]
+
+
+def _runs(results: dict[str, Any], kind: str) -> dict[int, dict[str, Any]]:
+    return {run["repeat"]: run["result"] for run in results["runs"] if run["kind"] == kind}
+
+
+def goodputs(results: dict[str, Any]) -> list[float]:
+    """Every repeat's goodput (faulted against the fault-free run of the same repeat)."""
+    free, faulted = _runs(results, "faultfree"), _runs(results, "faulted")
+    values = []
+    for repeat, run in sorted(faulted.items()):
+        if repeat in free:
+            expected = free[repeat]["committed_tokens_per_s"] * run["alive_fraction"]
+            values.append(run["committed_tokens_per_s"] / expected)
+    return values
+
+
+def stalls(results: dict[str, Any], kind: str) -> list[float]:
+    """The survivors' stall after every fault of ``kind`` in every faulted run."""
+    return [
+        f["stall_seconds"]
+        for run in _runs(results, "faulted").values()
+        for f in run["faults"]
+        if f["kind"] == kind and f["stall_seconds"] is not None
+    ]
+
+
+def restart_ratios(results: dict[str, Any]) -> list[float]:
+    """Per repeat, the elastic run's time to N steps over the single job's (stop and restart from a checkpoint)."""
+    elastic, single = _runs(results, "elastic_restart"), _runs(results, "checkpoint_restart")
+    return [elastic[r]["wall_seconds"] / single[r]["wall_seconds"] for r in sorted(elastic) if r in single]
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"median": math.nan, "min": math.nan, "max": math.nan}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def targets(results: dict[str, Any] | None) -> list[Row]:
+    """The three elastic targets, or rows that say the benchmark was not run."""
+    if results is None:
+        return [
+            {
+                "id": i,
+                "target": "elastic benchmark",
+                "measured": None,
+                "bound": None,
+                "met": False,
+                "runs": 0,
+                "note": "not run: python -m benchmarks.elastic",
+            }  # fmt: skip
+            for i in TARGET_IDS
+        ]
+    bound = _stall_bound(results)
+    goodput, kills = _spread(goodputs(results)), _spread(stalls(results, "kill"))
+    ratios = _spread(restart_ratios(results))
+    return [
+        {
+            "id": "elastic-goodput",
+            "target": "committed tokens/s through kills, hangs and restarts over (fault-free tokens/s x mean fraction"
+            " of groups alive), 4 groups x 2 ranks, 50 Mbit/s",
+            "measured": goodput["median"],
+            "bound": GOODPUT_BOUND,
+            "met": goodput["median"] >= GOODPUT_BOUND,
+            "runs": len(goodputs(results)),
+            "spread": goodput,
+            "faults_per_run": len(results["faults"].split(",")),
+        },
+        {
+            "id": "elastic-stall-kill-s",
+            "target": "the surviving groups' stall after a group is killed (median; bound on the largest: the"
+            " lighthouse's heartbeat timeout plus one quorum's join timeout)",
+            "measured": kills["median"],
+            "bound": bound,
+            "met": kills["max"] <= bound,
+            "runs": len(stalls(results, "kill")),
+            "spread": kills,
+            "stop": _spread(stalls(results, "stop")),
+            "restart": _spread(stalls(results, "restart")),
+        },
+        {
+            "id": "elastic-vs-restart",
+            "target": "time to N steps with one group killed and replaced: elastic over the single job stopped and"
+            " restarted from its last checkpoint (lower is better)",
+            "measured": ratios["median"],
+            "bound": 1.0,
+            "met": ratios["median"] < 1.0,
+            "runs": len(restart_ratios(results)),
+            "spread": ratios,
+        },
+    ]
+
+
+def _stall_bound(results: dict[str, Any]) -> float:
+    config = next(iter(_runs(results, "faulted").values()))["config"]
+    return float(config["heartbeat"] + config["join"])
+
+
+def table(results: dict[str, Any]) -> str:
+    """Per repeat: tokens/s without and with faults, groups alive, goodput; stalls by fault kind; time to N steps."""
+    free, faulted = _runs(results, "faultfree"), _runs(results, "faulted")
+    elastic, single = _runs(results, "elastic_restart"), _runs(results, "checkpoint_restart")
+    lines = [
+        "| repeat | fault-free tokens/s | faulted tokens/s | groups alive | goodput | syncs lost | time to N: elastic"
+        " | time to N: one job, restarted from a checkpoint |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for repeat in sorted(faulted):
+        f, ff = faulted[repeat], free.get(repeat)
+        good = f["committed_tokens_per_s"] / (ff["committed_tokens_per_s"] * f["alive_fraction"]) if ff else math.nan
+        lost = sum(s["lost"] for s in f["syncs"])
+        e, s = elastic.get(repeat), single.get(repeat)
+        lines.append(
+            f"| {repeat} | {ff['committed_tokens_per_s']:,.0f} | {f['committed_tokens_per_s']:,.0f} |"
+            f" {f['alive_fraction']:.2f} | {good:.3f} | {lost} | {e['wall_seconds']:.0f} s |"
+            f" {s['wall_seconds']:.0f} s (resumed from {s['resumed_from']}) |"
+            if ff and e and s
+            else f"| {repeat} | | {f['committed_tokens_per_s']:,.0f} | {f['alive_fraction']:.2f} | | {lost} | | |"
+        )
+    lines += ["", "| fault | faults | survivors' stall, median | min | max |", "|---|---|---|---|---|"]
+    for kind in ("kill", "stop", "restart"):
+        values = stalls(results, kind)
+        spread = _spread(values)
+        lines.append(
+            f"| {kind} | {len(values)} | {spread['median']:.2f} s | {spread['min']:.2f} s | {spread['max']:.2f} s |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], images: Path) -> list[Path]:
+    """Committed tokens over wall time, fault-free and faulted (repeat 0), with the faults marked."""
+    free, faulted = _runs(results, "faultfree"), _runs(results, "faulted")
+    if 0 not in free or 0 not in faulted:
+        return []
+    fig, ax = plotting.figure()
+    for label, run, style in (("fault-free", free[0], "-"), ("faulted", faulted[0], "-")):
+        start = min(s["t"] for s in run["syncs"])
+        tokens_per_group_step = run["config"]["ranks_per_group"] * 8 * 128
+        xs, ys, total = [0.0], [0.0], 0
+        for sync in run["syncs"]:
+            if not sync["lost"]:
+                total += len([g for g in sync["members"] if g not in sync["joined"]]) * sync["steps"]
+            xs.append(sync["t"] - start)
+            ys.append(total * tokens_per_group_step / 1e6)
+        ax.plot(xs, ys, style, label=label)
+        if label == "faulted":
+            colors = {"kill": "red", "stop": "orange", "restart": "green"}
+            for fault in run["faults"]:
+                ax.axvline(fault["t"] - start, color=colors[fault["kind"]], alpha=0.4, linewidth=1)
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("committed tokens (M)")
+    ax.legend()
+    return [plotting.save(fig, ax, "Elastic federation: kills (red), hangs (orange), restarts (green)",
+                          images / "elastic_goodput.png")]  # fmt: skip
