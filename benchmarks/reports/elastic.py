@@ -10,8 +10,9 @@ single job stopped and restarted from a checkpoint, interleaved.
   so the start-up time of a job that replaces a group counts as alive. Median over repeats.
 - **stall** of a fault: how much longer the surviving groups' first sync after it took than their median sync
   before it (the largest over survivors).
-- **time to N steps**: from the first launch until every group finished ``N`` steps, start-ups included; the elastic
-  run's over the single job's, per repeat, then the median.
+- **time to N steps**: from the first launch until the federation finished ``N`` steps (its last group's end),
+  start-ups included; the elastic run's over the single job's (whose restart from the checkpoint is included), per
+  repeat, then the median.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def stalls(results: dict[str, Any], kind: str) -> list[float]:
 def restart_ratios(results: dict[str, Any]) -> list[float]:
     """Per repeat, the elastic run's time to N steps over the single job's (stop and restart from a checkpoint)."""
     elastic, single = _runs(results, "elastic_restart"), _runs(results, "checkpoint_restart")
-    return [elastic[r]["wall_seconds"] / single[r]["wall_seconds"] for r in sorted(elastic) if r in single]
+    return [elastic[r]["finished_seconds"] / single[r]["wall_seconds"] for r in sorted(elastic) if r in single]
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -142,7 +143,7 @@ def table(results: dict[str, Any]) -> str:
         e, s = elastic.get(repeat), single.get(repeat)
         lines.append(
             f"| {repeat} | {ff['committed_tokens_per_s']:,.0f} | {f['committed_tokens_per_s']:,.0f} |"
-            f" {f['alive_fraction']:.2f} | {good:.3f} | {lost} | {e['wall_seconds']:.0f} s |"
+            f" {f['alive_fraction']:.2f} | {good:.3f} | {lost} | {e['finished_seconds']:.0f} s |"
             f" {s['wall_seconds']:.0f} s (resumed from {s['resumed_from']}) |"
             if ff and e and s
             else f"| {repeat} | | {f['committed_tokens_per_s']:,.0f} | {f['alive_fraction']:.2f} | | {lost} | | |"

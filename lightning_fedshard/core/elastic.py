@@ -223,6 +223,8 @@ class ElasticCommunicator:
         self._joining = False
         self._joined = False
         self._all_joining = False  # whether every group of the last checked quorum was joining
+        self._last_quorum_id: int | None = None
+        self._restart_grace: float | None = None
         self._save: HealSave | None = None
         self._load: HealLoad | None = None
         self._healed: dict[str, Any] | None = None
@@ -362,6 +364,8 @@ class ElasticCommunicator:
             except Exception as error:  # torchft raises what its RPC raised: timeouts, connection errors
                 raise FederationError(self._quorum_failure(error)) from error
             ring = self._rings.members
+            if self._lighthouse_restarted(ring, deadline):
+                continue  # let the groups that were in the last quorum reach the new lighthouse first
             if manager.errored() is None and self._rings.quorum_id != self._checked_quorum:
                 if not self._admitted(ring):
                     continue  # a job that does not belong was in this quorum: ask again without it
@@ -385,6 +389,33 @@ class ElasticCommunicator:
         self._ring = ring
         self._taken = True
         return ring
+
+    def _lighthouse_restarted(self, ring: tuple[int, ...], deadline: float) -> bool:
+        """Whether to ask again because a restarted lighthouse left out groups of the previous quorum.
+
+        A lighthouse keeps its state in memory: a new one (its quorum ids start again) answers the first groups that
+        reach it, and groups that are alive but still reconnecting would be left out and fall behind. For up to
+        ``timeout`` seconds after a restart, a quorum that misses a member of the previous one is asked again.
+        """
+        quorum_id, previous = self._rings.quorum_id, self._last_quorum_id
+        self._last_quorum_id = quorum_id
+        if previous is None or quorum_id is None or quorum_id >= previous or set(self._ring) <= set(ring):
+            self._restart_grace = None
+            return False
+        if self._restart_grace is None:
+            self._restart_grace = min(deadline, time.monotonic() + self.options.timeout)
+            missing = sorted(set(self._ring) - set(ring))
+            log.warning(
+                f"Elastic group {self._group}: the lighthouse restarted and the groups {missing} of the last sync are"
+                " not back yet; waiting for them."
+            )
+        if time.monotonic() > self._restart_grace:
+            self._restart_grace = None
+            self._rings.build_deferred()  # they did not come back: go on without them
+            return False
+        self._last_quorum_id = previous  # compare the next answer with the quorum before the restart
+        time.sleep(0.5)
+        return True
 
     def _enough(self, joining: bool) -> int:
         """The groups a quorum needs: ``min_groups``, or ``start_groups`` while every group of it is joining."""
@@ -457,6 +488,10 @@ class ElasticCommunicator:
             quorum_retries=options.quorum_retries,
         )
         manager.register_state_dict_fn("fedshard", self._receive, self._send)
+        # torchft rebuilds its process groups when the quorum id changes, and a restarted lighthouse counts ids from
+        # the start again: the quorum's step, recorded here, keeps the rendezvous of every rebuilt ring apart from an
+        # earlier one of the same id (FedRings.configure).
+        manager._client = _QuorumRecorder(manager._client, self._rings)
         if self._manager_state is not None:
             manager.load_state_dict(self._manager_state)
         self._manager = manager
@@ -698,6 +733,9 @@ def _fed_rings(timeout: timedelta) -> Any:
             self.stats = ProcessGroupGloo(timeout=timeout)
             self.members: tuple[int, ...] = ()
             self.quorum_id: int | None = None
+            self.max_step = 0  # of the last quorum (set by _QuorumRecorder)
+            self._built: tuple[int | None, tuple[int, ...]] | None = None  # the quorum id and groups of the ring
+            self._deferred: tuple[str, tuple[Any, ...]] | None = None
 
         def configure(
             self,
@@ -711,18 +749,54 @@ def _fed_rings(timeout: timedelta) -> Any:
             global_ranks: list[int] | None = None,
         ) -> None:
             args = (replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks)
-            super().configure(f"{store_addr}/sums", *args)
-            self.stats.configure(f"{store_addr}/stats", *args)
             # torchft numbers the ranks of a quorum (group index) * (ranks per group) + (rank in the group), in ring
             # order, from the trailing digits of each replica id ("<federation>_<group>").
             size, position = group_world_size or 1, group_rank or 0
-            self.members = tuple((r - position) // size for r in (global_ranks or [0]))
-            self.quorum_id = quorum_id
+            members = tuple((r - position) // size for r in (global_ranks or [0]))
+            self.members, self.quorum_id = members, quorum_id
+            # Every member of a quorum sees the same step: the rendezvous differs from an earlier ring's with the same
+            # id (a restarted lighthouse counts ids from the start).
+            build = (f"{store_addr}/{self.max_step}", args)
+            if self._built == (quorum_id, members):
+                return  # this quorum's ring is built already (a restarted lighthouse gave out its id again)
+            built_id = self._built[0] if self._built is not None else None
+            if built_id is not None and quorum_id is not None and quorum_id < built_id:
+                if set(members) < set(self._built[1]):  # type: ignore[index]
+                    # A restarted lighthouse answered before every group of the last ring reconnected: keep that
+                    # ring until they are back (the communicator asks again) or given up for (build_deferred).
+                    self._deferred = build
+                    return
+            self._build(*build)
+
+        def _build(self, prefix: str, args: tuple[Any, ...]) -> None:
+            super().configure(f"{prefix}/sums", *args)
+            self.stats.configure(f"{prefix}/stats", *args)
+            self._built, self._deferred = (args[3], self.members), None
+
+        def build_deferred(self) -> None:
+            """Build the ring of the last quorum, if it was held back."""
+            if self._deferred is not None:
+                self._build(*self._deferred)
 
         def errored(self) -> Exception | None:
             return super().errored() or self.stats.errored()
 
     return FedRings()
+
+
+class _QuorumRecorder:
+    """torchft's manager client, recording each quorum's step on the rings before they are built."""
+
+    def __init__(self, client: Any, rings: Any) -> None:
+        self._client, self._rings = client, rings
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._client._quorum(*args, **kwargs)
+        self._rings.max_step = int(result.max_step)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
 
 
 class GroupWatchdog:

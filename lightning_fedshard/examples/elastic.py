@@ -178,13 +178,14 @@ class ElasticDemo:
         self.node_address = node_address or (lambda group: socket.gethostname())
         self.jobs: list[Incarnation] = []
         self.fault_log: list[dict[str, Any]] = []
+        self.started = time.time()
 
     # -- running ------------------------------------------------------------------------------------------------------
 
     def run(self, timeout: float = 3600.0) -> dict[str, Any]:
         """Run the federation to ``max_steps`` with the faults; return the report. Ends every process it started."""
         self.out.mkdir(parents=True, exist_ok=True)
-        started = time.time()
+        started = self.started = time.time()
         try:
             address = self._start_lighthouse()
             for group in range(self.config.groups):
@@ -309,6 +310,7 @@ class ElasticDemo:
             "config": {**asdict(self.config), "faults": [asdict(f) for f in self.config.faults]},
             "wall_seconds": wall,
             "training_seconds": span,
+            "finished_seconds": max(ends) - self.started if ends else math.nan,
             "groups": [self._group_report(g, events) for g in range(self.config.groups)],
             "faults": [self._fault_report(f, events) for f in self.fault_log],
             "syncs": syncs,

@@ -111,7 +111,9 @@ class Cluster:
         port = free_port()
         for rank in range(ranks):
             env = {
-                **os.environ,
+                # Lightning's seed of an earlier test in this process would reach the jobs' samplers.
+                **{k: v for k, v in os.environ.items() if not k.startswith("PL_")},
+                "PL_GLOBAL_SEED": "0",
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
                 "WORLD_SIZE": str(ranks),

@@ -263,7 +263,8 @@ def test_the_running_group_is_not_disturbed_by_refused_jobs(refused):
 def outage(root: Path) -> Iterator[dict[str, Any]]:
     """Two groups: the lighthouse is down for 2 s, later for good."""
     cluster = Cluster(root / "outage", min_groups=1)
-    spec = {**BASE, "num_groups": 2, "max_steps": 200, "quorum_timeout": 8, "quorum_retries": 3}
+    # A quorum may wait out a failed sync's collectives (`timeout`, 10 s) of a slower group: 20 s is enough.
+    spec = {**BASE, "num_groups": 2, "max_steps": 200, "quorum_timeout": 20, "quorum_retries": 3}
     jobs = {0: cluster.start(0, spec), 1: cluster.start(1, spec)}
     try:
         wait_for(lambda: jobs[0].progress() >= 8, 120, "group 0 to train")
@@ -280,9 +281,12 @@ def outage(root: Path) -> Iterator[dict[str, Any]]:
 
 
 def test_a_short_lighthouse_outage_is_ridden_out(outage):
-    syncs = outage["jobs"][0].result()["syncs"]
-    after = [s for s in syncs if s["step"] > outage["after_short"]]
-    assert len(after) >= 2 and all(s["members"] == [0, 1] and not s["lost"] for s in after)
+    # A restarted lighthouse may answer one group alone first; the groups then rebuild their rings, which can cost
+    # the sync in between (at most one), and go on together.
+    for job in outage["jobs"].values():
+        after = [s for s in job.result()["syncs"] if s["step"] > outage["after_short"]]
+        assert len(after) >= 2 and sum(s["lost"] for s in after) <= 1
+        assert all(s["members"] == [0, 1] for s in after if not s["lost"])
 
 
 def test_a_long_lighthouse_outage_ends_every_group_with_a_clear_error(outage):
@@ -290,7 +294,7 @@ def test_a_long_lighthouse_outage_ends_every_group_with_a_clear_error(outage):
         result = job.result()
         assert result["error"].startswith(f"FederationError: Elastic group {result['group']} lost the lighthouse at")
         assert result["global_step"] < 200
-    assert outage["took"] < 60  # the quorum timeout (8 s) and 3 retries, not the default 15 minutes
+    assert outage["took"] < 90  # the quorum timeout (20 s) and 3 retries, not the default 15 minutes
 
 
 def test_fewer_groups_than_the_lighthouse_waits_for_is_a_clear_error(root):

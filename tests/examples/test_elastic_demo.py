@@ -1,0 +1,62 @@
+"""The elastic demo (``examples/elastic_shakespeare.py``): its fault spec, and one short run with a kill and a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_fedshard.examples.elastic import Fault, parse_faults
+
+ROOT = Path(__file__).parents[2]
+
+
+def test_faults_are_parsed_in_the_order_of_their_steps():
+    assert parse_faults("restart:1@30, kill:1@20,stop:2@50", groups=3) == [
+        Fault("kill", 1, 20), Fault("restart", 1, 30), Fault("stop", 2, 50)
+    ]  # fmt: skip
+    assert parse_faults("", groups=2) == []
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("crash:1@20", "Fault 'crash:1@20' is not KIND:GROUP@STEP with KIND one of ['kill', 'stop', 'restart']"),
+        ("kill:1", "Fault 'kill:1' is not KIND:GROUP@STEP"),
+        ("kill:3@20", "Fault 'kill:3@20': the group must be in [0, 3) and the step positive"),
+        ("kill:1@0", "the step positive"),
+    ],
+)
+def test_a_bad_fault_is_refused_naming_it(spec, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_faults(spec, groups=3)
+
+
+@pytest.mark.timeout(420)
+def test_the_demo_survives_a_kill_and_a_hang_and_reports_them(tmp_path):
+    pytest.importorskip("torchft")
+    report = tmp_path / "report.json"
+    args = ["--groups", "3", "--max-steps", "16", "--sync-every", "4", "--faults", "kill:1@5,stop:2@9",
+            "--step-sleep", "0.3", "--report", str(report)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "elastic_shakespeare.py"), *args],
+        capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(report.read_text())
+    groups = {g["group"]: g for g in result["groups"]}
+    assert groups[0]["steps"] == 16 and groups[0]["jobs"][0]["exit_code"] == 0
+    assert [j["exit_code"] for j in groups[1]["jobs"]] == [-9]  # killed
+    assert [j["exit_code"] for j in groups[2]["jobs"]] == [-9]  # hung, ended by the demo at the end
+    assert [f["kind"] for f in result["faults"]] == ["kill", "stop"]
+    assert all(f["stall_seconds"] is not None for f in result["faults"])
+    last = result["syncs"][-1]
+    assert last["step"] == 16 and last["members"] == [0] and not last["lost"]
+    assert list(result["checksums"]) == ["0.0"] and result["committed_tokens"] > 0
+    assert "fault kill:1@5: survivors stalled" in run.stdout and "final consensus checksums: all equal" in run.stdout
