@@ -225,6 +225,7 @@ class ElasticCommunicator:
         self._all_joining = False  # whether every group of the last checked quorum was joining
         self._last_quorum_id: int | None = None
         self._restart_grace: float | None = None
+        self._ring_failed = False  # a collective of the current sync failed: skip the rest
         self._save: HealSave | None = None
         self._load: HealLoad | None = None
         self._healed: dict[str, Any] | None = None
@@ -357,7 +358,7 @@ class ElasticCommunicator:
         deadline = time.monotonic() + self.options.quorum_timeout
         healed, self.last_heal_seconds = False, None
         while True:
-            self._healed = None
+            self._healed, self._ring_failed = None, False
             started = time.perf_counter()
             try:
                 manager.start_quorum(timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
@@ -366,10 +367,11 @@ class ElasticCommunicator:
             ring = self._rings.members
             if self._lighthouse_restarted(ring, deadline):
                 continue  # let the groups that were in the last quorum reach the new lighthouse first
-            if manager.errored() is None and self._rings.quorum_id != self._checked_quorum:
+            if self._rings.quorum_id != self._checked_quorum:  # every member exchanges, a failed heal or not
                 if not self._admitted(ring):
                     continue  # a job that does not belong was in this quorum: ask again without it
-                self._checked_quorum = self._rings.quorum_id
+                if not self._ring_failed:
+                    self._checked_quorum = self._rings.quorum_id
             if self._healed is not None:
                 assert self._load is not None
                 self._load(self._healed)
@@ -529,15 +531,19 @@ class ElasticCommunicator:
         self._healed = state
 
     def _collective(self, work: Callable[[], Any], output: Tensor) -> None:
-        """Run one collective over a ring; after this sync's first failure, skip it and leave zeros instead."""
-        manager = self._manager
-        if manager.errored() is None:
+        """Run one collective over a ring; after this sync's first failed one, skip it and leave zeros instead.
+
+        Only a failed collective stops the others: a group whose heal failed still takes part (adding nothing), so
+        that the other groups' sync goes through; it is not committed on this group alone.
+        """
+        if not self._ring_failed:
             try:
                 work().wait()
                 return
             except Exception as error:  # gloo raises RuntimeError on a dead or timed-out peer
                 log.warning(f"Elastic group {self._group}: a collective between groups failed: {error}")
-                manager.report_error(error)
+                self._ring_failed = True
+                self._manager.report_error(error)
         output.zero_()
 
     def _admitted(self, ring: tuple[int, ...]) -> bool:
@@ -566,7 +572,7 @@ class ElasticCommunicator:
         else:
             everyone.copy_(mine)
         verdict: str | None = None
-        if self._manager.errored() is None:  # else the sync fails anyway, is not committed, and the next quorum checks
+        if not self._ring_failed:  # else the sync fails anyway, is not committed, and the next quorum checks again
             descriptions = [_decode(row) for row in everyone.view(len(ring), _DESCRIPTION_BYTES)]
             verdict = _check_members(descriptions, int(self._manager.participating_rank() or 0))
             self._all_joining = all(d["joining"] for d in descriptions)

@@ -432,21 +432,22 @@ class OuterStep:
         start = time.perf_counter()
         with torch.profiler.record_function("fedshard::outer_all_reduce_wait"):
             local = pending.result()
-        committed = self.communicator.should_commit()
         healthy = pending.contributors
         if healthy == 0:  # only a change of members: the weights, the anchor and the outer state stay as they are
+            committed = self.communicator.should_commit()
             if not committed:
                 self.syncs_lost += 1
             return self._stats(pending, start, outer_grad_norm=0.0, drift=0.0, lost=not committed)
-        if not committed:
-            return self._drop_lost(pending, start, write)
         local.div_(healthy)
         mean_sq = _squared_norm(local)
         if pending.own_dot_sum is not None:
             own_dot_mean = pending.own_dot_sum / healthy
         else:  # summed exactly in place: the mean is the groups' mean, <d_g, d> averages to |d|^2
             own_dot_mean = 0.0 if pending.absent(self.communicator.group_index) else mean_sq
+        # Before the vote: groups may vote differently (elastic), and every collective must be made by all of them.
         norm, drift = self._global_norms(pending, own_dot_mean, mean_sq, local.device)
+        if not self.communicator.should_commit():
+            return self._drop_lost(pending, start, write)
         with torch.profiler.record_function("fedshard::outer_optimizer_step"):
             self._set_grads(local, pending.fragment)
             optimizer = self.optimizers[pending.fragment]

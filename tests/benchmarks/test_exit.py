@@ -48,8 +48,8 @@ def _free_port() -> int:
 def _rank_zero_exit_code(ending: str) -> int:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "PYTHONPATH": str(REPO)}
     ranks = [
-        subprocess.Popen([sys.executable, "-c", RANK, str(rank), ending], env=env, stderr=subprocess.DEVNULL)
-        for rank in (0, 1)
+        subprocess.Popen([sys.executable, "-c", RANK, str(rank), ending], env=env, stderr=stream)
+        for rank, stream in ((0, subprocess.DEVNULL), (1, subprocess.PIPE))
     ]
     try:
         codes = [proc.wait(timeout=120) for proc in ranks]
@@ -57,7 +57,8 @@ def _rank_zero_exit_code(ending: str) -> int:
         for proc in ranks:
             proc.kill()
             proc.wait()
-    assert codes[1] == 0
+    peer_log = ranks[1].stderr.read().decode(errors="replace") if ranks[1].stderr else ""
+    assert codes[1] == 0, f"the peer rank failed (exit {codes[1]}):\n{peer_log[-2000:]}"
     return codes[0]
 
 

@@ -72,10 +72,11 @@ def rejoin(root: Path) -> Iterator[dict[str, Job]]:
 
 @pytest.fixture(scope="module")
 def fabric_rejoin(root: Path) -> Iterator[dict[str, Job]]:
-    """The same on Fabric, FSDP2, int4 with error feedback, two fragments and a sum overlapped with a step."""
+    """The same on Fabric, FSDP2, int4 with error feedback, two fragments, a sum overlapped with a step, and Nesterov
+    momentum in the outer step (whose state the joining group takes too)."""
     cluster = Cluster(root / "fabric", min_groups=3)
     spec = {**BASE, "num_groups": 3, "fabric": True, "strategy": "fl_fsdp2", "reduce_dtype": "int4", "fragments": 2,
-            "sync_delay": 1}  # fmt: skip
+            "sync_delay": 1, "outer_optimizer": "nesterov"}  # fmt: skip
     jobs = {
         "0": cluster.start(0, spec),
         "1": cluster.start(1, spec),
@@ -297,6 +298,24 @@ def test_a_long_lighthouse_outage_ends_every_group_with_a_clear_error(outage):
     assert outage["took"] < 90  # the quorum timeout (20 s) and 3 retries, not the default 15 minutes
 
 
+def test_a_heal_that_keeps_failing_ends_with_a_clear_error(root):
+    # The joining group's every transfer of a peer's state fails (injected into its copy of torchft's transport).
+    cluster = Cluster(root / "heal_fails", min_groups=1)
+    try:
+        running = cluster.start(0, {**BASE, "num_groups": 2, "max_steps": 400})
+        wait_for(lambda: running.progress() >= 4, 120, "group 0 to train")
+        joiner = cluster.start(1, {**BASE, "num_groups": 2, "max_steps": 400, "fault": {"kind": "fail_heals"}})
+        assert joiner.wait(180) == [3]
+        error = joiner.result()["error"]
+        assert error.startswith("FederationError: Elastic group 1 could not join the federation: 3 attempts in a row")
+        running.signal(signal.SIGTERM)  # Lightning ends `fit` at its next step; the job writes what it saw
+        running.wait(60)
+        syncs = running.result()["syncs"]
+        assert len(syncs) > 3 and not any(s["lost"] for s in syncs)  # it went on, undisturbed, while 1 tried
+    finally:
+        cluster.close()
+
+
 def test_fewer_groups_than_the_lighthouse_waits_for_is_a_clear_error(root):
     cluster = Cluster(root / "alone", min_groups=2)
     try:
@@ -312,7 +331,9 @@ def test_fewer_groups_than_the_lighthouse_waits_for_is_a_clear_error(root):
 
 
 def test_a_whole_federation_restarted_from_checkpoints_resumes_exactly(root):
-    spec = {**BASE, "num_groups": 2, "max_steps": 14, "reduce_dtype": "int4", "ckpt_every": 6, "step_sleep": 0.0}
+    # FL+HSDP on FSDP2 under the Trainer, int4 with error feedback (its residuals are in the checkpoints too).
+    spec = {**BASE, "strategy": "fl_hsdp2", "num_groups": 2, "max_steps": 14, "reduce_dtype": "int4", "ckpt_every": 6,
+            "step_sleep": 0.0}  # fmt: skip
     cluster = Cluster(root / "straight", min_groups=2)
     try:
         straight = [cluster.start(g, spec) for g in range(2)]

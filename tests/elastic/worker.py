@@ -46,6 +46,18 @@ def _fault(spec: dict[str, Any], kind: str) -> int | None:
     return None
 
 
+def _install_heal_fault(spec: dict[str, Any]) -> None:
+    """Every transfer of a peer's state to this job fails."""
+    if (spec.get("fault") or {}).get("kind") != "fail_heals":
+        return
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    def failing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected: the transfer of a peer's state failed")
+
+    HTTPTransport.recv_checkpoint = failing  # type: ignore[method-assign]
+
+
 def _install_sum_fault(spec: dict[str, Any], runtime_step: Any) -> None:
     """Die inside the first sum over the groups of the sync after step ``kill_in_sum``."""
     step = _fault(spec, "kill_in_sum")
@@ -190,11 +202,12 @@ def run(spec: dict[str, Any], out: Path) -> None:
         num_sanity_val_steps=0,
     )
     _install_sum_fault(spec, lambda: trainer.strategy.runtime.step)
+    _install_heal_fault(spec)
     data = _loader(spec)
     error = None
     try:
         trainer.fit(module, data, ckpt_path=spec.get("resume"))
-    except Exception as e:  # recorded for the test
+    except BaseException as e:  # recorded for the test (Lightning ends a run it got SIGTERM for with one)
         error = f"{type(e).__name__}: {e}"
     _save(out, error, recorder, module, _consensus(trainer) if error is None else None, trainer.global_step)
 
