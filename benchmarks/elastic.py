@@ -9,7 +9,7 @@ int4 outer traffic, a sync every 8 steps, the example Llama on Shakespeare). The
 every node's link. Each repeat runs, interleaved:
 
 - ``faultfree``: the elastic federation without faults;
-- ``faulted``: the same with 12 faults - 4 kills (SIGKILL), 4 hangs (SIGSTOP) and 4 restarts (a new job for a dead
+- ``faulted``: the same with 12 faults - 3 kills (SIGKILL), 3 hangs (SIGSTOP) and 6 restarts (a new job for a dead
   or hung group, which joins and heals) - at the steps of :data:`FAULTS`;
 - ``elastic_restart``: one group killed at step ``K`` and started again at once; the time until the federation
   reaches ``N`` steps;

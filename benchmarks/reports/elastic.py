@@ -7,7 +7,10 @@ single job stopped and restarted from a checkpoint, interleaved.
 - **goodput** of a faulted run: its committed tokens/s divided by (the fault-free run's committed tokens/s of the same
   repeat x the faulted run's mean fraction of groups alive). Committed tokens count every round that a committed
   sync closed, per group that contributed to it; a group is alive from its job's start until it is killed or stopped,
-  so the start-up time of a job that replaces a group counts as alive. Median over repeats.
+  so the start-up time of a job that replaces a group counts as alive. Median over repeats; a repeat whose fault-free
+  run lost a group anyway (a job failed, or a sync went on without a group) gives no baseline and is left out.
+  Beside it: the committed tokens over the tokens the groups trained (the work the faults threw away), and how long
+  a replacing job took to start (launch to asking to join) and to join (waiting for the next sync, healing).
 - **stall** of a fault: how much longer the surviving groups' first sync after it took than their median sync
   before it (the largest over survivors).
 - **time to N steps**: from the first launch until the federation finished ``N`` steps (its last group's end),
@@ -34,15 +37,47 @@ def _runs(results: dict[str, Any], kind: str) -> dict[int, dict[str, Any]]:
     return {run["repeat"]: run["result"] for run in results["runs"] if run["kind"] == kind}
 
 
+def disturbed(run: dict[str, Any]) -> bool:
+    """Whether a fault-free run lost a group anyway (a job that failed, or a sync without every group)."""
+    groups = set(range(run["config"]["groups"]))
+    jobs_failed = any(job["exit_code"] != 0 for group in run["groups"] for job in group["jobs"])
+    return jobs_failed or any(set(sync["members"]) != groups for sync in run["syncs"])
+
+
+def disturbed_repeats(results: dict[str, Any]) -> list[int]:
+    """The repeats whose fault-free run lost a group: they give no baseline, and no goodput."""
+    return [repeat for repeat, run in sorted(_runs(results, "faultfree").items()) if disturbed(run)]
+
+
 def goodputs(results: dict[str, Any]) -> list[float]:
-    """Every repeat's goodput (faulted against the fault-free run of the same repeat)."""
+    """Every repeat's goodput (faulted against the fault-free run of the same repeat, where that one was)."""
     free, faulted = _runs(results, "faultfree"), _runs(results, "faulted")
     values = []
     for repeat, run in sorted(faulted.items()):
-        if repeat in free:
+        if repeat in free and not disturbed(free[repeat]):
             expected = free[repeat]["committed_tokens_per_s"] * run["alive_fraction"]
             values.append(run["committed_tokens_per_s"] / expected)
     return values
+
+
+def committed_shares(results: dict[str, Any]) -> list[float]:
+    """Per faulted run, the committed tokens over the tokens its groups trained (the work the faults threw away)."""
+    return [
+        run["committed_tokens"] / run["trained_tokens"]
+        for _, run in sorted(_runs(results, "faulted").items())
+        if run.get("trained_tokens")
+    ]
+
+
+def replacements(results: dict[str, Any], key: str) -> list[float]:
+    """``key`` (``start_up_seconds`` or ``join_seconds``) of every job that replaced a group in the faulted runs."""
+    return [
+        job[key]
+        for run in _runs(results, "faulted").values()
+        for group in run["groups"]
+        for job in group["jobs"][1:]
+        if job.get(key) is not None
+    ]
 
 
 def stalls(results: dict[str, Any], kind: str) -> list[float]:
@@ -96,6 +131,10 @@ def targets(results: dict[str, Any] | None) -> list[Row]:
             "runs": len(goodputs(results)),
             "spread": goodput,
             "faults_per_run": len(results["faults"].split(",")),
+            "repeats_without_a_fault_free_baseline": disturbed_repeats(results),
+            "committed_share_of_trained": _spread(committed_shares(results)),
+            "replacement_start_up_s": _spread(replacements(results, "start_up_seconds")),
+            "replacement_join_s": _spread(replacements(results, "join_seconds")),
         },
         {
             "id": "elastic-stall-kill-s",
@@ -132,22 +171,33 @@ def table(results: dict[str, Any]) -> str:
     free, faulted = _runs(results, "faultfree"), _runs(results, "faulted")
     elastic, single = _runs(results, "elastic_restart"), _runs(results, "checkpoint_restart")
     lines = [
-        "| repeat | fault-free tokens/s | faulted tokens/s | groups alive | goodput | syncs lost | time to N: elastic"
-        " | time to N: one job, restarted from a checkpoint |",
-        "|---|---|---|---|---|---|---|---|",
+        "| repeat | fault-free tokens/s | faulted tokens/s | groups alive | goodput | committed / trained | syncs lost"
+        " | time to N: elastic | time to N: one job, restarted from a checkpoint |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for repeat in sorted(faulted):
         f, ff = faulted[repeat], free.get(repeat)
         good = f["committed_tokens_per_s"] / (ff["committed_tokens_per_s"] * f["alive_fraction"]) if ff else math.nan
+        good_text = f"{good:.3f}" + (" (fault-free run lost groups: not counted)" if ff and disturbed(ff) else "")
         lost = sum(s["lost"] for s in f["syncs"])
+        share = f"{f['committed_tokens'] / f['trained_tokens']:.3f}" if f.get("trained_tokens") else ""
         e, s = elastic.get(repeat), single.get(repeat)
         lines.append(
             f"| {repeat} | {ff['committed_tokens_per_s']:,.0f} | {f['committed_tokens_per_s']:,.0f} |"
-            f" {f['alive_fraction']:.2f} | {good:.3f} | {lost} | {e['finished_seconds']:.0f} s |"
+            f" {f['alive_fraction']:.2f} | {good_text} | {share} | {lost} | {e['finished_seconds']:.0f} s |"
             f" {s['wall_seconds']:.0f} s (resumed from {s['resumed_from']}) |"
             if ff and e and s
-            else f"| {repeat} | | {f['committed_tokens_per_s']:,.0f} | {f['alive_fraction']:.2f} | | {lost} | | |"
+            else f"| {repeat} | | {f['committed_tokens_per_s']:,.0f} | {f['alive_fraction']:.2f} | | {share} |"
+            f" {lost} | | |"
         )
+    start_up, join = _spread(replacements(results, "start_up_seconds")), _spread(replacements(results, "join_seconds"))
+    if not math.isnan(start_up["median"]):
+        lines += [
+            "",
+            f"A job that replaced a group took {start_up['median']:.1f} s (median; {start_up['min']:.1f}-"
+            f"{start_up['max']:.1f} s) from its launch to asking to join, and then {join['median']:.1f} s"
+            f" ({join['min']:.1f}-{join['max']:.1f} s) to join: waiting for the others' next sync and healing.",
+        ]
     lines += ["", "| fault | faults | survivors' stall, median | min | max |", "|---|---|---|---|---|"]
     for kind in ("kill", "stop", "restart"):
         values = stalls(results, kind)

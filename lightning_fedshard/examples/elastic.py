@@ -303,6 +303,7 @@ class ElasticDemo:
             for s in syncs
             if not s["lost"]
         )
+        trained_steps = sum(e["event"] == "step" for evs in events.values() for e in evs)
         starts = [e["t"] for evs in events.values() for e in evs if e["event"] == "trained"]
         ends = [e["t"] for evs in events.values() for e in evs if e["event"] == "end"]
         span = (max(ends) - min(starts)) if starts and ends else math.nan
@@ -315,6 +316,7 @@ class ElasticDemo:
             "faults": [self._fault_report(f, events) for f in self.fault_log],
             "syncs": syncs,
             "committed_tokens": committed,
+            "trained_tokens": trained_steps * tokens_per_group_step,
             "committed_tokens_per_s": committed / span if span and span > 0 else math.nan,
             "alive_fraction": self._alive_fraction(min(starts, default=math.nan), max(ends, default=math.nan)),
             "checksums": {
@@ -334,7 +336,15 @@ class ElasticDemo:
             "heals": [
                 {"step": e["step"], "seconds": e["heal_seconds"]} for e in syncs if e["heal_seconds"] is not None
             ],
-            "jobs": [{"started": j.started, "ended": j.ended, "exit_code": j.exit_code} for j in jobs],
+            "jobs": [
+                {
+                    "started": j.started,
+                    "ended": j.ended,
+                    "exit_code": j.exit_code,
+                    **_job_timing(j, events[(group, j.index)]),
+                }
+                for j in jobs
+            ],
         }
 
     def _fault_report(
@@ -361,6 +371,18 @@ class ElasticDemo:
             last = job.stopped_at or job.ended or end
             alive += max(0.0, min(last, end) - max(job.started, start))
         return alive / (self.config.groups * (end - start))
+
+
+def _job_timing(job: Incarnation, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """A job's steps trained, and how long it took to start (launch to asking to join) and to join (wait and heal)."""
+    trained = [e["t"] for e in events if e["event"] == "trained"]
+    first_sync = next((e for e in events if e["event"] == "sync"), None)
+    join = first_sync["heal_seconds"] if first_sync is not None else None
+    return {
+        "steps_trained": sum(e["event"] == "step" for e in events),
+        "start_up_seconds": trained[0] - (join or 0.0) - job.started if trained else None,
+        "join_seconds": join,
+    }
 
 
 def _timeline(events: dict[tuple[int, int], list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -401,11 +423,17 @@ def summary(report: dict[str, Any]) -> str:
         lines.append(f"  fault {f['kind']}:{f['group']}@{f['step']}: survivors stalled {stall}")
     checksums = set(report["checksums"].values())
     lines.append(
-        f"  committed {report['committed_tokens']:,} tokens, {report['committed_tokens_per_s']:,.0f} tokens/s;"
+        f"  committed {report['committed_tokens']:,} tokens ({_share(report)} of those trained),"
+        f" {report['committed_tokens_per_s']:,.0f} tokens/s;"
         f" groups alive {report['alive_fraction']:.0%} of the time; final consensus checksums: "
         + ("all equal" if len(checksums) == 1 else f"{len(checksums)} different")
     )
     return "\n".join(lines)
+
+
+def _share(report: dict[str, Any]) -> str:
+    trained = report.get("trained_tokens")
+    return f"{report['committed_tokens'] / trained:.1%}" if trained else "n/a"
 
 
 # -- a group job ---------------------------------------------------------------------------------------------------

@@ -159,3 +159,42 @@ def test_the_byte_target_names_its_worst_configuration_and_the_worst_with_traini
     assert (row["configurations"], row["within"]) == (2, 1)
     assert row["worst_with_training_traffic"] == "fl_fsdp-int4ef-50mbit"
     assert row["worst_with_training_traffic_error"] == pytest.approx(0.01)
+
+
+def _elastic_run(members: list[list[int]], exit_codes: list[int], tokens_per_s: float, alive: float) -> dict:
+    return {
+        "config": {"groups": 2, "ranks_per_group": 2, "heartbeat": 2.0, "join": 60.0},
+        "syncs": [
+            {"members": m, "joined": [], "lost": False, "steps": 8, "t": float(i)} for i, m in enumerate(members)
+        ],
+        "groups": [
+            {"group": g, "jobs": [{"exit_code": c, "start_up_seconds": 40.0 + g}]} for g, c in enumerate(exit_codes)
+        ],
+        "faults": [{"kind": "kill", "stall_seconds": 1.0}],
+        "committed_tokens_per_s": tokens_per_s,
+        "committed_tokens": 90,
+        "trained_tokens": 100,
+        "alive_fraction": alive,
+    }
+
+
+def test_elastic_goodput_leaves_out_a_repeat_whose_fault_free_run_lost_a_group():
+    from benchmarks.reports import elastic
+
+    clean = _elastic_run([[0, 1], [0, 1]], [0, 0], 1000.0, 1.0)
+    lost = _elastic_run([[0, 1], [0]], [0, 1], 800.0, 1.0)  # a group dropped although nothing was injected
+    faulted = _elastic_run([[0, 1], [0]], [0, -9], 450.0, 0.5)
+    results = {
+        "faults": "kill:1@4",
+        "runs": [
+            {"kind": "faultfree", "repeat": 0, "result": clean},
+            {"kind": "faulted", "repeat": 0, "result": faulted},
+            {"kind": "faultfree", "repeat": 1, "result": lost},
+            {"kind": "faulted", "repeat": 1, "result": faulted},
+        ],
+    }
+    assert elastic.disturbed_repeats(results) == [1]
+    assert elastic.goodputs(results) == [450.0 / (1000.0 * 0.5)]
+    assert elastic.committed_shares(results) == [0.9, 0.9]
+    row = next(r for r in elastic.targets(results) if r["id"] == "elastic-goodput")
+    assert row["measured"] == 0.9 and not row["met"] and row["repeats_without_a_fault_free_baseline"] == [1]
