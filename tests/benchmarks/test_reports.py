@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.metrics import link_label, link_slug, pace_window, spread
+from benchmarks.reports import elastic
 from benchmarks.reports.docs import replace_section
 from benchmarks.reports.overlap import TARGET_IDS as OVERLAP_TARGET_IDS
 from benchmarks.reports.targets import TARGET_IDS, targets, targets_table
@@ -94,7 +95,7 @@ def test_target_ids_are_unique_kebab_case_and_those_of_targets_json():
     assert len(set(TARGET_IDS)) == len(TARGET_IDS)
     assert all(KEBAB.match(target_id) and len(target_id) <= 60 for target_id in TARGET_IDS)
     recorded = json.loads((RESULTS / "targets.json").read_text())
-    every = (*TARGET_IDS, *OVERLAP_TARGET_IDS, *TOPOLOGY_TARGET_IDS)
+    every = (*TARGET_IDS, *OVERLAP_TARGET_IDS, *TOPOLOGY_TARGET_IDS, *elastic.TARGET_IDS)
     assert [row["id"] for row in recorded] == list(every) and len(set(every)) == len(every)
     assert all(KEBAB.match(target_id) for target_id in (*OVERLAP_TARGET_IDS, *TOPOLOGY_TARGET_IDS))
     assert all({"id", "target", "measured", "bound", "met", "runs"} <= set(row) for row in recorded)
@@ -179,8 +180,6 @@ def _elastic_run(members: list[list[int]], exit_codes: list[int], tokens_per_s: 
 
 
 def test_elastic_goodput_leaves_out_a_repeat_whose_fault_free_run_lost_a_group():
-    from benchmarks.reports import elastic
-
     clean = _elastic_run([[0, 1], [0, 1]], [0, 0], 1000.0, 1.0)
     lost = _elastic_run([[0, 1], [0]], [0, 1], 800.0, 1.0)  # a group dropped although nothing was injected
     faulted = _elastic_run([[0, 1], [0]], [0, -9], 450.0, 0.5)

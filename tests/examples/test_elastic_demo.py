@@ -62,5 +62,7 @@ def test_the_demo_survives_a_kill_and_a_hang_and_reports_them(tmp_path):
     # group 0 trained 16 steps; the rounds in flight of the killed and the hung group were never committed
     assert groups[0]["jobs"][0]["steps_trained"] == 16
     assert 0 < result["committed_tokens"] <= result["trained_tokens"]
-    assert groups[0]["jobs"][0]["start_up_seconds"] > 0 and groups[0]["jobs"][0]["join_seconds"] >= 0
+    assert all(g["jobs"][0]["start_up_seconds"] > 0 for g in groups.values())
+    # every group but the one the others took the first weights from healed when it joined
+    assert sum(g["jobs"][0]["join_seconds"] is not None for g in groups.values()) == 2
     assert "fault kill:1@5: survivors stalled" in run.stdout and "final consensus checksums: all equal" in run.stdout
