@@ -37,7 +37,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def dropouts(root: Path) -> Iterator[dict[int, Job]]:
     """Four groups: 1 killed mid-round, 2 killed inside the sum over the groups, 3 stopped (SIGSTOP) mid-round."""
     cluster = Cluster(root / "dropouts", min_groups=1)
-    spec = {**BASE, "num_groups": 4}
+    spec = {**BASE, "num_groups": 4, "start_groups": 4}  # all train from step 0: a late job would skip its fault's step
     faults = {1: ("kill", 6), 2: ("kill_in_sum", 12), 3: ("stop", 14)}
     jobs = {g: cluster.start(g, {**spec, **_fault(faults.get(g))}) for g in range(4)}
     try:
@@ -190,7 +190,7 @@ def test_fabric_fsdp2_group_with_compressed_fragments_rejoins(fabric_rejoin):
 def rank_death(root: Path) -> Iterator[dict[int, Job]]:
     """Two FL+HSDP groups of two replicas: rank 1 of group 1 dies at step 6."""
     cluster = Cluster(root / "rank_death", min_groups=1)
-    spec = {**BASE, "num_groups": 2, "strategy": "fl_hsdp", "shard_size": 1}
+    spec = {**BASE, "num_groups": 2, "start_groups": 2, "strategy": "fl_hsdp", "shard_size": 1}
     jobs = {0: cluster.start(0, spec, ranks=2), 1: cluster.start(1, {**spec, **_fault(("kill", 6), rank=1)}, ranks=2)}
     try:
         wait_for(lambda: jobs[1].procs[1].poll() is not None, 120, "rank 1 of group 1 to die")
