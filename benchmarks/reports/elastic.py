@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.reports import plotting
+from lightning_fedshard.examples.elastic import BATCH, SEQ_LEN, committed_group_steps
 
 GOODPUT_BOUND = 0.95
 TARGET_IDS = ("elastic-goodput", "elastic-stall-kill-s", "elastic-vs-restart")
@@ -216,11 +217,10 @@ def plot(results: dict[str, Any], images: Path) -> list[Path]:
     fig, ax = plotting.figure()
     for label, run, style in (("fault-free", free[0], "-"), ("faulted", faulted[0], "-")):
         start = min(s["t"] for s in run["syncs"])
-        tokens_per_group_step = run["config"]["ranks_per_group"] * 8 * 128
+        tokens_per_group_step = run["config"]["ranks_per_group"] * BATCH * SEQ_LEN
         xs, ys, total = [0.0], [0.0], 0
         for sync in run["syncs"]:
-            if not sync["lost"]:
-                total += len([g for g in sync["members"] if g not in sync["joined"]]) * sync["steps"]
+            total += committed_group_steps(sync)
             xs.append(sync["t"] - start)
             ys.append(total * tokens_per_group_step / 1e6)
         ax.plot(xs, ys, style, label=label)

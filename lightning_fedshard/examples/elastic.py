@@ -298,11 +298,7 @@ class ElasticDemo:
         events = {(j.group, j.index): j.events() for j in self.jobs}
         syncs = _timeline(events)
         tokens_per_group_step = self.config.ranks_per_group * BATCH * SEQ_LEN
-        committed = sum(
-            len([g for g in s["members"] if g not in s["joined"]]) * s["steps"] * tokens_per_group_step
-            for s in syncs
-            if not s["lost"]
-        )
+        committed = sum(committed_group_steps(s) for s in syncs) * tokens_per_group_step
         trained_steps = sum(e["event"] == "step" for evs in events.values() for e in evs)
         starts = [e["t"] for evs in events.values() for e in evs if e["event"] == "trained"]
         ends = [e["t"] for evs in events.values() for e in evs if e["event"] == "end"]
@@ -371,6 +367,11 @@ class ElasticDemo:
             last = job.stopped_at or job.ended or end
             alive += max(0.0, min(last, end) - max(job.started, start))
         return alive / (self.config.groups * (end - start))
+
+
+def committed_group_steps(sync: dict[str, Any]) -> int:
+    """The steps a sync committed, over the groups that contributed to it (0 for a lost sync)."""
+    return 0 if sync["lost"] else len([g for g in sync["members"] if g not in sync["joined"]]) * sync["steps"]
 
 
 def _job_timing(job: Incarnation, events: list[dict[str, Any]]) -> dict[str, Any]:
