@@ -41,6 +41,9 @@ OuterOptimizerSpec = str | Callable[[Iterable[Tensor]], Optimizer]
 #: pseudo-gradient for the whole of it.
 EAGER_RULES: tuple[str, ...] = ("share", "local")
 
+#: Where error feedback keeps what a group's encoding dropped, besides ``True``'s buffer for its next sync.
+FEEDBACK_IN_WEIGHTS = "weights"
+
 
 @dataclass(frozen=True)
 class FederationConfig:
@@ -75,7 +78,13 @@ class FederationConfig:
         error_feedback: With ``"int8"`` / ``"int4"`` / ``"sparse"``, carry what each rank's encoding dropped into its
             next sync, so that rounding errors (and unsent entries) are delayed instead of lost (kept in
             checkpoints). Default ``None``: on with a compressed ``reduce_dtype``, off with a float one. ``True`` is
-            rejected with a float ``reduce_dtype``, which has no residual.
+            rejected with a float ``reduce_dtype``, which has no residual. ``"weights"``: what a group did not send
+            stays in its own weights (it restarts from ``anchor - residual``, not from the anchor), so the mean of the
+            groups' weights is exactly float32 averaging's and they differ only by what they have not sent yet;
+            validation, checkpoints' consensus and the end of training take that mean with one float32 all-reduce.
+            Made for ``"sparse"``, where a buffer waits many syncs (see docs/configuration.md, "Error feedback in
+            the weights"); excludes ``eager_updates``, ``merge_alpha``, outer topologies other than ``"all"`` and
+            ``elastic``.
         anchor_device: Where the anchor (float32) and the outer optimizer state live: ``"cpu"`` (default; host
             memory, the accelerator pays nothing) or ``"device"`` (next to the model's shards).
         on_nonfinite: What a sync does when a group's pseudo-gradient holds NaN/Inf. ``"raise"`` (default): stop
@@ -120,8 +129,8 @@ class FederationConfig:
             optimizer name, an outer optimizer factory that does not return an optimizer, an unknown reduce dtype,
             anchor device or ``on_nonfinite`` policy, ``sync_every`` not divisible by ``fragments``, ``sync_delay``
             outside ``[0, sync_every / fragments)``, ``merge_alpha`` outside ``[0, 1]``, ``quant_block_size < 1``,
-            ``error_feedback=True`` with a float ``reduce_dtype``, or ``eager_updates`` with ``sync_delay`` or
-            ``merge_alpha``.
+            ``error_feedback=True`` or ``"weights"`` with a float ``reduce_dtype``, ``"weights"`` with an option it
+            excludes, or ``eager_updates`` with ``sync_delay`` or ``merge_alpha``.
     """
 
     num_groups: int | None = None
@@ -135,7 +144,7 @@ class FederationConfig:
     sync_delay: int = 0
     merge_alpha: float = 0.0
     quant_block_size: int = DEFAULT_BLOCK_SIZE
-    error_feedback: bool | None = None
+    error_feedback: bool | str | None = None
     eager_updates: bool | str = False
     outer_topology: OuterTopologySpec = "all"
     elastic: Elastic | None = None
@@ -148,13 +157,18 @@ class FederationConfig:
         # Build the outer optimizer once on a probe tensor, so a broken factory fails before any rank starts.
         build_outer_optimizer(self.outer_optimizer_factory, [torch.zeros(1, requires_grad=True)])
         if self.error_feedback is not None and not isinstance(self.error_feedback, bool):
-            raise ValueError(f"`error_feedback` must be True, False or None (automatic), got {self.error_feedback!r}.")
+            if self.error_feedback != FEEDBACK_IN_WEIGHTS:
+                raise ValueError(
+                    f"`error_feedback` must be True, False, None (automatic) or {FEEDBACK_IN_WEIGHTS!r}, got"
+                    f" {self.error_feedback!r}."
+                )
         _check_positive_int("quant_block_size", self.quant_block_size, allow_none=False)
         if isinstance(self.reduce_dtype, Codec) and self.quant_block_size != DEFAULT_BLOCK_SIZE:
             raise ValueError(
                 f"`quant_block_size={self.quant_block_size}` is for the named 'int8' / 'int4'; the codec"
                 f" {self.reduce_dtype!r} carries its own parameters."
             )
+        self._check_feedback_in_weights()
         # Builds a reducer once: an unknown dtype, or error feedback with a float dtype, fail here.
         self.reducer()
         if self.anchor_device not in ("cpu", "device"):
@@ -163,6 +177,28 @@ class FederationConfig:
             raise ValueError(f"`on_nonfinite` must be one of {list(NONFINITE_POLICIES)}, got {self.on_nonfinite!r}.")
         self._check_streaming()
         self._check_elastic()
+
+    def _check_feedback_in_weights(self) -> None:
+        if not self.feedback_in_weights:
+            return
+        if not self.compressed:
+            raise ValueError(
+                f"`error_feedback='weights'` keeps what a lossy codec dropped; `reduce_dtype={self.reduce_dtype!r}`"
+                " drops nothing. Use 'int8', 'int4' or 'sparse'."
+            )
+        excluded = {
+            "eager_updates": self.eager_updates is not False,
+            "merge_alpha": bool(self.merge_alpha),
+            "outer_topology": resolve_outer_topology(self.outer_topology) is not None,
+            "elastic": self.elastic is not None,
+        }
+        clashes = [f"`{name}={getattr(self, name)!r}`" for name, clash in excluded.items() if clash]
+        if clashes:
+            raise ValueError(
+                f"`error_feedback='weights'` writes each group's own residual into its weights at every landing; it"
+                f" excludes {', '.join(clashes)} (leave eager_updates=False, merge_alpha=0, outer_topology='all',"
+                " elastic=None)."
+            )
 
     def _check_elastic(self) -> None:
         if self.elastic is None:
@@ -264,6 +300,8 @@ class FederationConfig:
         dtype = self.codec.describe()
         if self.compressed:
             dtype += f" {'with' if self.error_feedback is not False else 'without'} error feedback"
+            if self.feedback_in_weights:
+                dtype += " in the weights"
         parts = [f"outer step every {self.sync_every} optimizer steps ({outer})", f"outer traffic {dtype}"]
         if self.fragments > 1:
             parts.append(f"{self.fragments} streaming fragments")
@@ -307,6 +345,11 @@ class FederationConfig:
         return "share" if self.eager_updates is True else str(self.eager_updates)
 
     @property
+    def feedback_in_weights(self) -> bool:
+        """Whether each group keeps what it did not send in its own weights (``error_feedback="weights"``)."""
+        return self.error_feedback == FEEDBACK_IN_WEIGHTS
+
+    @property
     def outer_optimizer_factory(self) -> OuterOptimizerFactory:
         """A callable that builds the outer optimizer from a list of anchor tensors."""
         return resolve_outer_optimizer(self.outer_optimizer)
@@ -333,7 +376,8 @@ class FederationConfig:
         """
         residual_device = "cpu" if self.anchor_device == "cpu" else None
         block_size = None if isinstance(self.reduce_dtype, Codec) else self.quant_block_size
-        return make_reducer(self.reduce_dtype, block_size, self.error_feedback, residual_device)
+        feedback = self.error_feedback if isinstance(self.error_feedback, bool) else self.feedback_in_weights or None
+        return make_reducer(self.reduce_dtype, block_size, feedback, residual_device)
 
 
 def federation_args_doc() -> str:

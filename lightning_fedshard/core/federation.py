@@ -118,6 +118,7 @@ class Federation:
             fragments=cut_fragments(unit_sizes or [s.numel() for s in shards], self.config.fragments),
             reducer=self.config.reducer,
             eager_rule=self.config.eager_rule or "share",
+            feedback_in_weights=self.config.feedback_in_weights,
         )
         self.last_synced_step = self.last_step = step
         self.landed_at = [step] * self.config.fragments
@@ -344,6 +345,8 @@ class Federation:
         one synchronous outer step on its current pseudo-gradient; a fragment that landed at ``step`` with
         ``merge_alpha > 0`` gets the new anchor copied in, so that all groups agree. With eager updates no sum is
         dropped: every fragment first lands the sum it has in flight, then syncs what it trained since (if anything).
+        With ``error_feedback="weights"`` the groups, which differ by what they have not sent, then take the exact
+        mean of their weights (one float32 all-reduce), which also becomes the anchor.
 
         Returns:
             The statistics of the last of these syncs, or ``None`` if none was needed.
@@ -363,6 +366,9 @@ class Federation:
                     self._on_write()
                 continue
             synced.append(self.sync(step, fragment))
+        if self.config.feedback_in_weights and len(self.communicator.participants()) > 1:
+            synced.insert(0, self.outer.agree_on_mean())  # counted in the bytes; the norms are the last sync's
+            self._on_write()
         self.last_step = max(self.last_step, step)
         return _combined(synced, self.config.fragments)
 
@@ -401,9 +407,9 @@ class Federation:
         With eager updates the consensus includes the sums in flight: it waits for them and shows the anchor each
         fragment will have once its sum has landed (the anchor itself and the outer state are not changed).
 
-        With a hierarchical or mixing outer topology the consensus is the exact mean over all groups of their current
-        weights (a float32 all-reduce over the fed ring), which a site sync or a doubly-stochastic mix does not
-        change.
+        With a hierarchical or mixing outer topology, or with ``error_feedback="weights"``, the consensus is the exact
+        mean over all groups of their current weights (a float32 all-reduce over the fed ring), which a site sync, a
+        doubly-stochastic mix or a landing that leaves each group its own residual does not change.
 
         With a single group there is nothing to agree on: its current weights are the consensus and stay in place
         (so a one-group run validates and saves what plain FSDP would).
@@ -412,7 +418,7 @@ class Federation:
             yield
             return
         saved = [s.detach().clone() for s in self._outer.shards]
-        if self.config.hierarchical is not None or self.config.mixing is not None:
+        if self.config.hierarchical is not None or self.config.mixing is not None or self.config.feedback_in_weights:
             self._load_mean_over_groups()
         else:
             self._outer.copy_anchor_to_shards()

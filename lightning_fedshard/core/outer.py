@@ -291,6 +291,9 @@ class OuterStep:
             fragment; ``None`` (default): an all-reduce in ``reduce_dtype``.
         eager_rule: What :meth:`eager_step` applies at once: ``"share"`` (``lr * d_g / G``, this group's share of
             the mean in flight) or ``"local"`` (``lr * d_g``, its own pseudo-gradient for the whole mean).
+        feedback_in_weights: At every landing, move this group's error-feedback residual (what its encoding of the
+            pseudo-gradient dropped) from the reducer into its weights: the shards become ``anchor - residual``
+            instead of the anchor (``error_feedback="weights"``).
 
     Raises:
         ValueError: If ``outer_optimizer`` does not return a ``torch.optim.Optimizer``, for an unknown
@@ -308,7 +311,9 @@ class OuterStep:
         fragments: Sequence[Sequence[int]] | None = None,
         reducer: Callable[[], Reducer] | None = None,
         eager_rule: str = "share",
+        feedback_in_weights: bool = False,
     ) -> None:
+        self.feedback_in_weights = feedback_in_weights
         if eager_rule not in ("share", "local"):
             raise ValueError(f"`eager_rule` must be 'share' or 'local', got {eager_rule!r}.")
         self.eager_rule = eager_rule
@@ -456,6 +461,8 @@ class OuterStep:
             if write:
                 self._write_anchor(pending.fragment, merge_alpha)
                 self.offsets[pending.fragment] = None
+                if self.feedback_in_weights:
+                    self._residual_into_weights(pending.fragment)
         self.num_syncs += 1
         return self._stats(pending, start, outer_grad_norm=norm, drift=drift)
 
@@ -688,6 +695,50 @@ class OuterStep:
             else:
                 new = anchor.to(shard.device, non_blocking=True)
                 shard.copy_(torch.lerp(new, shard.to(new.dtype), merge_alpha))
+
+    @torch.no_grad()
+    def _residual_into_weights(self, fragment: int) -> None:
+        """This group keeps what its encoding dropped: the fragment's shards become ``anchor - residual``.
+
+        The residual leaves the reducer (its next sync adds nothing): the next pseudo-gradient ``anchor - shard``
+        already holds it. With ``R`` replicas each kept the residual of the part it encoded; the parts are gathered
+        inside the group (float32, the replicate axis only).
+        """
+        feedback = getattr(self.reducers[fragment], "feedback", None)
+        residual = feedback.take("residual") if feedback is not None else None
+        if residual is None:  # nothing was encoded (a single group)
+            return
+        indices = self.fragments[fragment]
+        flat = residual.reshape(-1).to(self.shards[indices[0]].device)
+        replicas = self.communicator.num_replicas
+        if replicas > 1:
+            parts = torch.empty(replicas * flat.numel(), dtype=flat.dtype, device=flat.device)
+            self.communicator.gather_replicas(parts, flat)
+            flat = parts
+        offset = 0
+        for i in indices:
+            shard = self.shards[i]
+            n = shard.numel()
+            shard.sub_(flat[offset : offset + n].view_as(shard).to(shard.dtype))
+            offset += n
+
+    @torch.no_grad()
+    def agree_on_mean(self) -> SyncStats:
+        """Every group's shards and the anchor become the exact float32 mean of the groups' weights; collective.
+
+        The end of training with ``error_feedback="weights"``: the groups differ by what they have not sent, their mean
+        is the consensus. No outer step (the outer optimizer does not change).
+        """
+        start = time.perf_counter()
+        groups = len(self.communicator.participants())
+        flat = self._flat_weights()
+        self.communicator.sum_over_groups(flat)
+        self._write_weights(flat.div_(groups))
+        for anchor, shard in zip(self.anchor, self.shards):
+            anchor.copy_(shard.detach().reshape(anchor.shape))
+        seconds = time.perf_counter() - start
+        sent = 2 * (groups - 1) * flat.numel() * flat.element_size() // groups
+        return SyncStats(0.0, 0.0, sent, seconds, self.num_syncs, exposed_seconds=seconds)
 
     @torch.no_grad()
     def copy_anchor_to_shards(self, fragment: int | None = None) -> None:

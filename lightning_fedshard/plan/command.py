@@ -41,7 +41,7 @@ def plan(
     sync_delay: int = 0,
     eager_updates: bool | Literal["share", "local"] = False,
     reduce_dtype: Literal["float32", "bfloat16", "float16", "int8", "int4", "sparse"] = "int4",
-    error_feedback: bool | None = None,
+    error_feedback: bool | str | None = None,
     outer_optimizer: Literal["fedavg", "nesterov"] = "fedavg",
     outer_topology: OuterTopologySpec = "all",
     micro_batch: int = 2,

@@ -221,7 +221,10 @@ def test_arguments_of_lightning_and_torch_fsdp_are_still_accepted():
             dict(outer_optimizer=functools.partial(torch.optim.SGD, momentum=0.9)),
             r"leaves the outer learning rate at torch's default",
         ),
-        (dict(error_feedback="yes"), r"`error_feedback` must be True, False or None \(automatic\), got 'yes'"),
+        (dict(error_feedback="yes"), r"must be True, False, None \(automatic\) or 'weights', got 'yes'"),
+        (dict(error_feedback="weights", reduce_dtype="bfloat16"), r"`reduce_dtype='bfloat16'` drops nothing"),
+        (dict(error_feedback="weights", eager_updates="local"), r"it excludes `eager_updates='local'`"),
+        (dict(error_feedback="weights", merge_alpha=0.5), r"it excludes `merge_alpha=0.5`"),
     ],
 )
 def test_outer_options_that_would_be_silently_misread_are_refused(kwargs, match):
