@@ -75,6 +75,7 @@ CONFIGURATIONS = _catalogue(
     Configuration("fl_fsdp-nesterov", "fl_fsdp", {**FLOAT32, "outer_optimizer": "nesterov"}),
     Configuration("fl_fsdp-sparse", "fl_fsdp", SPARSE),
     Configuration("fl_fsdp-sparse-eager", "fl_fsdp", {**SPARSE, **EAGER}),
+    Configuration("fl_fsdp-sparse-weights", "fl_fsdp", {**SPARSE, "error_feedback": "weights"}),
     Configuration("fl_fsdp-int4ef-eager", "fl_fsdp", EAGER),
     Configuration("fl_fsdp-sparse-eager-local", "fl_fsdp", {**SPARSE, "eager_updates": "local"}),
     Configuration("fl_fsdp-int4ef-eager-local", "fl_fsdp", {"eager_updates": "local"}),
@@ -320,6 +321,7 @@ RACE_OPTIONS = (
     "fl_fsdp-sparse-eager",
     "fl_fsdp-sparse-eager-local",
     "fl_fsdp-int4ef-eager-local",
+    "fl_fsdp-sparse-weights",
 )
 #: Every race run trains on the unthrottled 4 x 2 cluster with the sweeps' model and batch, scored on a larger
 #: validation set.

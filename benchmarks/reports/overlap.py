@@ -40,6 +40,7 @@ WINDOW_BARRIERS = 2
 TARGET_IDS = (
     "sparse-bytes",
     "sparse-ppl",
+    "sparse-ppl-weights",
     "eager-utilization-5mbit",
     "eager-utilization-20mbit",
     "eager-ppl",
@@ -123,6 +124,13 @@ def targets(eager: dict[str, Any] | None, configs: dict[str, Any], race: dict[st
     mean, per_seed = paired(ppl, "fl_fsdp-sparse", "fl_fsdp")
     rows.append(_row(
         "sparse-ppl", f"sparse outer traffic: perplexity after {RACE_STEPS} steps against float32, paired by seed",
+        mean, SPARSE_PPL_BOUND, mean <= SPARSE_PPL_BOUND, 2 * len(per_seed), per_seed=per_seed,
+    ))  # fmt: skip
+    mean, per_seed = paired(ppl, "fl_fsdp-sparse-weights", "fl_fsdp")
+    rows.append(_row(
+        "sparse-ppl-weights",
+        f"sparse outer traffic with error feedback in the weights: perplexity after {RACE_STEPS} steps against"
+        " float32, paired by seed",
         mean, SPARSE_PPL_BOUND, mean <= SPARSE_PPL_BOUND, 2 * len(per_seed), per_seed=per_seed,
     ))  # fmt: skip
     for link in EAGER_LINKS:
@@ -235,6 +243,7 @@ def horizon_table(horizon: dict[str, Any], steps: int = 256) -> str:
         "fl_fsdp-sparse": "fl_fsdp",
         "fl_fsdp-int4ef-eager-local": "fl_fsdp-int4ef",
         "fl_fsdp-sparse-eager-local": "fl_fsdp-sparse",
+        "fl_fsdp-sparse-weights": "fl_fsdp",
     }
     lines = [f"| configuration | ppl after {steps} steps, by seed | against | paired gap |", "|---|---|---|---|"]
     for option in sorted(ppl):
