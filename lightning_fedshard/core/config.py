@@ -82,9 +82,9 @@ class FederationConfig:
             stays in its own weights (it restarts from ``anchor - residual``, not from the anchor), so the mean of the
             groups' weights is exactly float32 averaging's and they differ only by what they have not sent yet;
             validation, checkpoints' consensus and the end of training take that mean with one float32 all-reduce.
-            Made for ``"sparse"``, where a buffer waits many syncs (see docs/configuration.md, "Error feedback in
-            the weights"); excludes ``eager_updates``, ``merge_alpha``, outer topologies other than ``"all"`` and
-            ``elastic``.
+            With ``"sparse"`` it measured better than the buffer over a few syncs and worse over many (see
+            docs/configuration.md, "Error feedback in the weights"); excludes ``eager_updates``, ``merge_alpha``,
+            outer topologies other than ``"all"`` and ``elastic``.
         anchor_device: Where the anchor (float32) and the outer optimizer state live: ``"cpu"`` (default; host
             memory, the accelerator pays nothing) or ``"device"`` (next to the model's shards).
         on_nonfinite: What a sync does when a group's pseudo-gradient holds NaN/Inf. ``"raise"`` (default): stop
