@@ -608,10 +608,13 @@ class OuterStep:
     @torch.no_grad()
     def mean_over_groups(self) -> list[Tensor]:
         """The exact float32 mean of every shard over all groups (for a consensus when groups differ); collective."""
+        return list(self._mean_weights().split([s.numel() for s in self.shards]))
+
+    def _mean_weights(self) -> Tensor:
+        """:meth:`_flat_weights` averaged over all groups (a float32 sum over the fed ring); collective."""
         flat = self._flat_weights()
         self.communicator.sum_over_groups(flat)
-        flat.div_(len(self.communicator.participants()))
-        return list(flat.split([s.numel() for s in self.shards]))
+        return flat.div_(len(self.communicator.participants()))
 
     def _flat_weights(self) -> Tensor:
         """This rank's shards, concatenated into one float32 vector on their device."""
@@ -731,9 +734,8 @@ class OuterStep:
         """
         start = time.perf_counter()
         groups = len(self.communicator.participants())
-        flat = self._flat_weights()
-        self.communicator.sum_over_groups(flat)
-        self._write_weights(flat.div_(groups))
+        flat = self._mean_weights()
+        self._write_weights(flat)
         for anchor, shard in zip(self.anchor, self.shards):
             anchor.copy_(shard.detach().reshape(anchor.shape))
         seconds = time.perf_counter() - start
