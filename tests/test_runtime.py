@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import lightning_fedshard.runtime as runtime_module
+from lightning_fedshard import Hierarchical
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.topology import FederationTopology
 from lightning_fedshard.runtime import FederatedRuntime
@@ -125,6 +126,28 @@ def test_a_skipped_group_restarts_with_a_fresh_inner_optimizer_state():
     with pytest.warns(UserWarning, match=r"Skipped federation group\(s\) \[1\]"):  # warnings of both threads
         results = ThreadGroups(2).run(work)
     assert results == [(True, (1,)), (False, (1,))]
+
+
+def test_a_group_skipped_by_a_site_sync_restarts_with_a_fresh_inner_optimizer_state():
+    def work(group: int, communicator: Any) -> tuple[bool, Any, bool]:
+        topology = Hierarchical({1: 2, 2: 4})
+        runtime, module = _runtime(
+            group, communicator, num_groups=4, sync_every=1, outer_topology=topology, on_nonfinite="skip_group"
+        )
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+        runtime.set_optimizers([optimizer])
+        runtime.start(0)
+        module(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+        if group == 1:
+            with torch.no_grad():
+                module.weight[0, 0] = float("nan")
+        stats = runtime.after_optimizer_step()  # a site sync: {0, 1} and {2, 3}
+        return bool(optimizer.state), stats.skipped_groups, bool(torch.isfinite(module.weight).all())
+
+    with pytest.warns(UserWarning, match=r"Skipped federation group\(s\) \[1\] with non-finite weights .*a site sync"):
+        results = ThreadGroups(4).run(work)
+    assert results == [(True, (1,), True), (False, (1,), True), (True, (1,), True), (True, (1,), True)]
 
 
 @pytest.mark.parametrize(("outer_optimizer", "syncs"), [("fedavg", False), ("nesterov", True)])

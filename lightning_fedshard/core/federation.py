@@ -270,8 +270,9 @@ class Federation:
         assert hierarchical is not None
         size = hierarchical.block_size(step)
         assert size is not None
-        if size < len(self.communicator.participants()):
-            stats = self.outer.average_in_site(size)
+        groups = len(self.communicator.participants())
+        if size < groups:
+            stats = self.outer.average_in_site(size, hierarchical.blocks(size, groups), step=step)
             self._on_write()
             return stats
         return self.sync(step)
@@ -284,7 +285,7 @@ class Federation:
         matrix = mixing.weights(step // self.config.sync_every - 1, groups)
         if torch.allclose(matrix, torch.full_like(matrix, 1.0 / groups), rtol=0.0, atol=1e-12):
             return self.sync(step)
-        stats = self.outer.mix(matrix)
+        stats = self.outer.mix(matrix, step=step)
         self._on_write()
         return stats
 

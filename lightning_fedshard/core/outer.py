@@ -16,7 +16,8 @@ never touched.
 
 Before the mean, every group's pseudo-gradient is checked for NaN/Inf: by default a non-finite one raises
 :class:`NonFiniteOuterGradientError` with the anchor untouched; with ``on_nonfinite="skip_group"`` the mean runs over
-the healthy groups only and the broken ones restart from the new anchor like everyone else.
+the healthy groups only and the broken ones restart from the new anchor like everyone else. Site syncs and mixes
+(:meth:`OuterStep.average_in_site`, :meth:`OuterStep.mix`) check the groups' weights the same way before they write.
 
 This module knows nothing about Lightning or FSDP: it takes tensors and a :class:`Communicator`.
 """
@@ -46,28 +47,58 @@ NONFINITE_POLICIES: tuple[str, ...] = ("raise", "skip_group")
 
 
 class NonFiniteOuterGradientError(FloatingPointError):
-    """A federation group's pseudo-gradient holds NaN or Inf; the anchor and the outer optimizer are untouched.
+    """A federation group's pseudo-gradient (or, at a site sync or a mix, its weights) holds NaN or Inf.
+
+    Raised before anything changed: the anchor, the outer optimizer and every group's weights are as they were.
 
     Attributes:
         groups: Indices of the broken groups.
         num_syncs: Outer steps completed before this one.
         step: The optimizer step of the failed sync, when known.
+        sync: Which kind of sync found them: ``"outer step"``, ``"site sync"`` or ``"mix"``.
+        policy: The ``on_nonfinite`` policy in force: under ``"skip_group"`` the sync raises only when a broken group
+            has no healthy group to take weights from.
     """
 
-    def __init__(self, groups: Sequence[int], num_syncs: int, step: int | None = None) -> None:
+    def __init__(
+        self,
+        groups: Sequence[int],
+        num_syncs: int,
+        step: int | None = None,
+        sync: str = "outer step",
+        policy: str = "raise",
+    ) -> None:
         self.groups = tuple(groups)
         self.num_syncs = num_syncs
         self.step = step
+        self.sync = sync
+        self.policy = policy
         where = f" at optimizer step {step}" if step is not None else ""
+        if sync == "outer step":
+            head = (
+                "Non-finite outer gradient (NaN/Inf pseudo-gradient) in federation group(s)"
+                f" {list(self.groups)}{where}, sync {num_syncs + 1} (after {num_syncs} successful sync(s)). The anchor"
+                " was left untouched"
+            )
+        else:
+            head = (
+                f"Non-finite weights (NaN/Inf) in federation group(s) {list(self.groups)}{where}, at a {sync} (after"
+                f" {num_syncs} outer step(s)). No group's weights were changed"
+            )
+        if policy == "skip_group":
+            hint = (
+                ". Under `on_nonfinite='skip_group'` a broken group needs a healthy group to take weights from, and"
+                " these had none at this sync."
+            )
+        else:
+            hint = ", or pass `on_nonfinite='skip_group'` to average over the healthy groups only."
         super().__init__(
-            f"Non-finite outer gradient (NaN/Inf pseudo-gradient) in federation group(s) {list(self.groups)}{where},"
-            f" sync {num_syncs + 1} (after {num_syncs} successful sync(s)). The anchor was left untouched and no"
-            " checkpoint is written from this state: resume from the last checkpoint (e.g. with a lower learning"
-            " rate), or pass `on_nonfinite='skip_group'` to average over the healthy groups only."
+            f"{head} and no checkpoint is written from this state: resume from the last checkpoint (e.g. with a lower"
+            f" learning rate){hint}"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.groups, self.num_syncs, self.step)
+        return type(self), (self.groups, self.num_syncs, self.step, self.sync, self.policy)
 
 
 @dataclass(frozen=True)
@@ -75,17 +106,23 @@ class SyncStats:
     """What one outer step did, for logging.
 
     Attributes:
-        outer_grad_norm: L2 norm of the averaged pseudo-gradient over the whole model.
+        outer_grad_norm: L2 norm of the averaged pseudo-gradient over the whole model. At a site sync or a mix (no
+            outer step) the root mean square, over groups, of the norm of ``anchor - theta_g'``, with ``theta_g'`` the
+            weights the sync gave group ``g``: the averaged pseudo-gradient each group holds since the last outer step
+            (with ``"fedavg"`` an outer step's norm is the same quantity).
         drift: Root mean square, over groups, of the L2 distance between a group's weights just before the sync and
             the mean weights the sync applies (0 when all groups hold the same weights). With a float all-reduce the
             applied mean is the groups' mean; with int8/int4 it is a quantized estimate of it, and the drift is then
-            ``sqrt(exact_drift**2 + |estimate - mean|**2)``: above the exact value by at most the estimate's error.
+            ``sqrt(exact_drift**2 + |estimate - mean|**2)``: above the exact value by at most the estimate's error. At
+            a site sync the applied mean is the group's site mean, at a mix the group's row of the mix. Skipped
+            groups are left out of it.
         bytes_sent: Bytes this rank sends in the outer all-reduce, assuming a ring all-reduce
             (``2 (G-1)/G`` times the payload).
         seconds: Wall time of the whole outer step on this rank.
-        num_syncs: Number of outer steps done so far, including this one.
-        skipped_groups: Groups left out of the mean because their pseudo-gradient was not finite
-            (``on_nonfinite="skip_group"``); they restart from the new anchor.
+        num_syncs: Number of outer steps done so far, including this one (site syncs and mixes are counted in
+            ``site_syncs``).
+        skipped_groups: Groups left out of the mean because their pseudo-gradient (at a site sync or a mix: their
+            weights) was not finite (``on_nonfinite="skip_group"``); they restart from what the sync applied.
         fragment: The fragment that synced (0 with one fragment).
         exposed_seconds: Seconds the training loop was blocked by this sync (taking the pseudo-gradient, waiting for
             the sum, the outer optimizer step); less than ``seconds`` when the sum overlapped with training.
@@ -109,6 +146,9 @@ class SyncStats:
         groups: With an elastic federation, the groups that took part in this sync (0 otherwise).
         heal_seconds: With an elastic federation, the seconds this group spent receiving and loading a peer's state
             at this sync (``None`` if it healed nothing).
+        site_syncs: Syncs done so far, including this one, that averaged or mixed the groups' weights without an
+            outer step: a hierarchical topology's site syncs and a mixing topology's mixes.
+        kind: ``"outer step"``, ``"site sync"`` (a hierarchical topology's level below the federation) or ``"mix"``.
     """
 
     outer_grad_norm: float
@@ -130,6 +170,13 @@ class SyncStats:
     joined_groups: tuple[int, ...] = ()
     groups: int = 0
     heal_seconds: float | None = None
+    site_syncs: int = 0
+    kind: str = "outer step"
+
+    @property
+    def total_syncs(self) -> int:
+        """Syncs of every kind done so far: outer steps plus site syncs and mixes (the progress bar's ``syncs``)."""
+        return self.num_syncs + self.site_syncs
 
     def as_dict(self, prefix: str = "fedshard/") -> dict[str, float]:
         """The statistics as a flat ``{name: value}`` dict for loggers."""
@@ -161,6 +208,8 @@ class SyncStats:
             stats[f"{prefix}joined_groups"] = float(len(self.joined_groups))
         if self.heal_seconds is not None:
             stats[f"{prefix}heal_seconds"] = self.heal_seconds
+        if self.site_syncs:
+            stats[f"{prefix}site_syncs"] = float(self.site_syncs)
         return stats
 
 
@@ -326,6 +375,8 @@ class OuterStep:
             raise ValueError(f"Fragments {self.fragments} must cover the {len(self.shards)} shards exactly once.")
         self.communicator = communicator
         self.num_syncs = 0
+        #: Site syncs and mixes done so far (syncs that move no anchor; see :meth:`average_in_site`, :meth:`mix`).
+        self.site_syncs = 0
         self.syncs_lost = 0
         self.anchor = [_new_anchor(s, anchor_device) for s in self.shards]
         self._flat_buffers: dict[int, Tensor] = {}  # one pseudo-gradient buffer per fragment, reused by every sync
@@ -397,7 +448,7 @@ class OuterStep:
         joined_now = self.communicator.joined()
         broken, joined = self._absent_groups(finite or joined_now, joined_now, local.device, participants)
         if broken and (self.on_nonfinite == "raise" or len(broken) + len(joined) == len(participants)):
-            raise NonFiniteOuterGradientError(broken, self.num_syncs, step)
+            raise NonFiniteOuterGradientError(broken, self.num_syncs, step, policy=self.on_nonfinite)
         if self.communicator.group_index in broken or joined_now:
             local.zero_()  # an absent group adds nothing to the sum; the mean divides by the contributing groups
         reducer, members = self.reducers[fragment], len(participants)
@@ -575,35 +626,125 @@ class OuterStep:
             start += anchor.numel()
 
     @torch.no_grad()
-    def average_in_site(self, size: int) -> SyncStats:
-        """Replace every shard by its plain mean over this group's block of ``size`` consecutive groups; collective.
+    def average_in_site(
+        self, size: int, blocks: Sequence[Sequence[int]] | None = None, step: int | None = None
+    ) -> SyncStats:
+        """Replace every shard by its plain mean over this group's block of ``size`` groups; collective.
 
         A hierarchical topology's level below the whole federation: float32, one all-reduce over the block, no outer
-        step (the anchor and the outer optimizer are the whole federation's and do not change).
+        step (the anchor and the outer optimizer are the whole federation's and do not change). Before anything is
+        written every group learns which groups hold NaN/Inf weights, over the fed ring as the outer step does:
+        ``on_nonfinite="raise"`` then raises in every group; ``"skip_group"`` leaves a broken group out of its
+        site's mean (the site divides by its healthy groups), and the broken group takes that mean too.
+
+        Args:
+            size: Groups per block.
+            blocks: Every block of ``size`` groups (the communicator's sites); default: consecutive groups.
+            step: The optimizer step this sync follows (for messages).
+
+        Raises:
+            NonFiniteOuterGradientError: If a group's weights hold NaN/Inf and ``on_nonfinite="raise"``, or every
+                group of a site's do. No group's weights were changed then.
         """
         start = time.perf_counter()
+        groups = self.communicator.participants()
+        if blocks is None:
+            blocks = [groups[i : i + size] for i in range(0, len(groups), size)]
         flat = self._flat_weights()
+        broken = self._nonfinite_groups(flat, groups, step, "site sync")
+        stranded = [g for block in blocks if set(block) <= set(broken) for g in block]
+        if stranded:
+            raise NonFiniteOuterGradientError(stranded, self.num_syncs, step, "site sync", self.on_nonfinite)
+        (site,) = [block for block in blocks if self.communicator.group_index in block]
+        if self.communicator.group_index in broken:
+            flat.zero_()  # adds nothing to its site's sum
         self.communicator.sum_over_site(flat, size)
-        self._write_weights(flat.div_(size))
+        flat.div_(sum(1 for g in site if g not in broken))
+        norm, drift = self._apply_weights(flat, broken, len(groups))
         seconds = time.perf_counter() - start
         sent = 2 * (size - 1) * flat.numel() * flat.element_size() // size
-        return SyncStats(0.0, 0.0, sent, seconds, self.num_syncs, exposed_seconds=seconds, site_size=size)
+        return self._site_stats(norm, drift, sent, seconds, broken, kind="site sync", site_size=size)
 
     @torch.no_grad()
-    def mix(self, matrix: Tensor) -> SyncStats:
+    def mix(self, matrix: Tensor, step: int | None = None) -> SyncStats:
         """Replace every shard by ``sum_j W_ij theta_j`` (this group ``i``, float32); collective over the fed ring.
 
-        A mixing topology's sync: no outer step (the anchor and the outer optimizer do not change).
+        A mixing topology's sync: no outer step (the anchor and the outer optimizer do not change). Broken groups
+        (NaN/Inf weights) are found before anything is written, as in :meth:`average_in_site`. With
+        ``on_nonfinite="skip_group"`` they send nothing, and every row's weights are renormalized over the healthy
+        groups: ``W'_ij = W_ij / sum_k W_ik`` over healthy ``j`` and ``k`` (see :func:`healthy_mix`).
+
+        Raises:
+            NonFiniteOuterGradientError: If a group's weights hold NaN/Inf and ``on_nonfinite="raise"``, or a broken
+                group's row gives no weight to a healthy group. No group's weights were changed then.
         """
         start = time.perf_counter()
+        groups = self.communicator.participants()  # asked once per sync
         flat = self._flat_weights()
+        broken = self._nonfinite_groups(flat, groups, step, "mix")
+        if broken:
+            matrix, stranded = healthy_mix(matrix, broken)
+            if stranded:
+                raise NonFiniteOuterGradientError(stranded, self.num_syncs, step, "mix", self.on_nonfinite)
+            if self.communicator.group_index in broken:
+                flat.zero_()  # its column is zero: nobody takes from it, and its own NaN must not meet a 0 weight
         self.communicator.mix_over_groups(flat, matrix)
-        self._write_weights(flat)
+        norm, drift = self._apply_weights(flat, broken, len(groups))
         seconds = time.perf_counter() - start
         i = self.communicator.group_index
         partners = sum(1 for j in range(matrix.shape[0]) if j != i and matrix[j, i] > 0)
         sent = partners * flat.numel() * flat.element_size()
-        return SyncStats(0.0, 0.0, sent, seconds, self.num_syncs, exposed_seconds=seconds, mixing_partners=partners)
+        return self._site_stats(norm, drift, sent, seconds, broken, kind="mix", mixing_partners=partners)
+
+    def _nonfinite_groups(self, flat: Tensor, groups: tuple[int, ...], step: int | None, sync: str) -> tuple[int, ...]:
+        """Those of the sync's ``groups`` whose weights hold NaN/Inf, known to every group (the outer step's flags).
+
+        Raises:
+            NonFiniteOuterGradientError: If there is one and ``on_nonfinite="raise"``.
+        """
+        finite = bool(torch.isfinite(flat).all())
+        broken, _ = self._absent_groups(finite, False, flat.device, groups)
+        if broken and self.on_nonfinite == "raise":
+            raise NonFiniteOuterGradientError(broken, self.num_syncs, step, sync)
+        return tuple(broken)
+
+    def _apply_weights(self, flat: Tensor, broken: tuple[int, ...], num_groups: int) -> tuple[float, float]:
+        """Write the weights a site sync or a mix gave this group; returns its ``outer_grad_norm`` and ``drift``.
+
+        ``drift``: the RMS over the healthy groups of ``|theta_g - theta_g'|`` (before and after); the norm: the RMS
+        over all groups of ``|anchor - theta_g'|`` (see :class:`SyncStats`). One tiny sum over the model.
+        """
+        sums = torch.zeros(2, dtype=torch.float64)
+        offset = 0
+        for shard, anchor in zip(self.shards, self.anchor):
+            new = flat[offset : offset + shard.numel()].view_as(shard)
+            sums[0] += _squared_norm(shard.float() - new)
+            sums[1] += _squared_norm(anchor.to(new.device, non_blocking=True) - new)
+            offset += shard.numel()
+        if self.communicator.group_index in broken:
+            sums[0] = 0.0  # its NaN distance is not a drift
+        self._write_weights(flat)
+        sums = sums.to(flat.device)
+        sum_over_model(self.communicator, sums)
+        drift_sq, away_sq = sums.tolist()
+        return math.sqrt(away_sq / num_groups), math.sqrt(drift_sq / (num_groups - len(broken)))
+
+    def _site_stats(
+        self, norm: float, drift: float, sent: int, seconds: float, broken: tuple[int, ...], **extra: Any
+    ) -> SyncStats:
+        """Count a site sync or a mix that landed, and its statistics."""
+        self.site_syncs += 1
+        return SyncStats(
+            norm,
+            drift,
+            sent,
+            seconds,
+            self.num_syncs,
+            skipped_groups=broken,
+            exposed_seconds=seconds,
+            site_syncs=self.site_syncs,
+            **extra,
+        )
 
     @torch.no_grad()
     def mean_over_groups(self) -> list[Tensor]:
@@ -637,6 +778,7 @@ class OuterStep:
             fragment=pending.fragment,
             exposed_seconds=pending.exposed + (now - start),
             syncs_lost=self.syncs_lost,
+            site_syncs=self.site_syncs,
             **measured,
         )
 
@@ -740,7 +882,7 @@ class OuterStep:
             anchor.copy_(shard.detach().reshape(anchor.shape))
         seconds = time.perf_counter() - start
         sent = 2 * (groups - 1) * flat.numel() * flat.element_size() // groups
-        return SyncStats(0.0, 0.0, sent, seconds, self.num_syncs, exposed_seconds=seconds)
+        return SyncStats(0.0, 0.0, sent, seconds, self.num_syncs, exposed_seconds=seconds, site_syncs=self.site_syncs)
 
     @torch.no_grad()
     def copy_anchor_to_shards(self, fragment: int | None = None) -> None:
@@ -766,6 +908,7 @@ class OuterStep:
             "anchor": [a.detach().clone() for a in self.anchor],
             "optimizers": [o.state_dict() for o in self.optimizers],
             "num_syncs": self.num_syncs,
+            "site_syncs": self.site_syncs,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -786,6 +929,7 @@ class OuterStep:
         for optimizer, saved_state in zip(self.optimizers, optimizers):
             optimizer.load_state_dict(saved_state)
         self.num_syncs = int(state["num_syncs"])
+        self.site_syncs = int(state.get("site_syncs", 0))  # written before site syncs were counted: none
 
     def group_state_dict(self) -> dict[str, Any]:
         """State that differs between the groups: the error-feedback residuals and the eager offsets, per fragment."""
@@ -895,6 +1039,27 @@ class OuterStep:
         mean_sq_all = total_mean_sq / len(pending.participants)  # every group holds the same mean
         drift_sq = (total_own_sq - 2.0 * total_dot) / healthy + mean_sq_all
         return math.sqrt(max(mean_sq_all, 0.0)), math.sqrt(max(drift_sq, 0.0))
+
+
+def healthy_mix(matrix: Tensor, broken: Sequence[int]) -> tuple[Tensor, list[int]]:
+    """A mixing matrix without the ``broken`` groups' weights, each row renormalized over the healthy groups.
+
+    ``W'_ij = W_ij / sum_k W_ik`` over healthy ``j`` and ``k``, and 0 for a broken ``j``: a healthy group takes the
+    same mix of the healthy groups it took from before, a broken one the mix of its healthy partners. The columns
+    then no longer sum to 1, so such a mix does not keep the groups' mean. A healthy row with no healthy weight left
+    (only a matrix with a zero diagonal has one) keeps its own weights.
+
+    Returns:
+        The matrix, and the broken groups whose row gives no weight to a healthy group (they cannot be restarted).
+    """
+    kept = matrix.clone()
+    kept[:, list(broken)] = 0.0
+    mass = kept.sum(dim=1)
+    stranded = [i for i in broken if mass[i] <= 0]
+    for i in range(matrix.shape[0]):
+        if mass[i] <= 0 and i not in broken:
+            kept[i, i], mass[i] = 1.0, 1.0
+    return kept / mass.clamp_min(1e-300)[:, None], stranded
 
 
 def _combined_stats(first: SyncStats, second: SyncStats) -> SyncStats:

@@ -29,16 +29,16 @@ class OuterSync(Callback):
 
     Every sync writes ``fedshard/outer_grad_norm``, ``fedshard/drift`` (RMS distance of the groups from their
     mean), ``fedshard/sync_bytes`` (bytes this rank sent in the outer all-reduce), ``fedshard/sync_seconds`` and
-    ``fedshard/num_syncs`` to every logger of the Trainer at the optimizer step of the sync, whatever
-    ``log_every_n_steps`` says, and shows the sync count and drift in the progress bar (as ``syncs`` and ``drift``).
+    ``fedshard/num_syncs`` (outer steps; with a hierarchical or mixing outer topology also ``fedshard/site_syncs``,
+    its site syncs and mixes) to every logger of the Trainer at the optimizer step of the sync, whatever
+    ``log_every_n_steps`` says, and shows the count of syncs of every kind and the drift in the progress bar (as
+    ``syncs`` and ``drift``).
 
     Args:
         log_stats: Log the statistics of each sync.
-        prog_bar: Show the sync count and drift in the progress bar too (as ``syncs`` and ``drift``).
+        prog_bar: Show the count of syncs (outer steps, site syncs and mixes) and the drift in the progress bar too
+            (as ``syncs`` and ``drift``).
     """
-
-    #: The statistics shown in the progress bar, under short names that fit its columns.
-    _PROG_BAR_NAMES = {"fedshard/num_syncs": "syncs", "fedshard/drift": "drift"}
 
     def __init__(self, log_stats: bool = True, prog_bar: bool = True) -> None:
         self.log_stats = log_stats
@@ -59,10 +59,9 @@ class OuterSync(Callback):
         if stats is not None and self.log_stats:
             _log_to_loggers(trainer, stats)
             if self.prog_bar:
-                for name, value in stats.as_dict().items():
-                    if name in self._PROG_BAR_NAMES:
-                        short = self._PROG_BAR_NAMES[name]
-                        pl_module.log(short, value, on_step=True, on_epoch=False, prog_bar=True, logger=False)
+                # Short names that fit the bar's columns; `syncs` counts every kind of sync.
+                for short, value in (("syncs", float(stats.total_syncs)), ("drift", stats.drift)):
+                    pl_module.log(short, value, on_step=True, on_epoch=False, prog_bar=True, logger=False)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
