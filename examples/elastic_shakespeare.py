@@ -1,6 +1,6 @@
 """An elastic federation on one machine: groups as separate jobs that are killed, hung and replaced while they train.
 
-    OMP_NUM_THREADS=1 python examples/elastic_shakespeare.py --groups 3 --ranks-per-group 1 --max-steps 96 \\
+    OMP_NUM_THREADS=1 .venv/bin/python examples/elastic_shakespeare.py --groups 3 --ranks-per-group 1 --max-steps 96 \\
         --faults kill:1@20,restart:1@30,stop:2@50 --report outputs/elastic/report.json
 
 Starts a torchft lighthouse in this process and one Lightning job per federation group (FL+FSDP on the example

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -28,7 +29,7 @@ from torch.optim import Optimizer
 from lightning_fedshard.checkpoint import FederationCheckpointer
 from lightning_fedshard.core.comm import Communicator
 from lightning_fedshard.core.config import FederationConfig
-from lightning_fedshard.core.elastic import ElasticCommunicator, FederationError
+from lightning_fedshard.core.elastic import ElasticCommunicator, FederationError, MembershipChange
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fsdp import FSDP1
 from lightning_fedshard.core.lazy import required
@@ -40,6 +41,10 @@ from lightning_fedshard.core.sharding import ShardingBackend
 from lightning_fedshard.core.topology import FederationTopology
 
 log = logging.getLogger(__name__)
+
+#: Lightning's warning when a fit resumes mid-epoch with a data loader that is not resumable. A group that heals takes
+#: a peer's loop position on purpose, not a checkpoint's: for a heal (only) the warning is dropped.
+_MID_EPOCH_RESUME = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
 class FederatedRuntime:
@@ -90,6 +95,7 @@ class FederatedRuntime:
         self._joined = False
         self._joining = False
         self._fell_behind: FederationError | None = None
+        self._resume_filter: Any = None  # the warnings filter of a heal, until the first step after it
         self._host_state: Callable[[], Any] | None = None
         self._load_host_state: Callable[[Any], None] | None = None
 
@@ -177,6 +183,7 @@ class FederatedRuntime:
         else:
             group = elastic.group_index(self.num_groups)
             communicator = ElasticCommunicator(elastic, group, self.mesh.communicator(), self._description)
+            communicator.on_membership = self._log_membership
         federation = Federation(self.config, communicator)
         federation.host_state = self._host_state_of_peer
         federation.load_host_state = self._load_host_state_of_peer
@@ -376,6 +383,7 @@ class FederatedRuntime:
                     for group, saved in zip(optimizer.param_groups, groups):
                         group.update(saved)
                 if self._load_host_state is not None and state.get("host") is not None:
+                    self._silence_mid_epoch_resume()
                     self._load_host_state(state["host"])
             self.step = step
             return
@@ -387,6 +395,24 @@ class FederatedRuntime:
                 f" optimizer step {self.step}, the others at {step}; it was stopped or cut off for a while). It ends"
                 " here: restart it, and it joins again at the federation's step."
             )
+
+    def _log_membership(self, change: MembershipChange) -> None:
+        """One line per group that joined, healed or left, on this group's rank 0."""
+        for line in change.lines(self.step):
+            rank_zero_info(line)
+
+    def _silence_mid_epoch_resume(self) -> None:
+        """Drop Lightning's mid-epoch resume warning until the first optimizer step (a heal would trigger it)."""
+        if self._resume_filter is None:
+            warnings.filterwarnings("ignore", message=_MID_EPOCH_RESUME)
+            self._resume_filter = warnings.filters[0]
+
+    def _restore_mid_epoch_resume(self) -> None:
+        if self._resume_filter is not None:
+            filters: list[Any] = warnings.filters  # type: ignore[assignment]  # typeshed: a Sequence; it is a list
+            if self._resume_filter in filters:
+                filters.remove(self._resume_filter)
+            self._resume_filter = None
 
     def _description(self) -> dict[str, Any]:
         """What must be equal in every group at this rank's in-group position (the elastic admission check)."""
@@ -409,6 +435,7 @@ class FederatedRuntime:
         if self._federation is not None and self._federation.elastic is not None:
             self._federation.elastic.close()
         self._joined = False
+        self._restore_mid_epoch_resume()
 
     def after_optimizer_step(self, step: int | None = None) -> SyncStats | None:
         """Tell the federation that a real optimizer step completed; runs the outer step when one is due.
@@ -430,6 +457,7 @@ class FederatedRuntime:
         if step <= self.step:
             return None
         self.step = step
+        self._restore_mid_epoch_resume()
         return None if self.syncs_are_identity else self._synced(self.federation.maybe_sync(step))
 
     def finish(self) -> SyncStats | None:
@@ -478,16 +506,24 @@ class FederatedRuntime:
     def _restart_skipped_groups(self, stats: SyncStats) -> None:
         """After ``on_nonfinite="skip_group"`` left groups out of a sync: say so, and clear their inner optimizer state.
 
-        The outer step already reset their weights to the new anchor; their inner optimizer state most likely holds
-        the same NaN/Inf, so every rank of a skipped group starts it afresh (all of them, to keep the group
-        consistent).
+        The sync already reset their weights (an outer step: to the new anchor; a site sync or a mix: to what it gave
+        them, the mean of their healthy partners); their inner optimizer state most likely holds the same NaN/Inf,
+        so every rank of a skipped group starts it afresh (all of them, to keep the group consistent).
         """
         if not stats.skipped_groups:
             return
+        if stats.kind == "outer step":
+            what, sync, restart = "a non-finite outer gradient", f"sync {stats.num_syncs}", "the new anchor"
+        else:
+            what, sync, restart = (
+                "non-finite weights",
+                f"a {stats.kind}",
+                f"the {stats.kind}'s mean of their healthy partners",
+            )
         rank_zero_warn(
-            f"Skipped federation group(s) {list(stats.skipped_groups)} with a non-finite outer gradient at optimizer"
-            f" step {self.step} (sync {stats.num_syncs}): the outer step averaged the healthy groups only, and the"
-            " skipped groups restart from the new anchor with a fresh inner optimizer state."
+            f"Skipped federation group(s) {list(stats.skipped_groups)} with {what} at optimizer step {self.step}"
+            f" ({sync}): the {stats.kind} averaged the healthy groups only, and the skipped groups restart from"
+            f" {restart} with a fresh inner optimizer state."
         )
         if self.federation.communicator.group_index in stats.skipped_groups:
             for optimizer in self._optimizers:

@@ -37,7 +37,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
@@ -138,6 +138,27 @@ class Elastic:
             )
         if self.group is not None and (not isinstance(self.group, int) or isinstance(self.group, bool)):
             raise ValueError(f"`Elastic(group=...)` must be an integer, got {self.group!r}.")
+        if self.start_groups is not None and self.start_groups < self.min_groups:
+            raise ValueError(
+                f"`Elastic(start_groups={self.start_groups})` is smaller than `min_groups={self.min_groups}`: a new"
+                " federation cannot start with fewer groups than every sync needs. Set `start_groups` >= `min_groups`"
+                " (or leave it None)."
+            )
+        if self.lighthouse is not None:
+            _check_lighthouse_address(self.lighthouse, f"`Elastic(lighthouse={self.lighthouse!r})`")
+        if self.manager_port is not None and (
+            not isinstance(self.manager_port, int) or isinstance(self.manager_port, bool)
+            or not 0 <= self.manager_port <= 65535
+        ):  # fmt: skip
+            raise ValueError(
+                f"`Elastic(manager_port={self.manager_port!r})` must be a port number in [0, 65535] (0 or None: a free"
+                " one)."
+            )
+        if self.hostname is not None and (not isinstance(self.hostname, str) or not self.hostname.strip()):
+            raise ValueError(
+                f"`Elastic(hostname={self.hostname!r})` must be a non-empty address the other groups reach this group"
+                " at (or None: the machine's host name)."
+            )
 
     def group_index(self, num_groups: int) -> int:
         """This group's index: ``group``, or ``$FEDSHARD_GROUP``; checked against ``num_groups``.
@@ -174,6 +195,8 @@ class Elastic:
                 f"An elastic group needs the lighthouse's address: pass `Elastic(lighthouse='http://host:29510')` or"
                 f" set ${LIGHTHOUSE_ENV}."
             )
+        source = f"`Elastic(lighthouse={address!r})`" if self.lighthouse else f"${LIGHTHOUSE_ENV}={address!r}"
+        _check_lighthouse_address(address, source)
         return address
 
     def describe(self, group: int, num_groups: int) -> str:
@@ -182,6 +205,99 @@ class Elastic:
             f"elastic group {group} of {num_groups} in federation {self.federation!r} (lighthouse"
             f" {self.lighthouse or os.environ.get(LIGHTHOUSE_ENV, '?')}, at least {self.min_groups} group(s) per sync)"
         )
+
+
+def _check_lighthouse_address(address: object, source: str) -> None:
+    """Refuse a lighthouse address torchft cannot connect to (it would fail only after ``connect_timeout``).
+
+    Raises:
+        ValueError: Naming ``source`` (where the address came from, with its value), unless it is
+            ``http(s)://host[:port]``.
+    """
+    parsed = urlparse(address) if isinstance(address, str) else None
+    try:
+        valid = parsed is not None and parsed.scheme in ("http", "https") and bool(parsed.hostname)
+        valid = valid and (parsed is not None and (parsed.port is None or parsed.port > 0))
+    except ValueError:  # a port that is not a number, or out of range
+        valid = False
+    if not valid:
+        raise ValueError(
+            f"{source} is not a lighthouse address: it must read like 'http://10.0.0.1:29510'"
+            " (`http://`, the host, the port)."
+        )
+
+
+@dataclass(frozen=True)
+class MembershipChange:
+    """Groups that joined, healed or left at one quorum, as one group saw them.
+
+    Args:
+        federation: The federation's name.
+        group: The group that saw it (this job).
+        groups: The groups of the quorum, in ring order.
+        joined: Groups that entered the federation (a new job, or every group of a new federation).
+        healed: Groups of the previous quorum that were behind and took a peer's state.
+        left: Groups of the previous quorum that are gone (they failed, hung or ended).
+        healed_from: For the groups that took a peer's state, that peer's group (rank 0's source: the ranks of one
+            group may heal from different peers).
+    """
+
+    federation: str
+    group: int
+    groups: tuple[int, ...]
+    joined: tuple[int, ...] = ()
+    healed: tuple[int, ...] = ()
+    left: tuple[int, ...] = ()
+    healed_from: Mapping[int, int] = field(default_factory=dict)
+
+    def lines(self, step: int) -> list[str]:
+        """One line per group that joined, healed or left, at optimizer step ``step``."""
+        where, now = f"Elastic federation {self.federation!r} at step {step}", f"groups now {list(self.groups)}"
+
+        def who(g: int) -> str:
+            return f"group {g} (this job)" if g == self.group else f"group {g}"
+
+        def source(g: int) -> str:
+            return f" from group {self.healed_from[g]}" if g in self.healed_from else ""
+
+        return (
+            [f"{where}: {who(g)} joined{', healed' + source(g) if source(g) else ''}; {now}." for g in self.joined]
+            + [f"{where}: {who(g)} was behind and healed{source(g)}; {now}." for g in self.healed]
+            + [f"{where}: {who(g)} left; {now}." for g in self.left]
+        )
+
+
+def membership_change(
+    federation: str,
+    group: int,
+    previous: tuple[int, ...],
+    groups: tuple[int, ...],
+    descriptions: list[dict[str, Any]],
+) -> MembershipChange | None:
+    """What changed between two quorums, from their groups and the descriptions exchanged at the second one.
+
+    A group that was not in ``previous`` joined (for a job's first quorum, ``previous`` is empty: only the groups
+    joining with it joined), and so did a new job that took the index of a group of ``previous`` (it replaced a
+    failed one before the others noticed); another group of ``previous`` that describes itself as joining was behind
+    and healed.
+
+    Returns:
+        ``None`` if no group joined, healed or left.
+    """
+    described = {int(d["group"]): d for d in descriptions if isinstance(d.get("group"), int) and d["group"] >= 0}
+    joining = {g for g, d in described.items() if d.get("joining")}
+    new = {g for g, d in described.items() if d.get("new")}
+    joined = tuple(
+        g
+        for g in groups
+        if (g in previous and g in new) or (g not in previous and (previous or g in joining or g == group))
+    )
+    healed = tuple(g for g in groups if g in previous and g in joining and g not in new)
+    left = tuple(g for g in previous if g not in groups)
+    if not (joined or healed or left):
+        return None
+    sources = {g: int(d["healed_from"]) for g, d in described.items() if d.get("healed_from") is not None}
+    return MembershipChange(federation, group, groups, joined, healed, left, sources)
 
 
 HealSave = Callable[[], dict[str, Any]]
@@ -230,8 +346,12 @@ class ElasticCommunicator:
         self._load: HealLoad | None = None
         self._healed: dict[str, Any] | None = None
         self._manager_state: dict[str, int] | None = None
+        self._trained: _TrainedFederation | None = None  # this federation as the lighthouse showed it, if it trained
+        self._descriptions: list[dict[str, Any]] = []  # of the groups of this quorum (admission check)
         #: Called with the new groups whenever the groups of a sync differ from the previous sync's.
         self.on_new_members: Callable[[tuple[int, ...]], None] | None = None
+        #: Called with what changed whenever a group joined, healed or left at a quorum (for the log).
+        self.on_membership: Callable[[MembershipChange], None] | None = None
         #: Seconds the last heal took (receiving and loading the state), ``None`` if the last quorum healed nothing.
         self.last_heal_seconds: float | None = None
 
@@ -358,7 +478,7 @@ class ElasticCommunicator:
         deadline = time.monotonic() + self.options.quorum_timeout
         healed, self.last_heal_seconds = False, None
         while True:
-            self._healed, self._ring_failed = None, False
+            self._healed, self._ring_failed, self._descriptions = None, False, []
             started = time.perf_counter()
             try:
                 manager.start_quorum(timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
@@ -388,6 +508,9 @@ class ElasticCommunicator:
         self._joined = joining or healed or manager.errored() is not None
         if ring != self._ring and self.on_new_members is not None:
             self.on_new_members(ring)
+        change = membership_change(self.options.federation, self._group, self._ring, ring, self._descriptions)
+        if change is not None and self.on_membership is not None:
+            self.on_membership(change)
         self._ring = ring
         self._taken = True
         return ring
@@ -503,13 +626,24 @@ class ElasticCommunicator:
         return manager
 
     def _check_lighthouse(self) -> None:
-        """Refuse to join a lighthouse that serves another federation (from its status page, before any quorum).
+        """Refuse to join a lighthouse that serves another federation, or whose federation of this name is over.
 
-        Groups of two federations on one lighthouse would otherwise take turns in its quorums, each group syncing
-        with whoever asked at the same moment.
+        Read from the lighthouse's status page before any quorum (rank 0 reads it for the whole group, so that the
+        group decides as a unit). Groups of two federations on one lighthouse would otherwise take turns in its
+        quorums, each group syncing with whoever asked at the same moment. A job that holds no state of its
+        federation (step 0: no checkpoint) and finds that federation trained on this lighthouse, none of its groups
+        alive, would otherwise start it again from step 0 on its own; if some are alive it joins and heals, and
+        :meth:`_admitted` refuses it if they ended before it reached them.
         """
         address = self.options.lighthouse_address()
-        running = _federations_at(address)
+        page = [_status_page(address) if dist.get_rank() == 0 else ""]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(page, src=0)
+        self._trained = None if self.step > 0 else _trained_federation(page[0], self.options.federation)
+        if self._trained is not None and not self._trained.alive:
+            self.close()
+            raise FederationError(_second_start(self._trained, self._group, address, "none of its groups is running"))
+        running = _federations_on(page[0])
         others = {name: groups for name, groups in running.items() if name != self.options.federation}
         if others:
             listed = "; ".join(f"{name!r} (groups {sorted(groups)})" for name, groups in sorted(others.items()))
@@ -556,6 +690,8 @@ class ElasticCommunicator:
             "federation": self.options.federation,
             "group": self._group,
             "joining": self._joining or self._healed is not None,
+            "new": self._joining,  # a job joining the federation (not a group that fell behind)
+            "healed_from": self._rings.heal_source,
             **self._describe(),
         }
         encoded = json.dumps(description, sort_keys=True, default=str).encode()
@@ -576,12 +712,19 @@ class ElasticCommunicator:
             descriptions = [_decode(row) for row in everyone.view(len(ring), _DESCRIPTION_BYTES)]
             verdict = _check_members(descriptions, int(self._manager.participating_rank() or 0))
             self._all_joining = all(d["joining"] for d in descriptions)
+            self._descriptions = descriptions
+            if verdict is None and self._trained is not None and self._rings.max_step == 0:
+                # The federation's groups were alive when this job looked, and ended before it reached them.
+                when = "its groups ended before this job could join them"
+                verdict = _second_start(self._trained, self._group, self.options.lighthouse_address(), when)
         # One decision for the whole group (its ranks sit on different rings): refused anywhere, retry anywhere, or go.
         code = torch.tensor([{None: 0, "retry": 1}.get(verdict, 2)], dtype=torch.int64)
         dist.all_reduce(code, op=dist.ReduceOp.MAX)
         if int(code) == 2:
             reason = verdict if verdict not in (None, "retry") else "another rank of this group was refused"
             self.close()
+            if reason.startswith("This job"):
+                raise FederationError(reason)
             raise FederationError(f"This job (elastic group {self._group}) was refused: {reason}.")
         return int(code) == 0
 
@@ -646,7 +789,7 @@ def _check_members(descriptions: list[dict[str, Any]], position: int) -> str | N
 
 
 def _comparable(description: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in description.items() if k not in ("group", "joining")}
+    return {k: v for k, v in description.items() if k not in ("group", "joining", "new", "healed_from")}
 
 
 def _decode(row: Tensor) -> dict[str, Any]:
@@ -656,21 +799,25 @@ def _decode(row: Tensor) -> dict[str, Any]:
 
 #: A heartbeat line of the lighthouse's status page: ``<federation>_<group>:<uuid>: seen <seconds>s ago``.
 _HEARTBEAT = re.compile(r"^\s*([A-Za-z0-9.\-]+)_(\d+):[0-9a-f\-]{36}: seen ([0-9.e\-]+)s ago", re.MULTILINE)
+#: A heartbeat entry with the lighthouse's own verdict: ``old`` once it is older than its heartbeat timeout.
+_HEARTBEAT_ENTRY = re.compile(r'class="heartbeat\s*(old)?\s*">\s*([A-Za-z0-9.\-]+)_(\d+):[0-9a-f\-]{36}: seen')
+#: A member of the lighthouse's last quorum: its replica id and its step (the syncs it had committed).
+_QUORUM_MEMBER = re.compile(r"<b>\s*([A-Za-z0-9.\-]+)_(\d+):[0-9a-f\-]{36}\s*</b>\s*<br/>\s*Step:\s*(\d+)")
 
 
-def _federations_at(address: str, recent: float = 10.0, timeout: float = 5.0) -> dict[str, set[int]]:
-    """The federations whose groups heartbeat to the lighthouse at ``address`` (seen in the last ``recent`` s).
-
-    Read from the lighthouse's status page (torchft has no other way to list its replicas); empty if the page cannot
-    be read.
-    """
+def _status_page(address: str, timeout: float = 5.0) -> str:
+    """The lighthouse's status page (torchft has no other way to list its replicas); empty if it cannot be read."""
     import urllib.request
 
     try:
         with urllib.request.urlopen(f"{address.rstrip('/')}/status", timeout=timeout) as response:
-            page = response.read().decode(errors="replace")
+            return str(response.read().decode(errors="replace"))
     except (OSError, ValueError):
-        return {}
+        return ""
+
+
+def _federations_on(page: str, recent: float = 10.0) -> dict[str, set[int]]:
+    """The federations whose groups heartbeat to the lighthouse (seen in the last ``recent`` s), from its page."""
     found: dict[str, set[int]] = {}
     for name, group, age in _HEARTBEAT.findall(page):
         if float(age) <= recent:
@@ -678,21 +825,76 @@ def _federations_at(address: str, recent: float = 10.0, timeout: float = 5.0) ->
     return found
 
 
+@dataclass(frozen=True)
+class _TrainedFederation:
+    """A federation that committed syncs on a lighthouse, as its status page shows it (the lighthouse's memory)."""
+
+    name: str
+    #: The syncs its groups had committed at the lighthouse's last quorum (torchft's step).
+    syncs: int
+    #: The groups of that quorum.
+    groups: tuple[int, ...]
+    #: Its groups that still heartbeat (the lighthouse does not count them as gone).
+    alive: tuple[int, ...]
+
+
+def _trained_federation(page: str, federation: str) -> _TrainedFederation | None:
+    """``federation`` if the last quorum on the lighthouse (its status ``page``) had its groups past step 0."""
+    members = [(int(group), int(step)) for name, group, step in _QUORUM_MEMBER.findall(page) if name == federation]
+    syncs = max((step for _, step in members), default=0)
+    if syncs == 0:
+        return None
+    alive = {int(group) for old, name, group in _HEARTBEAT_ENTRY.findall(page) if name == federation and not old}
+    return _TrainedFederation(federation, syncs, tuple(sorted({g for g, _ in members})), tuple(sorted(alive)))
+
+
+def _second_start(trained: _TrainedFederation, group: int, address: str, when: str) -> str:
+    """Why a job that holds no state of ``trained`` must not start it again from step 0 on the same lighthouse."""
+    return (
+        f"This job (elastic group {group}) was refused: federation {trained.name!r} already trained on the lighthouse"
+        f" at {address} (groups {list(trained.groups)} had committed {trained.syncs} sync(s) at its last quorum) and"
+        f" {when}: this job would silently start a second federation {trained.name!r} from step 0 on fresh weights."
+        " To train a new federation, start a new lighthouse or give it another name (`Elastic(federation=...)`);"
+        " to go on with this one, restart its groups from their checkpoints."
+    )
+
+
 def _heal_transport(base: type, timeout: timedelta, hostname: str | None) -> Any:
     """The HTTP transport of torchft for heals, advertised at ``hostname`` (torchft advertises the host name).
 
     On a cluster the host name may not be what the other groups reach (a node's cluster interface, a container):
-    the heal server then answers at the address the manager is advertised at.
+    the heal server then answers at the address the manager is advertised at. Its access log (one line on stderr per
+    request of a healing peer, from Python's ``http.server``) is silenced.
     """
     if hostname is None:
-        return base(timeout=timeout, num_chunks=0)
+        return _quiet_access_log(base(timeout=timeout, num_chunks=0))
 
     class AddressedHTTPTransport(base):  # type: ignore[misc, valid-type]
         def address(self) -> str:
             url = urlparse(super().address())
             return url._replace(netloc=f"{hostname}:{url.port}").geturl()
 
-    return AddressedHTTPTransport(timeout=timeout, num_chunks=0)
+    return _quiet_access_log(AddressedHTTPTransport(timeout=timeout, num_chunks=0))
+
+
+def _quiet_access_log(transport: Any) -> Any:
+    """Route the access log of ``transport``'s HTTP server to this module's logger at DEBUG, off the console.
+
+    torchft's ``HTTPTransport`` serves through a ``http.server`` handler class of its own (``_server``, private),
+    whose ``log_message`` writes every request to stderr; the server builds a handler per request, so replacing its
+    class takes effect at the next one. Errors are still logged by torchft itself.
+    """
+    server = getattr(transport, "_server", None)
+    handler = getattr(server, "RequestHandlerClass", None)
+    if server is None or handler is None:
+        return transport
+
+    class QuietHandler(handler):  # type: ignore[misc, valid-type]
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug(f"heal server: {format % args}")
+
+    server.RequestHandlerClass = QuietHandler
+    return transport
 
 
 def _reachable(address: str, timeout: float = 2.0) -> bool:
@@ -740,6 +942,7 @@ def _fed_rings(timeout: timedelta) -> Any:
             self.members: tuple[int, ...] = ()
             self.quorum_id: int | None = None
             self.max_step = 0  # of the last quorum (set by _QuorumRecorder)
+            self.heal_source: int | None = None  # the group this rank heals from at the last quorum, if it does
             self._built: tuple[int | None, tuple[int, ...]] | None = None  # the quorum id and groups of the ring
             self._deferred: tuple[str, tuple[Any, ...]] | None = None
 
@@ -790,6 +993,18 @@ def _fed_rings(timeout: timedelta) -> Any:
     return FedRings()
 
 
+def _heal_source(quorum: Any) -> int | None:
+    """The group a rank heals from in torchft's answer to its quorum, if it heals.
+
+    The answer lists the quorum's replica ids in replica-rank order (torchft sorts them); the source is one of them.
+    """
+    source, replicas = getattr(quorum, "recover_src_replica_rank", None), getattr(quorum, "replica_ids", None)
+    if not getattr(quorum, "heal", False) or source is None or not replicas or not 0 <= source < len(replicas):
+        return None
+    match = re.search(r"(\d+)$", str(replicas[source]).split(":")[0])
+    return int(match.group(1)) if match else None
+
+
 class _QuorumRecorder:
     """torchft's manager client, recording each quorum's step on the rings before they are built."""
 
@@ -799,6 +1014,7 @@ class _QuorumRecorder:
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
         result = self._client._quorum(*args, **kwargs)
         self._rings.max_step = int(result.max_step)
+        self._rings.heal_source = _heal_source(result)
         return result
 
     def __getattr__(self, name: str) -> Any:
@@ -876,4 +1092,12 @@ def cloned(state: Any) -> Any:
     return copy.deepcopy(state)
 
 
-__all__ = ["Elastic", "ElasticCommunicator", "FederationError", "GroupWatchdog", "cloned"]
+__all__ = [
+    "Elastic",
+    "ElasticCommunicator",
+    "FederationError",
+    "GroupWatchdog",
+    "MembershipChange",
+    "cloned",
+    "membership_change",
+]

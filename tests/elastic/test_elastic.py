@@ -155,6 +155,16 @@ def test_a_new_group_heals_and_is_bit_identical_after_its_first_sync(rejoin):
     assert _equal(joiner["final"], first["final"])
 
 
+def test_every_group_logs_who_joined_left_and_healed_from_whom_and_no_access_log(rejoin):
+    joiner = rejoin["2"].log()
+    assert "Elastic federation 'tests' at step 8: group 2 (this job) joined, healed from group " in joiner
+    for key in ("0", "1"):
+        survivor = rejoin[key].log()
+        # The killed job was replaced before the others' next sync: the new job took its place in the same quorum.
+        assert "Elastic federation 'tests' at step 8: group 2 joined, healed from group " in survivor, key
+        assert "; groups now [0, 1, 2]." in survivor and "GET /checkpoint" not in survivor
+
+
 def test_a_new_group_continues_at_the_federations_step_learning_rate_and_data(rejoin):
     joiner, first = rejoin["2"].result(), rejoin["0"].result()
     assert sorted(joiner["batches"]) == list(range(8, 24))
@@ -249,6 +259,29 @@ def test_a_job_of_another_federation_is_refused_naming_both(refused):
     error = refused[2].result()["error"]
     assert error.startswith("FederationError: This job (elastic group 2) was refused: the lighthouse at")
     assert "serves another federation: 'tests' (groups [0" in error and "belongs to federation 'other'" in error
+
+
+def test_a_group_that_starts_after_its_federation_ended_is_refused_instead_of_training_alone(root):
+    # Group 0 trains to its end alone; group 1's job reaches the lighthouse only then (a slow start, a late requeue).
+    cluster = Cluster(root / "late", min_groups=1)
+    spec = {**BASE, "num_groups": 2, "max_steps": 8, "step_sleep": 0.0}
+    try:
+        first = cluster.start(0, spec)
+        assert first.wait(180) == [0]
+        late = cluster.start(1, spec)
+        assert late.wait(180) == [3]  # not 0 with a model of its own, trained from step 0
+        result = late.result()
+        assert result["error"].startswith(
+            "FederationError: This job (elastic group 1) was refused: federation 'tests' already trained on the"
+            f" lighthouse at {cluster.address} (groups [0] had committed"
+        )
+        assert (
+            "this job would silently start a second federation 'tests' from step 0 on fresh weights" in result["error"]
+        )
+        assert result["syncs"] == [] and result["global_step"] == 0
+        assert "Elastic federation 'tests' at step 0: group 0 (this job) joined; groups now [0]." in first.log()
+    finally:
+        cluster.close()
 
 
 def test_the_running_group_is_not_disturbed_by_refused_jobs(refused):
