@@ -136,7 +136,7 @@ class FederatedArguments:
         anchor_device: str = "cpu",
         on_nonfinite: str = "raise",
         fragments: int = 1,
-        reduce_dtype: str | torch.dtype | Codec = "int4",
+        reduce_dtype: str | torch.dtype | Codec | None = None,
         quant_block_size: int = 128,
         error_feedback: bool | str | None = None,
         sync_delay: int = 0,

@@ -16,15 +16,21 @@ traceback instead.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import inspect
 import os
 import re
 import sys
+import typing
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
-from jsonargparse import Namespace
+from jsonargparse import ArgumentParser, Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
+from typing_extensions import override
 
 import lightning_fedshard  # noqa: F401  (registers "fl_fsdp" and "fl_hsdp")
 
@@ -38,6 +44,7 @@ _CLASS = re.compile(r"Problem with given class_path '(?P<path>[^']+)':")
 _GIVEN_CLASS = re.compile(r"^Given value: Namespace\(class_path='(?P<path>[^']+)'", re.MULTILINE)
 _UNION = "Does not validate against any of the Union subtypes"
 _ITEM = re.compile(r"(?P<indent>\s*)- ")
+_NESTED_HELP = re.compile(r"--(?P<key>[\w.]+)\.(?P<name>\w+)\.help")
 
 
 @dataclass(frozen=True)
@@ -204,9 +211,78 @@ def _class_key(config: Namespace, message: str) -> str | None:
     )
 
 
+def _parameter_class(cls: type, name: str) -> type | None:
+    """The one class that parameter ``name`` of ``cls`` (or of a class its ``**kwargs`` reach) takes, if only one."""
+    for owner in cls.__mro__:
+        init = vars(owner).get("__init__")
+        if init is None or name not in inspect.signature(init).parameters:
+            continue
+        hint = typing.get_type_hints(init).get(name)
+        classes = [t for t in (typing.get_args(hint) or (hint,)) if isinstance(t, type) and t is not type(None)]
+        return classes[0] if len(classes) == 1 else None
+    return None
+
+
+def _class_of(value: Any) -> type | None:
+    """The class a parsed value names: a ``class_path``, a class path alone, or a registered strategy name."""
+    if isinstance(value, Namespace):
+        value = value.get("class_path")
+    if not isinstance(value, str):
+        return None
+    if value in StrategyRegistry:
+        return StrategyRegistry[value]["strategy"]
+    module, _, name = value.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name, None) if module else None
+    except ImportError:
+        return None
+    return found if isinstance(found, type) else None
+
+
+def nested_class_help(parser: LightningArgumentParser, args: list[str]) -> str | None:
+    """The help of an argument's own class asked for as ``--trainer.strategy.elastic.help``, or ``None``.
+
+    jsonargparse lists ``--<key>.<name>.help`` for an argument of a class given by ``class_path`` whose type is a
+    single class (``elastic: Elastic | None``), but parses such an option only as ``--<key>.<name>`` followed by a
+    value: the help it advertises would be refused. This answers it: the rest of the command line names the class at
+    ``<key>``, whose ``<name>`` argument's class is listed with its fields, as ``--<key>.<name>.<field>``.
+    """
+    for i, arg in enumerate(args):
+        match = _NESTED_HELP.fullmatch(arg)
+        if match is None or (i + 1 < len(args) and not args[i + 1].startswith("-")):
+            continue
+        # Private jsonargparse keyword (stable since 4.0): read the class path without requiring e.g. `--model`.
+        config = parser.parse_args([*args[:i], *args[i + 1 :]], _skip_validation=True)
+        subcommand = config.get("subcommand")
+        owner = _class_of((config[subcommand] if subcommand else config).get(match["key"]))
+        cls = _parameter_class(owner, match["name"]) if owner is not None else None
+        if cls is None or not dataclasses.is_dataclass(cls):
+            return None
+        option = f"--{match['key']}.{match['name']}"
+        helper = ArgumentParser(prog=parser.prog, description=f"Help for {option}={cls.__module__}.{cls.__name__}")
+        helper.add_class_arguments(cls, f"{match['key']}.{match['name']}")
+        return helper.format_help()
+    return None
+
+
 class FedshardCLI(LightningCLI):
     """LightningCLI that reports a value refused while building the classes as a command-line error."""
 
+    @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        """Parse as LightningCLI does; first answer a ``--<key>.<name>.help`` that jsonargparse advertises but refuses.
+
+        Args:
+            parser: The parser.
+            args: The command line (default: ``sys.argv[1:]``), a list or a dict.
+        """
+        argv = sys.argv[1:] if args is None else args
+        if isinstance(argv, list) and (text := nested_class_help(parser, argv)) is not None:
+            sys.stdout.write(text)
+            raise SystemExit(0)
+        super().parse_arguments(parser, args)
+
+    @override
     def instantiate_classes(self) -> None:
         """Build the configured classes; a constructor's ``ValueError`` ends the command like a parsing error."""
         try:

@@ -84,7 +84,7 @@ def test_readme_and_getting_started_state_the_federation_defaults():
     outer = re.search(r'`"(\w+)"` is the default outer optimizer', readme)
     assert outer and outer[1] == defaults["outer_optimizer"]
     traffic = re.search(r"the outer\s+traffic is (\w+) with error feedback by default", readme)
-    assert traffic and traffic[1] == defaults["reduce_dtype"]
+    assert traffic and traffic[1] == FederationConfig().effective_reduce_dtype  # reduce_dtype=None without a mixing
     reducer = FederationConfig().reducer()
     assert getattr(reducer, "feedback", None) is not None  # "with error feedback": on by default for int8/int4
     started = _read("docs/getting-started.md")
@@ -162,7 +162,7 @@ def test_getting_started_sync_bytes_are_the_byte_formula_of_the_example():
     replicas = config["trainer"]["devices"] * config["trainer"]["num_nodes"] // groups // shard
     local = LlamaLM(**config["model"]["init_args"]).num_parameters() // shard
     part = -(-local // replicas)  # each replica sums its part of the shard across the groups
-    defaults = _federation_defaults()
+    defaults = {**_federation_defaults(), "reduce_dtype": FederationConfig().effective_reduce_dtype}
     int4 = make_reducer(defaults["reduce_dtype"], defaults["quant_block_size"], defaults["error_feedback"])
     layout = ChunkLayout.of(part, groups, int4.codec)
 

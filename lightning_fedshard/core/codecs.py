@@ -52,6 +52,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_fedshard.core.class_names import named_class
+
 #: Largest code of each bit width (codes are symmetric, in ``[-qmax, qmax]``).
 QMAX: dict[int, int] = {8: 127, 4: 7}
 
@@ -340,6 +342,10 @@ class SparseTopK(ChunkCodec):
         return out.view(count, chunk)
 
 
+#: The codecs a ``reduce_dtype`` given as a bare class name (``"SparseTopK"``) may refer to.
+CODEC_CLASSES: tuple[type[Codec], ...] = (FloatCodec, BlockQuantizer, SparseTopK)
+
+
 def _packed_bytes(count: int, bits: int) -> int:
     """Bytes of ``count`` values of ``bits`` bits each, packed."""
     return -(-count * bits // 8)
@@ -370,7 +376,9 @@ def resolve_codec(reduce_dtype: str | torch.dtype | Codec, block_size: int = DEF
     """The codec of a ``reduce_dtype`` option: a name (``"int4"``, ``"bfloat16"``, ...), a float dtype, or a codec.
 
     ``block_size`` is the block of the named quantized dtypes (``"int8"``, ``"int4"``); a codec object carries its own,
-    and ``"sparse"`` is :class:`SparseTopK` with its defaults.
+    and ``"sparse"`` is :class:`SparseTopK` with its defaults. A codec class given by its path or name alone
+    (``"lightning_fedshard.SparseTopK"``), as a command line or YAML gives it without init arguments, is that class
+    with its defaults.
 
     Raises:
         ValueError: For an unknown name, or a block size below 1.
@@ -378,6 +386,8 @@ def resolve_codec(reduce_dtype: str | torch.dtype | Codec, block_size: int = DEF
     check_quantizer_args(8, block_size)
     if isinstance(reduce_dtype, Codec):
         return reduce_dtype
+    if isinstance(reduce_dtype, str) and (cls := named_class(reduce_dtype, Codec, CODEC_CLASSES)) is not None:
+        return cls()
     name = str(reduce_dtype).removeprefix("torch.")
     if name in QUANTIZED_REDUCE_DTYPES:
         return BlockQuantizer(QUANTIZED_REDUCE_DTYPES[name], block_size)

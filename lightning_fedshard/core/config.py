@@ -9,6 +9,7 @@ import functools
 import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -17,8 +18,10 @@ from torch.optim import SGD, Optimizer
 
 from lightning_fedshard.core.codecs import (
     DEFAULT_BLOCK_SIZE,
+    QUANTIZED_REDUCE_DTYPES,
     ChunkCodec,
     Codec,
+    SparseTopK,
     resolve_codec,
 )
 from lightning_fedshard.core.elastic import Elastic
@@ -44,6 +47,11 @@ EAGER_RULES: tuple[str, ...] = ("share", "local")
 #: Where error feedback keeps what a group's encoding dropped, besides ``True``'s buffer for its next sync.
 FEEDBACK_IN_WEIGHTS = "weights"
 
+#: What ``reduce_dtype=None`` (the default) runs: int4 with error feedback, and float32 with a mixing outer topology,
+#: whose plain outer steps (a uniform round, the end of training) carry the pseudo-gradient of the whole run.
+DEFAULT_REDUCE_DTYPE = "int4"
+MIXING_REDUCE_DTYPE = "float32"
+
 
 @dataclass(frozen=True)
 class FederationConfig:
@@ -62,7 +70,7 @@ class FederationConfig:
             in our benchmarks at ``sync_every=8``, see docs/benchmarks.md), ``"nesterov"``
             (``SGD(lr=0.7, momentum=0.9, nesterov=True)``, DiLoCo's outer step, tuned for hundreds of inner steps) or
             a callable that builds a ``torch.optim.Optimizer`` from an iterable of tensors.
-        reduce_dtype: Data type of the pseudo-gradient on the wire: ``"int4"`` (default) or ``"int8"``: block-wise
+        reduce_dtype: Data type of the pseudo-gradient on the wire: ``"int4"`` (the default) or ``"int8"``: block-wise
             absmax quantization, summed in float32 by an all-to-all and an all-gather of quantized chunks (works on
             gloo and NCCL; about 0.13x and 0.26x the bytes of float32, scales included); or ``"float32"``,
             ``"bfloat16"``, ``"float16"`` (or the matching ``torch.dtype``), summed by an all-reduce. int4 with error
@@ -73,6 +81,9 @@ class FederationConfig:
             ``lightning_fedshard.FloatCodec("bfloat16")`` (in YAML a ``class_path`` with ``init_args``).
             ``"sparse"`` is ``lightning_fedshard.SparseTopK()``: the largest 1/64 of each chunk of 4096 values with
             2-bit values (about 0.0073x the bytes of float32), summed like int4; see docs/configuration.md.
+            Default ``None``: ``"int4"``, and ``"float32"`` with a mixing ``outer_topology`` (``Gossip``, ``Sampled``,
+            ``Mixing``), which refuses every other dtype: a mix never moves the anchor, so a uniform round and the
+            end of training average the pseudo-gradient of the whole run, which a lossy codec would round.
         quant_block_size: Values per quantization block (one float32 scale each) for ``"int8"`` / ``"int4"`` given by
             name (default 128, measured as the smallest block that keeps int4 under 0.14x float32).
         error_feedback: With ``"int8"`` / ``"int4"`` / ``"sparse"``, carry what each rank's encoding dropped into its
@@ -102,7 +113,7 @@ class FederationConfig:
             step ``s``. ``0 <= sync_delay < sync_every / fragments``. torchft's ``fragment_sync_delay``.
         merge_alpha: After a fragment lands, each group's weights of it become
             ``anchor + merge_alpha * (local - anchor)`` (default 0.0: restart from the new anchor); in ``[0, 1]``.
-            torchft's ``fragment_update_alpha``.
+            torchft's ``fragment_update_alpha``. Only with ``outer_topology="all"``.
         eager_updates: Overlap each fragment's sum over the groups with the whole next round (default ``False``):
             at a sync every group lands the mean that was summed during the round that just ended, starts summing its
             new pseudo-gradient ``d_g``, and restarts from ``anchor - lr * d_g / G``, its own share of that mean
@@ -122,22 +133,26 @@ class FederationConfig:
             docs/configuration.md, "Outer topology"). Hierarchical levels below the federation are summed in float32;
             they exclude ``fragments > 1``, ``sync_delay`` and ``eager_updates``. Or a mixing (``Gossip(peers=1)``,
             ``Sampled(groups_per_round=k)``, ``Mixing(matrix)``): every ``sync_every`` steps each group takes a
-            doubly-stochastic mix of the groups' weights (plain means: ``outer_optimizer="fedavg"``).
+            doubly-stochastic mix of the groups' weights (plain means: ``outer_optimizer="fedavg"``; float32:
+            ``reduce_dtype`` unset or ``"float32"``). Topologies other than ``"all"`` exclude ``merge_alpha``.
 
     Raises:
-        ValueError: For a non-positive ``num_groups``, ``shard_size`` or ``sync_every``, an unknown outer
-            optimizer name, an outer optimizer factory that does not return an optimizer, an unknown reduce dtype,
-            anchor device or ``on_nonfinite`` policy, ``sync_every`` not divisible by ``fragments``, ``sync_delay``
-            outside ``[0, sync_every / fragments)``, ``merge_alpha`` outside ``[0, 1]``, ``quant_block_size < 1``,
-            ``error_feedback=True`` or ``"weights"`` with a float ``reduce_dtype``, ``"weights"`` with an option it
-            excludes, or ``eager_updates`` with ``sync_delay`` or ``merge_alpha``.
+        ValueError: For a non-positive ``num_groups``, ``shard_size`` or ``sync_every``, an unknown outer optimizer
+            name, an outer optimizer factory that does not return an optimizer, an unknown reduce dtype, anchor device
+            or ``on_nonfinite`` policy, ``sync_every`` not divisible by ``fragments``, ``sync_delay`` outside ``[0,
+            sync_every / fragments)``, ``merge_alpha`` outside ``[0, 1]``, ``quant_block_size < 1``, a
+            ``quant_block_size`` with a codec that does not use it (``"sparse"``, a codec object),
+            ``error_feedback=False`` with ``"sparse"``, ``error_feedback=True`` or ``"weights"`` with a float
+            ``reduce_dtype``, ``"weights"`` with an option it excludes, ``eager_updates`` with ``sync_delay`` or
+            ``merge_alpha``, an outer topology other than ``"all"`` with ``merge_alpha``, or a mixing outer topology
+            with a ``reduce_dtype`` other than float32 or with ``error_feedback``.
     """
 
     num_groups: int | None = None
     shard_size: int | None = None
     sync_every: int = 8
     outer_optimizer: OuterOptimizerSpec = "fedavg"
-    reduce_dtype: str | torch.dtype | Codec = "int4"
+    reduce_dtype: str | torch.dtype | Codec | None = None
     anchor_device: str = "cpu"
     on_nonfinite: str = "raise"
     fragments: int = 1
@@ -168,9 +183,11 @@ class FederationConfig:
                 f"`quant_block_size={self.quant_block_size}` is for the named 'int8' / 'int4'; the codec"
                 f" {self.reduce_dtype!r} carries its own parameters."
             )
+        self._check_outer_topology()
         self._check_feedback_in_weights()
         # Builds a reducer once: an unknown dtype, or error feedback with a float dtype, fail here.
         self.reducer()
+        self._check_codec_options()
         if self.anchor_device not in ("cpu", "device"):
             raise ValueError(f"`anchor_device` must be 'cpu' or 'device', got {self.anchor_device!r}.")
         if self.on_nonfinite not in NONFINITE_POLICIES:
@@ -183,8 +200,8 @@ class FederationConfig:
             return
         if not self.compressed:
             raise ValueError(
-                f"`error_feedback='weights'` keeps what a lossy codec dropped; `reduce_dtype={self.reduce_dtype!r}`"
-                " drops nothing. Use 'int8', 'int4' or 'sparse'."
+                f"`error_feedback='weights'` keeps what a lossy codec dropped;"
+                f" `reduce_dtype={self.effective_reduce_dtype!r}` drops nothing. Use 'int8', 'int4' or 'sparse'."
             )
         excluded = {
             "eager_updates": self.eager_updates is not False,
@@ -200,6 +217,50 @@ class FederationConfig:
                 " elastic=None)."
             )
 
+    def _check_outer_topology(self) -> None:
+        """Refuse the options an outer topology other than ``"all"`` would accept and then ignore or undo."""
+        topology = resolve_outer_topology(self.outer_topology)
+        if topology is not None and self.merge_alpha:
+            raise ValueError(
+                f"`merge_alpha={self.merge_alpha!r}` is not built for `outer_topology={topology!r}`: its syncs restart"
+                " every group from the mean, so the option would be ignored. Drop `merge_alpha` (leave it at 0) or"
+                " use `outer_topology='all'`."
+            )
+        if not isinstance(topology, Mixing):
+            return
+        if not self.codec.exact:
+            raise ValueError(
+                f"`outer_topology={topology!r}` runs in float32, and `reduce_dtype={self.reduce_dtype!r}` would round"
+                " the pseudo-gradient of the whole run: a mix never moves the anchor, so a uniform round and the end of"
+                " training average everything trained since the start. Leave `reduce_dtype` unset (float32 with a"
+                " mixing) or set it to 'float32'."
+            )
+        if self.error_feedback not in (None, False):
+            raise ValueError(
+                f"`outer_topology={topology!r}` runs in float32, which drops nothing for"
+                f" `error_feedback={self.error_feedback!r}` to keep. Leave `error_feedback` unset."
+            )
+
+    def _check_codec_options(self) -> None:
+        """Refuse what the codec would silently ignore: a block size it does not use, or sparse without feedback."""
+        codec = self.codec
+        named = isinstance(self.effective_reduce_dtype, str) and self.effective_reduce_dtype in QUANTIZED_REDUCE_DTYPES
+        if self.quant_block_size != DEFAULT_BLOCK_SIZE and isinstance(codec, ChunkCodec) and not named:
+            raise ValueError(
+                f"`quant_block_size={self.quant_block_size}` is for 'int8' / 'int4' given by name;"
+                f" `reduce_dtype={self.reduce_dtype!r}` is `{codec!r}`, which carries its own parameters: give"
+                f" `lightning_fedshard.{type(codec).__name__}({_size_argument(codec)}=...)` (in YAML a `class_path`"
+                " with `init_args`)."
+            )
+        if self.error_feedback is False and isinstance(codec, SparseTopK) and codec.kept < codec.chunk_size:
+            lost = Fraction(codec.chunk_size - codec.kept, codec.chunk_size)
+            raise ValueError(
+                f"`reduce_dtype={self.reduce_dtype!r}` with `error_feedback=False` sends {codec.kept} of every"
+                f" {codec.chunk_size} values and drops the others for good: {lost} of every update would be lost."
+                " Leave `error_feedback` unset (on with 'sparse'), set it to True or 'weights', or use 'int8' / 'int4'"
+                " (which send every value)."
+            )
+
     def _check_elastic(self) -> None:
         if self.elastic is None:
             return
@@ -210,6 +271,14 @@ class FederationConfig:
                 "An elastic federation needs `num_groups`: the number of groups it is planned for (the data is split"
                 " into that many parts, and each group's index is in [0, num_groups))."
             )
+        for name in ("min_groups", "start_groups"):
+            value = getattr(self.elastic, name)
+            if value is not None and isinstance(self.num_groups, int) and value > self.num_groups:
+                raise ValueError(
+                    f"`Elastic({name}={value})` is larger than `num_groups={self.num_groups}`: the federation is"
+                    f" planned for {self.num_groups} group(s), so it would wait for groups that never come (and fail"
+                    f" after `quorum_timeout={self.elastic.quorum_timeout:g}` s). Set `{name}` <= `num_groups`."
+                )
         if resolve_outer_topology(self.outer_topology) is not None or self.eager_updates is not False:
             raise ValueError(
                 f"An elastic federation averages whichever groups take part in a sync; it runs neither"
@@ -357,7 +426,14 @@ class FederationConfig:
     @property
     def codec(self) -> Codec:
         """How the pseudo-gradient travels (see :mod:`~lightning_fedshard.core.codecs`)."""
-        return resolve_codec(self.reduce_dtype, self.quant_block_size)
+        return resolve_codec(self.effective_reduce_dtype, self.quant_block_size)
+
+    @property
+    def effective_reduce_dtype(self) -> str | torch.dtype | Codec:
+        """The ``reduce_dtype`` that runs: the one given, else ``"int4"`` (``"float32"`` with a mixing)."""
+        if self.reduce_dtype is not None:
+            return self.reduce_dtype
+        return MIXING_REDUCE_DTYPE if self.mixing is not None else DEFAULT_REDUCE_DTYPE
 
     @property
     def reduce_torch_dtype(self) -> torch.dtype:
@@ -377,7 +453,12 @@ class FederationConfig:
         residual_device = "cpu" if self.anchor_device == "cpu" else None
         block_size = None if isinstance(self.reduce_dtype, Codec) else self.quant_block_size
         feedback = self.error_feedback if isinstance(self.error_feedback, bool) else self.feedback_in_weights or None
-        return make_reducer(self.reduce_dtype, block_size, feedback, residual_device)
+        return make_reducer(self.effective_reduce_dtype, block_size, feedback, residual_device)
+
+
+def _size_argument(codec: ChunkCodec) -> str:
+    """The argument that sets a chunk codec's block: ``chunk_size`` for the sparse codec, else ``block_size``."""
+    return "chunk_size" if isinstance(codec, SparseTopK) else "block_size"
 
 
 def federation_args_doc() -> str:

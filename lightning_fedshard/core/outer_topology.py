@@ -25,11 +25,16 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from lightning_fedshard.core.class_names import named_class, required_arguments
+
 #: How far from 1 a row or column sum of a mixing matrix may be.
 STOCHASTIC_TOLERANCE = 1e-6
 
 #: The names of the outer topologies that need no parameters.
 OUTER_TOPOLOGY_NAMES: tuple[str, ...] = ("all",)
+
+#: Rounds of a ``Mixing`` schedule (a callable) whose matrices must, together, connect every group.
+CONNECTIVITY_ROUNDS = 256
 
 
 class Hierarchical:
@@ -175,14 +180,16 @@ class Mixing:
             the matrix of sync ``round`` (counted from 0; the sync after optimizer step ``(round + 1) sync_every``).
 
     Raises:
-        ValueError: For a fixed matrix that is not square, has a negative entry, or a row or column that does not sum
-            to 1 (within 1e-6).
+        ValueError: For a fixed matrix that is not square, has a negative entry, a row or column that does not sum
+            to 1 (within 1e-6), or groups that never meet (the graph of its nonzero off-diagonal weights is not
+            connected: the identity, or a block-diagonal matrix).
     """
 
     def __init__(self, matrix: MatrixSpec | Callable[[int], MatrixSpec]) -> None:
         self.matrix = matrix
         if not callable(matrix):
-            check_doubly_stochastic(_as_matrix(matrix), "`Mixing(matrix)`")
+            fixed = check_doubly_stochastic(_as_matrix(matrix), "`Mixing(matrix)`")
+            check_connected(fixed != 0, "`Mixing(matrix)`")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.matrix!r})"
@@ -206,8 +213,18 @@ class Mixing:
         return check_doubly_stochastic(matrix, f"the mixing matrix of round {round}")
 
     def check_groups(self, num_groups: int) -> None:
-        """Raise ``ValueError`` unless the first round's matrix fits ``num_groups`` groups."""
-        self.weights(0, num_groups)
+        """Raise ``ValueError`` unless the matrices fit ``num_groups`` groups and let every group meet every other.
+
+        A fixed matrix was checked when it was given; for a schedule (a callable), the groups that the first
+        :data:`CONNECTIVITY_ROUNDS` rounds mix, taken together, must connect every group.
+        """
+        meets = self.weights(0, num_groups) != 0
+        for round in range(1, CONNECTIVITY_ROUNDS if callable(self.matrix) else 1):
+            if len(components(meets)) == 1:
+                return
+            meets |= self.weights(round, num_groups) != 0
+        name = f"`Mixing({self.matrix!r})`, rounds 0 to {CONNECTIVITY_ROUNDS - 1} together,"
+        check_connected(meets, name if callable(self.matrix) else "`Mixing(matrix)`")
 
 
 class Gossip(Mixing):
@@ -332,32 +349,106 @@ def check_doubly_stochastic(matrix: Tensor, name: str) -> Tensor:
     return matrix
 
 
+def components(meets: Tensor) -> list[list[int]]:
+    """The groups that meet, directly or through others: the connected parts of the graph of ``meets[i, j]``."""
+    part = list(range(meets.shape[0]))
+
+    def root(i: int) -> int:
+        while part[i] != i:
+            part[i] = part[part[i]]
+            i = part[i]
+        return i
+
+    for i, j in meets.nonzero().tolist():
+        part[root(i)] = root(j)
+    parts: dict[int, list[int]] = {}
+    for i in range(len(part)):
+        parts.setdefault(root(i), []).append(i)
+    return list(parts.values())
+
+
+def check_connected(meets: Tensor, name: str) -> None:
+    """Raise ``ValueError`` if the groups fall apart into parts that never exchange weights.
+
+    Args:
+        meets: ``G x G`` booleans: whether group ``i`` takes a share of group ``j``'s weights.
+        name: The matrix, for the message.
+    """
+    parts = components(meets)
+    if len(parts) > 1:
+        raise ValueError(
+            f"{name} never lets the groups {parts} meet: the graph of its nonzero off-diagonal weights is not"
+            f" connected, so these {len(parts)} parts would train apart and only meet at the end. Give weights that"
+            " connect every group (e.g. a ring), or use `Gossip(peers=1)`."
+        )
+
+
 OuterTopologySpec = str | Hierarchical | Mixing
+
+#: The classes an ``outer_topology`` given as a bare class name (``"Gossip"``) may refer to.
+OUTER_TOPOLOGY_CLASSES: tuple[type, ...] = (Hierarchical, Mixing, Gossip, Sampled)
+
+#: How to give each class's required arguments, as a command line would (argument, value).
+_EXAMPLE_ARGUMENTS: dict[type, tuple[str, str]] = {
+    Hierarchical: ("levels", "'{8: 2, 32: 4}'"),
+    Mixing: ("matrix", "'[[0.5, 0.5], [0.5, 0.5]]'"),
+    Sampled: ("groups_per_round", "2"),
+}
 
 
 def resolve_outer_topology(spec: OuterTopologySpec) -> Hierarchical | Mixing | None:
     """``None`` for ``"all"``, the topology object otherwise.
 
+    A class given by its path or name alone (``"lightning_fedshard.Gossip"``, ``"Gossip"``), as a command line or YAML
+    gives it without init arguments, is that class with its default arguments.
+
     Raises:
-        ValueError: For anything else.
+        ValueError: For anything else, or a class path alone for a class with required arguments (naming them and
+            how to give them).
     """
     if isinstance(spec, (Hierarchical, Mixing)):
         return spec
     if spec in OUTER_TOPOLOGY_NAMES:
         return None
+    cls = named_class(spec, (Hierarchical, Mixing), OUTER_TOPOLOGY_CLASSES) if isinstance(spec, str) else None
+    if cls is not None:
+        return _with_defaults(spec, cls)
     raise ValueError(
         f"Unknown `outer_topology={spec!r}`; use 'all', `lightning_fedshard.Hierarchical(levels={{8: 2, 32: 4}})`,"
         " `Gossip(peers=1)`, `Sampled(groups_per_round=2)` or `Mixing(matrix)`."
     )
 
 
+def _with_defaults(path: str, cls: type) -> Hierarchical | Mixing:
+    """``cls()`` for a class given by its path alone; for a class with required arguments, how to give them.
+
+    Raises:
+        ValueError: Naming the required arguments and the command-line, YAML and Python forms that give them.
+    """
+    required = required_arguments(cls)
+    if not required:
+        return cls()
+    name, value = _EXAMPLE_ARGUMENTS.get(cls, (required[0], "..."))
+    full = path if "." in path else f"lightning_fedshard.{cls.__name__}"
+    option, python_value = "--trainer.strategy.outer_topology", value.strip("'")
+    raise ValueError(
+        f"`outer_topology={path!r}` needs {', '.join(f'`{r}`' for r in required)}; a class path alone means the class"
+        f" with its defaults. On a command line give them after it: `{option} {full} {option}.{name} {value}`"
+        f" (`fedshard plan`: `--outer_topology {full} --outer_topology.{name} {value}`); in YAML a `class_path` with"
+        f" `init_args`; in Python `{cls.__name__}({name}={python_value})`."
+    )
+
+
 __all__ = [
+    "CONNECTIVITY_ROUNDS",
     "OUTER_TOPOLOGY_NAMES",
     "Gossip",
     "Hierarchical",
     "Mixing",
     "OuterTopologySpec",
     "Sampled",
+    "check_connected",
     "check_doubly_stochastic",
+    "components",
     "resolve_outer_topology",
 ]

@@ -319,10 +319,11 @@ def make_reducer(
     """The reducer of a ``reduce_dtype`` option: a name, a float ``torch.dtype``, or a codec.
 
     Args:
-        reduce_dtype: ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"int8"``, ``"int4"``, or a codec object.
+        reduce_dtype: ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"int8"``, ``"int4"``, ``"sparse"``, or a codec
+            object.
         block_size: Quantization block of the named int8/int4 (default 128); a codec object carries its own.
-        error_feedback: Carry the codec's rounding errors to the next call. ``None``: on for a lossy codec that is
-            not summable (int8/int4), off for the float dtypes.
+        error_feedback: Carry what the codec dropped (rounding errors, unsent entries) to the next call. ``None``: on
+            for a lossy codec that is not summable (int8/int4/sparse), off for the float dtypes.
         residual_device: Where the residuals wait between calls (default: the input's device).
 
     Raises:
@@ -338,8 +339,8 @@ def make_reducer(
     if isinstance(codec, FloatCodec):
         if error_feedback:
             raise ValueError(
-                f"`error_feedback=True` needs a quantized `reduce_dtype` ('int8' or 'int4'), got {reduce_dtype!r}:"
-                " a float reduction has no quantization residual to carry."
+                f"`error_feedback=True` needs a lossy `reduce_dtype` ('int8', 'int4' or 'sparse', or such a codec), got"
+                f" {reduce_dtype!r}: a float reduction has no residual to carry."
             )
         return AllReduceSum(codec)
     if not isinstance(codec, ChunkCodec):

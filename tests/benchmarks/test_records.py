@@ -79,10 +79,10 @@ def test_a_race_run_is_identified_by_its_kind_and_seed():
 
 
 def _effective(federation: dict) -> FederationConfig:
-    """The sync options as they act (``error_feedback=None``: on for int8/int4)."""
+    """The sync options as they act (``error_feedback=None``: on for int8/int4; ``reduce_dtype=None``: the default)."""
     config = FederationConfig(**federation)
     on = config.compressed if config.error_feedback is None else config.error_feedback
-    return FederationConfig(**{**federation, "error_feedback": on})
+    return FederationConfig(**{**federation, "error_feedback": on, "reduce_dtype": config.effective_reduce_dtype})
 
 
 def _same_run(recorded: dict, planned: RunConfig) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -259,3 +261,54 @@ data:
     metrics = (tmp_path / "logs" / "version_0" / "metrics.csv").read_text()
     header = metrics.splitlines()[0]
     assert "fedshard/sync_bytes" in header and "val_ppl" in header
+
+
+@pytest.mark.parametrize(
+    ("arg", "value", "field", "expected"),
+    [
+        ("--trainer.strategy.outer_topology", "lightning_fedshard.Gossip", "mixing", "Gossip(peers=1, seed=0)"),
+        ("--trainer.strategy.outer_topology", "Gossip", "mixing", "Gossip(peers=1, seed=0)"),
+        ("--trainer.strategy.reduce_dtype", "lightning_fedshard.SparseTopK", "codec",
+         "SparseTopK(density=0.015625, value_bits=2, chunk_size=4096)"),
+    ],
+)  # fmt: skip
+def test_a_class_path_alone_on_the_command_line_is_the_class_with_its_defaults(arg, value, field, expected):
+    args = ["--config", str(ROOT / "configs/shakespeare/fl_hsdp.yaml"), arg, value]
+    federation = cli(args=args, run=False).trainer.strategy.federation_config
+    assert repr(getattr(federation, field)) == expected
+
+
+@pytest.mark.parametrize("cls", ["lightning_fedshard.Sampled", "lightning_fedshard.Mixing"])
+def test_a_class_path_that_needs_arguments_says_how_to_give_them_in_a_form_that_works(cls, capsys):
+    config = ["--config", str(ROOT / "configs/shakespeare/fl_hsdp.yaml")]  # 2 groups
+    with pytest.raises(ArgumentError) as error:
+        cli(args=[*config, "--trainer.strategy.outer_topology", cls], run=False, parser_kwargs={"exit_on_error": False})
+    message = str(error.value)
+    assert f"`outer_topology={cls!r}` needs `" in message
+    advertised = re.search(r"On a command line give them after it: `(--trainer[^`]+)`", message)[1]
+    federation = cli(args=[*config, *shlex.split(advertised)], run=False).trainer.strategy.federation_config
+    assert type(federation.outer_topology).__name__ == cls.rpartition(".")[2]
+    # The planner's form, advertised in the same message.
+    planner = re.search(r"\(`fedshard plan`: `(--outer_topology[^`]+)`\)", message)[1]
+    if cls.endswith("Sampled"):  # the example matrix is for 2 groups; the planner's cluster below has 4
+        from lightning_fedshard.plan.command import main as plan_main
+
+        capsys.readouterr()
+        plan_main(["--model", "xs", "--cluster", "emulated-4x2", "--json", "true", *shlex.split(planner)])
+        assert '"outer_topology": "2 sampled groups per sync"' in capsys.readouterr().out
+
+
+def test_the_elastic_help_that_the_strategy_help_advertises_works(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["fedshard"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli(args=["fit", "--trainer.strategy", "fl_hsdp", "--trainer.strategy.elastic.help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert "--trainer.strategy.elastic.lighthouse LIGHTHOUSE" in out and "--trainer.strategy.elastic.min_groups" in out
+    # The options it lists are accepted as listed.
+    monkeypatch.setenv("FEDSHARD_GROUP", "1")
+    args = ["--config", str(ROOT / "configs/shakespeare/fl_hsdp.yaml"), "--trainer.strategy.num_groups", "4"]
+    args += ["--trainer.strategy.elastic.lighthouse", "http://10.0.0.1:29510"]
+    args += ["--trainer.strategy.elastic.min_groups", "2"]
+    elastic = cli(args=args, run=False).trainer.strategy.federation_config.elastic
+    assert (elastic.lighthouse, elastic.min_groups) == ("http://10.0.0.1:29510", 2)

@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from lightning_fedshard.core.codecs import QMAX, BlockQuantizer, SparseTopK, dequantize, quantize
+from lightning_fedshard.core.codecs import (
+    QMAX,
+    BlockQuantizer,
+    FloatCodec,
+    SparseTopK,
+    dequantize,
+    quantize,
+    resolve_codec,
+)
 from tests.core.test_reducers import _round_trip_bound
 
 
@@ -168,3 +176,19 @@ def test_sparse_by_name_and_as_an_object():
     config = FederationConfig(reduce_dtype=SparseTopK(density=0.03, value_bits=4))
     assert config.compressed and config.reducer().feedback is not None
     assert "sparse top-3%" in config.describe() and "with error feedback" in config.describe()
+
+
+@pytest.mark.parametrize(
+    ("name", "codec"),
+    [
+        ("lightning_fedshard.SparseTopK", SparseTopK()),
+        ("SparseTopK", SparseTopK()),
+        ("lightning_fedshard.core.codecs.BlockQuantizer", BlockQuantizer()),
+        ("lightning_fedshard.FloatCodec", FloatCodec()),
+    ],
+)
+def test_a_codec_class_path_alone_is_the_codec_with_its_defaults(name, codec):
+    """A command line or YAML gives ``lightning_fedshard.SparseTopK`` without init arguments as a string."""
+    assert resolve_codec(name) == codec
+    with pytest.raises(ValueError, match="Unsupported `reduce_dtype='lightning_fedshard.NoSuchCodec'`"):
+        resolve_codec("lightning_fedshard.NoSuchCodec")

@@ -1,12 +1,14 @@
 import dataclasses
 import functools
 import inspect
+import re
 
 import pytest
 import torch
 
 from lightning_fedshard._arguments import FederatedArguments
 from lightning_fedshard.core.config import FederationConfig, resolve_outer_optimizer
+from lightning_fedshard.core.reducers import AllReduceSum
 from lightning_fedshard.plan import TrainSetup
 from lightning_fedshard.plan.command import plan
 
@@ -107,3 +109,94 @@ def test_a_codec_object_is_the_same_sync_as_its_name_and_carries_its_own_paramet
         FederationConfig(reduce_dtype=BlockQuantizer(4), quant_block_size=64)
     with pytest.raises(ValueError, match=r"`bits` must be one of \[4, 8\], got 2"):
         BlockQuantizer(bits=2)
+
+
+def test_reduce_dtype_left_unset_is_int4_and_float32_with_a_mixing():
+    from lightning_fedshard import Gossip, Hierarchical, Mixing, Sampled
+
+    assert FederationConfig().effective_reduce_dtype == "int4" and FederationConfig().compressed
+    hierarchical = FederationConfig(sync_every=2, outer_topology=Hierarchical({2: 2, 4: 4}))
+    assert hierarchical.effective_reduce_dtype == "int4"  # its federation level moves the anchor, like "all"
+    for mixing in (Gossip(peers=1), Sampled(groups_per_round=2), Mixing([[0.5, 0.5], [0.5, 0.5]])):
+        config = FederationConfig(outer_topology=mixing)
+        assert config.reduce_dtype is None and config.effective_reduce_dtype == "float32"
+        assert not config.compressed and config.codec.exact and isinstance(config.reducer(), AllReduceSum)
+        assert "outer traffic float32," in config.describe()  # the line printed at the start of training
+    for given in ("float32", torch.float32):
+        assert FederationConfig(outer_topology=Gossip(peers=1), reduce_dtype=given).codec.exact
+
+
+@pytest.mark.parametrize("reduce_dtype", ["int4", "int8", "sparse", "bfloat16"])
+def test_a_mixing_refuses_a_reduce_dtype_that_would_round_the_whole_runs_pseudo_gradient(reduce_dtype):
+    from lightning_fedshard import Gossip, Sampled
+
+    for topology in (Gossip(peers=1), Sampled(groups_per_round=2)):
+        message = (
+            rf"`outer_topology={re.escape(repr(topology))}` runs in float32, and `reduce_dtype='{reduce_dtype}'` would"
+            r" round the pseudo-gradient of the whole run: .* Leave `reduce_dtype` unset"
+        )
+        with pytest.raises(ValueError, match=message):
+            FederationConfig(outer_topology=topology, reduce_dtype=reduce_dtype)
+
+
+def test_a_mixing_refuses_error_feedback_and_a_codec_object():
+    from lightning_fedshard import BlockQuantizer, Gossip
+
+    with pytest.raises(ValueError, match=r"`reduce_dtype=BlockQuantizer\(bits=8, block_size=64\)` would round"):
+        FederationConfig(outer_topology=Gossip(peers=1), reduce_dtype=BlockQuantizer(8, 64))
+    for feedback in (True, "weights"):
+        with pytest.raises(ValueError, match=rf"drops nothing for `error_feedback={feedback!r}` to keep"):
+            FederationConfig(outer_topology=Gossip(peers=1), error_feedback=feedback)
+    assert isinstance(FederationConfig(outer_topology=Gossip(peers=1), error_feedback=False).reducer(), AllReduceSum)
+
+
+def test_merge_alpha_is_refused_with_an_outer_topology_it_would_not_change():
+    from lightning_fedshard import FLFSDPStrategy, Gossip, Hierarchical
+
+    hierarchical = Hierarchical({2: 2, 4: 4})
+    message = (
+        r"`merge_alpha=0.5` is not built for `outer_topology=Hierarchical\(levels=\{2: 2, 4: 4\}\)`: .* Drop"
+        r" `merge_alpha` \(leave it at 0\) or use `outer_topology='all'`"
+    )
+    with pytest.raises(ValueError, match=message):
+        FederationConfig(sync_every=2, merge_alpha=0.5, outer_topology=hierarchical)
+    with pytest.raises(ValueError, match=message):  # in the strategy's constructor, before any process starts
+        FLFSDPStrategy(sync_every=2, merge_alpha=0.5, outer_topology=hierarchical)
+    with pytest.raises(ValueError, match=r"`merge_alpha=0.25` is not built for `outer_topology=Gossip"):
+        FederationConfig(merge_alpha=0.25, outer_topology=Gossip(peers=1))
+    assert FederationConfig(merge_alpha=0.5).describe().endswith("merge_alpha=0.5, anchor on the CPU")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(reduce_dtype="sparse", quant_block_size=64),
+         "`quant_block_size=64` is for 'int8' / 'int4' given by name; `reduce_dtype='sparse'` is `SparseTopK(density="
+         "0.015625, value_bits=2, chunk_size=4096)`, which carries its own parameters: give"
+         " `lightning_fedshard.SparseTopK(chunk_size=...)`"),
+        (dict(reduce_dtype="lightning_fedshard.BlockQuantizer", quant_block_size=64),
+         "`quant_block_size=64` is for 'int8' / 'int4' given by name"),
+        (dict(reduce_dtype="sparse", error_feedback=False),
+         "`reduce_dtype='sparse'` with `error_feedback=False` sends 64 of every 4096 values and drops the others for"
+         " good: 63/64 of every update would be lost."),
+    ],
+)  # fmt: skip
+def test_sparse_options_that_would_do_nothing_useful_are_refused(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        FederationConfig(**kwargs)
+    assert message in str(error.value)
+
+
+def test_sparse_keeps_its_valid_neighbours():
+    from lightning_fedshard import SparseTopK
+
+    assert FederationConfig(reduce_dtype="sparse", error_feedback=True).reducer().feedback is not None
+    assert FederationConfig(reduce_dtype="sparse", error_feedback="weights").feedback_in_weights
+    # Nothing is dropped when every value is sent: no feedback is then a choice, not a loss.
+    assert FederationConfig(reduce_dtype=SparseTopK(density=1.0), error_feedback=False).reducer().feedback is None
+    assert FederationConfig(reduce_dtype="int4", quant_block_size=64).codec.block_size == 64
+
+
+def test_error_feedback_with_a_float_dtype_names_every_lossy_dtype():
+    with pytest.raises(ValueError, match=r"needs a lossy `reduce_dtype` \('int8', 'int4' or 'sparse', or such a codec"):
+        FederationConfig(reduce_dtype="float32", error_feedback=True)

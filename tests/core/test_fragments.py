@@ -48,7 +48,7 @@ def test_schedule_lands_fragments_in_turn_and_starts_them_sync_delay_steps_early
         (dict(fragments=0), r"`fragments` must be a positive integer, got 0"),
         (dict(reduce_dtype="int2"), r"Unsupported `reduce_dtype='int2'`"),
         (dict(reduce_dtype="int8", quant_block_size=0), r"`quant_block_size` must be a positive integer, got 0"),
-        (dict(reduce_dtype="bfloat16", error_feedback=True), r"`error_feedback=True` needs a quantized `reduce_dtype`"),
+        (dict(reduce_dtype="bfloat16", error_feedback=True), r"`error_feedback=True` needs a lossy `reduce_dtype`"),
     ],
 )
 def test_streaming_options_are_checked(options, match):
@@ -206,7 +206,7 @@ def test_error_feedback_defaults_to_on_for_quantized_traffic_only():
     assert FederationConfig().reducer().feedback is not None  # the default: int4 with error feedback
     assert FederationConfig(reduce_dtype="int8", error_feedback=False).reducer().feedback is None
     assert not hasattr(FederationConfig(reduce_dtype="float32").reducer(), "feedback")  # no residual to carry
-    with pytest.raises(ValueError, match="needs a quantized `reduce_dtype`"):
+    with pytest.raises(ValueError, match="needs a lossy `reduce_dtype`"):
         FederationConfig(reduce_dtype="float32", error_feedback=True)
 
 

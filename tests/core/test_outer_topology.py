@@ -271,6 +271,40 @@ def test_gossip_and_sampled_are_mixings_of_their_matrices():
             assert all(torch.equal(a["after"][s], b["after"][s]) for s in a["after"])
 
 
+@pytest.mark.parametrize(
+    "topology",
+    [Gossip(peers=1, seed=3), Sampled(groups_per_round=2, seed=5), Mixing([[0.25] * 4] * 4)],
+    ids=["gossip", "sampled", "uniform"],
+)
+def test_a_mixing_with_the_default_reduce_dtype_lands_on_the_exact_mix_and_ends_on_the_exact_mean(topology):
+    """A mixing never moves the anchor, so the end of training (and a uniform round) averages the pseudo-gradient of
+    the whole run: with the default ``reduce_dtype`` it must travel unrounded."""
+    config = FederationConfig(sync_every=2, outer_topology=topology)  # reduce_dtype left at its default
+
+    def work(g: int, comm: Any) -> dict[str, Any]:
+        shards = [torch.zeros(300)]
+        gen = torch.Generator().manual_seed(g)
+        fed = Federation(config, comm)
+        fed.start(shards, step=0)
+        before, after = {}, {}
+        for step in range(1, 7):
+            shards[0].add_(torch.randn(300, generator=gen))  # a different walk in every group
+            before[step] = shards[0].clone()
+            fed.maybe_sync(step)
+            after[step] = shards[0].clone()
+        fed.finish(6)
+        return {"before": before, "after": after, "final": shards[0].clone()}
+
+    results = ThreadGroups(4).run(work)
+    for step in (2, 4, 6):
+        mixed = topology.weights(step // 2 - 1, 4) @ torch.stack([r["before"][step] for r in results]).double()
+        for g, r in enumerate(results):
+            assert_close(r["after"][step].double(), mixed[g], atol=1e-6, rtol=0)
+    mean = torch.stack([r["after"][6] for r in results]).double().mean(0)
+    for r in results:
+        assert_close(r["final"].double(), mean, atol=1e-6, rtol=0)
+
+
 def test_distance_from_the_mean_shrinks_like_the_second_eigenvalue():
     matrix = torch.tensor([[0.5, 0.5, 0, 0], [0.5, 0, 0.5, 0], [0, 0.5, 0, 0.5], [0, 0, 0.5, 0.5]], dtype=torch.float64)
     second = sorted(torch.linalg.eigvalsh(matrix).abs().tolist())[-2]  # symmetric: real eigenvalues
@@ -353,3 +387,141 @@ def test_the_mix_over_real_gloo_processes_matches_the_thread_fake(tmp_path):
         # the last mix is not symmetric: group i takes from i - 1 and i - 2, and sends to i + 1 and i + 2
         before = torch.stack([torch.arange(5.0) * (g + 1) + 3 for g in range(4)]).double()
         assert_close(real[3].double(), (_gloo_matrices()[3] @ before)[rank])
+
+
+# ------------------------------------------------------------------------- what site syncs and mixes log
+
+
+def _logged_run(topology: Any, steps: int) -> list[dict[int, Any]]:
+    """4 groups, group ``g`` adds ``g + 1`` to each of 3 values per step; per group the stats of every sync."""
+    config = FederationConfig(sync_every=1, reduce_dtype="float32", outer_topology=topology)
+
+    def work(g: int, comm: Any) -> dict[int, Any]:
+        shards = [torch.zeros(3)]
+        fed = Federation(config, comm)
+        fed.start(shards, step=0)
+        seen = {}
+        for step in range(1, steps + 1):
+            shards[0].add_(float(g + 1))
+            seen[step] = fed.maybe_sync(step)
+        return seen
+
+    return ThreadGroups(4, site_blocks=config.site_blocks(4)).run(work)
+
+
+def test_a_site_sync_logs_its_drift_and_norm_and_counts_in_the_syncs():
+    results = _logged_run(Hierarchical({1: 2, 4: 4}), steps=4)
+    for seen in results:
+        first = seen[1]  # weights 1, 2 | 3, 4 (each of 3 values) become 1.5 | 3.5; the anchor is 0
+        assert first.drift == pytest.approx(0.5 * 3**0.5)  # every group 0.5 from its site mean in each value
+        assert first.outer_grad_norm == pytest.approx((3 * (1.5**2 + 3.5**2) / 2) ** 0.5)  # RMS of |anchor - mean|
+        assert first.kind == "site sync" and first.site_size == 2
+        assert [seen[s].num_syncs for s in range(1, 5)] == [0, 0, 0, 1]  # outer steps
+        assert [seen[s].site_syncs for s in range(1, 5)] == [1, 2, 3, 3]
+        assert [seen[s].total_syncs for s in range(1, 5)] == [1, 2, 3, 4]  # the progress bar's `syncs`
+        logged = seen[3].as_dict()
+        assert logged["fedshard/site_syncs"] == 3.0 and logged["fedshard/drift"] > 0
+        assert logged["fedshard/outer_grad_norm"] > 0 and seen[4].as_dict()["fedshard/site_syncs"] == 3.0
+
+
+def test_a_mix_logs_the_distance_from_what_each_group_took_and_counts_in_the_syncs():
+    ring = [[0.5, 0.25, 0, 0.25], [0.25, 0.5, 0.25, 0], [0, 0.25, 0.5, 0.25], [0.25, 0, 0.25, 0.5]]
+    results = _logged_run(Mixing(ring), steps=2)
+    before = torch.arange(1.0, 5.0, dtype=torch.float64)[:, None].expand(4, 3)  # group g holds g + 1 everywhere
+    after = torch.tensor(ring, dtype=torch.float64) @ before
+    drift = ((before - after).norm(dim=1) ** 2).mean().sqrt().item()
+    norm = (after.norm(dim=1) ** 2).mean().sqrt().item()  # the anchor is 0
+    for seen in results:
+        assert seen[1].drift == pytest.approx(drift) and drift > 0
+        assert seen[1].outer_grad_norm == pytest.approx(norm) and seen[1].kind == "mix"
+        assert [(seen[s].num_syncs, seen[s].site_syncs, seen[s].total_syncs) for s in (1, 2)] == [(0, 1, 1), (0, 2, 2)]
+
+
+def test_the_count_of_site_syncs_survives_a_checkpoint_of_the_outer_state():
+    config = FederationConfig(sync_every=1, reduce_dtype="float32", outer_topology=Hierarchical({1: 2, 2: 4}))
+
+    def work(g: int, comm: Any) -> tuple[int, int]:
+        shards = [torch.zeros(3)]
+        fed = Federation(config, comm)
+        fed.start(shards, step=0)
+        fed.maybe_sync(1)
+        fed.maybe_sync(2)
+        resumed = Federation(config, comm)
+        resumed.start([torch.zeros(3)], step=0)
+        resumed.load_state_dict(fed.state_dict())
+        return resumed.outer.site_syncs, resumed.outer.num_syncs
+
+    assert ThreadGroups(4).run(work) == [(1, 1)] * 4
+
+
+# ------------------------------------------------------------------------------- groups that meet, class paths alone
+
+
+def _pairs(pairs: list[tuple[int, int]], groups: int = 4) -> torch.Tensor:
+    """The mixing matrix that averages each pair of groups and leaves the others alone."""
+    matrix = torch.eye(groups, dtype=torch.float64)
+    for a, b in pairs:
+        matrix[[a, a, b, b], [a, b, a, b]] = 0.5
+    return matrix
+
+
+@pytest.mark.parametrize(
+    ("matrix", "parts"),
+    [([[1.0, 0.0], [0.0, 1.0]], "[[0], [1]]"), (_pairs([(0, 1), (2, 3)]).tolist(), "[[0, 1], [2, 3]]")],
+    ids=["identity", "two-blocks"],
+)
+def test_a_mixing_whose_groups_never_meet_is_refused_when_given(matrix, parts):
+    with pytest.raises(ValueError) as error:
+        Mixing(matrix)
+    assert str(error.value).startswith(f"`Mixing(matrix)` never lets the groups {parts} meet: the graph of its nonzero")
+
+
+def test_a_schedule_must_connect_the_groups_over_its_rounds():
+    alternating = Mixing(lambda r: _pairs([(0, 1), (2, 3)] if r % 2 == 0 else [(1, 2), (3, 0)]))
+    alternating.check_groups(4)  # no round connects the groups, the two rounds together do
+    apart = Mixing(lambda r: _pairs([(0, 1), (2, 3)]))
+    with pytest.raises(ValueError, match=r"rounds 0 to 255 together, never lets the groups \[\[0, 1\], \[2, 3\]\]"):
+        apart.check_groups(4)
+    with pytest.raises(ValueError, match="never lets the groups"):
+        FederationConfig(num_groups=4, outer_topology=apart).topology(num_nodes=4, devices_per_node=1, hybrid=False)
+
+
+@pytest.mark.parametrize("groups", [2, 3, 8, 64])
+def test_valid_gossip_sampled_and_connected_matrices_still_pass(groups):
+    Gossip(peers=1).check_groups(groups)
+    Sampled(groups_per_round=2).check_groups(groups)
+    ring = torch.eye(groups, dtype=torch.float64).roll(1, dims=1) * 0.5 + torch.eye(groups, dtype=torch.float64) * 0.5
+    Mixing(ring).check_groups(groups)
+    Mixing(lambda r: ring).check_groups(groups)
+    Mixing([[1.0]]).check_groups(1)
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [("lightning_fedshard.Gossip", Gossip()), ("Gossip", Gossip()),
+     ("lightning_fedshard.core.outer_topology.Gossip", Gossip())],
+)  # fmt: skip
+def test_an_outer_topology_class_path_alone_is_the_class_with_its_defaults(spec, expected):
+    from lightning_fedshard.core.outer_topology import resolve_outer_topology
+
+    assert resolve_outer_topology(spec) == expected
+    assert FederationConfig(outer_topology=spec).mixing == expected
+
+
+@pytest.mark.parametrize(
+    ("spec", "advice"),
+    [
+        ("lightning_fedshard.Sampled",
+         "`--trainer.strategy.outer_topology lightning_fedshard.Sampled"
+         " --trainer.strategy.outer_topology.groups_per_round 2`"),
+        ("Hierarchical",
+         "`--trainer.strategy.outer_topology lightning_fedshard.Hierarchical --trainer.strategy.outer_topology.levels"
+         " '{8: 2, 32: 4}'`"),
+        ("lightning_fedshard.Mixing", "in Python `Mixing(matrix=[[0.5, 0.5], [0.5, 0.5]])`"),
+    ],
+)  # fmt: skip
+def test_a_class_path_alone_with_required_arguments_says_how_to_give_them(spec, advice):
+    with pytest.raises(ValueError) as error:
+        FederationConfig(outer_topology=spec)
+    assert str(error.value).startswith(f"`outer_topology={spec!r}` needs `")
+    assert advice in str(error.value)

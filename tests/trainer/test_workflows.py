@@ -87,6 +87,17 @@ def test_the_same_workflow_with_sums_in_flight_and_groups_that_differ(ranks, nam
     assert moved.abs().max() > 0  # the second fit trained
 
 
+def test_a_mixing_with_the_default_reduce_dtype_ends_fit_on_the_groups_exact_mean(root, ranks):
+    """Gossip with the Trainer's defaults and `reduce_dtype` left unset: 4 one-rank groups that differ after the last
+    step's mix, and the end of `fit` lands every group on their exact mean (a plain outer step in float32)."""
+    groups = torch.stack([seen["gossip"]["before_end_of_fit"] for seen in ranks]).double()
+    assert (groups - groups.mean(0)).abs().max() > 1e-4  # the groups differ before the end of fit
+    for seen in ranks:
+        assert_close(seen["gossip"]["after_fit"].double(), groups.mean(0), atol=1e-6, rtol=0)
+    line = "outer step every 2 optimizer steps (fedavg), outer traffic float32, gossip with 1 peer(s) per sync"
+    assert line in (root / "logs" / "rank0.log").read_text()
+
+
 def test_a_plain_strategy_resumes_the_consensus_of_a_federated_checkpoint(ranks):
     checkpoint = torch.load(ranks[0]["fl_fsdp"]["final_checkpoint"], weights_only=False)
     assert checkpoint["optimizer_states"] == []  # the inner optimizer states are per group, beside the consensus

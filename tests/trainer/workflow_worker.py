@@ -23,7 +23,7 @@ VARIANTS = {
     "eager": lambda: FLFSDPStrategy(sync_every=2, eager_updates="local"),
     "weights": lambda: FLFSDPStrategy(sync_every=2, reduce_dtype="sparse", error_feedback="weights"),
     "hierarchical": lambda: FLFSDPStrategy(num_groups=4, sync_every=2, outer_topology=Hierarchical({2: 2, 4: 4})),
-    "gossip": lambda: FLFSDPStrategy(num_groups=4, sync_every=2, outer_topology=Gossip(peers=1)),
+    "gossip": lambda: FLFSDPStrategy(num_groups=4, sync_every=2, outer_topology=Gossip(peers=1)),  # reduce_dtype unset
 }
 
 
@@ -48,7 +48,17 @@ class Demo(BoringModel):
         return out
 
 
-def _trainer(name: Any, root: Path, max_steps: int) -> L.Trainer:
+class LastStep(L.Callback):
+    """This rank's weights after each optimizer step and its sync (``OuterSync`` runs first), before ``fit`` ends."""
+
+    def __init__(self) -> None:
+        self.weights: torch.Tensor | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.weights = _weights(trainer)
+
+
+def _trainer(name: Any, root: Path, max_steps: int, last_step: LastStep) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["DEVICES"]),
@@ -56,6 +66,7 @@ def _trainer(name: Any, root: Path, max_steps: int) -> L.Trainer:
         strategy=name,
         max_steps=max_steps,
         default_root_dir=root,
+        callbacks=[last_step],
     )
 
 
@@ -66,9 +77,11 @@ def _weights(trainer: L.Trainer) -> torch.Tensor:
 def run(name: str, root: Path, strategy: Any = None) -> dict[str, Any]:
     torch.manual_seed(int(os.environ["RANK"]))  # different initial weights: the strategy must make them equal
     model = Demo()
-    trainer = _trainer(strategy or name, root / name, max_steps=4)
+    last_step = LastStep()
+    trainer = _trainer(strategy or name, root / name, max_steps=4, last_step=last_step)
     trainer.fit(model)
     seen: dict[str, Any] = {"sanity_batches": model.sanity_batches, "after_fit": _weights(trainer)}
+    seen["before_end_of_fit"] = last_step.weights
     federation = trainer.strategy.federation
     seen["syncs_after_fit"] = federation.outer.num_syncs
     trainer.test(model)
