@@ -40,7 +40,7 @@ def plan(
     fragments: int = 1,
     sync_delay: int = 0,
     eager_updates: bool | Literal["share", "local"] = False,
-    reduce_dtype: Literal["float32", "bfloat16", "float16", "int8", "int4", "sparse"] = "int4",
+    reduce_dtype: Literal["float32", "bfloat16", "float16", "int8", "int4", "sparse"] | None = None,
     error_feedback: bool | str | None = None,
     outer_optimizer: Literal["fedavg", "nesterov"] = "fedavg",
     outer_topology: OuterTopologySpec = "all",
@@ -82,7 +82,7 @@ def plan(
         fragments: Streaming fragments.
         sync_delay: Optimizer steps the outer sum travels while training goes on.
         eager_updates: Each sum travels for a whole round (excludes ``sync_delay``).
-        reduce_dtype: Outer traffic dtype.
+        reduce_dtype: Outer traffic dtype (default: ``int4``, ``float32`` with a mixing outer topology).
         error_feedback: int8/int4/sparse residuals (host memory).
         outer_optimizer: ``fedavg`` or ``nesterov`` (host memory of the momentum).
         outer_topology: ``"all"``, or a ``Hierarchical`` / ``Gossip`` / ``Sampled`` / ``Mixing`` (``class_path`` and
@@ -129,7 +129,7 @@ def plan(
         activation_checkpointing=activation_checkpointing,
     )
     predictions = sweep_setups(spec, machine, base, top=top) if sweep else compare(spec, machine, base)
-    print(to_json(predictions) if json else table(predictions))
+    print(to_json(predictions) if json else table(predictions, ranked=sweep))
     return predictions
 
 
@@ -173,7 +173,7 @@ def summary(p: Prediction) -> dict[str, Any]:
         "fragments": s.federation.fragments if s.federated else None,
         "sync_delay": s.federation.sync_delay if s.federated else None,
         "eager_updates": s.federation.eager_updates if s.federated else None,
-        "reduce_dtype": s.federation.reduce_dtype if s.federated else None,
+        "reduce_dtype": s.federation.effective_reduce_dtype if s.federated else None,
         "step_seconds": p.step_seconds,
         "compute_seconds": p.compute_seconds,
         "collective_seconds": p.collective_seconds,
@@ -188,6 +188,9 @@ def summary(p: Prediction) -> dict[str, Any]:
         "host_memory_bytes_per_rank": p.memory.host,
         "memory": asdict(p.memory),
         "fits": p.fits,
+        "advice": p.advice,
+        "outer_topology": outer_topology_of(p.setup),
+        "sites": sites_of(p.cluster),
         "batch_per_step": p.batch_per_step,
         "bottleneck": p.bottleneck,
         "collectives": [asdict(c) for c in (*p.step_collectives, *p.sync_collectives)],
@@ -209,14 +212,48 @@ def to_json(predictions: list[Prediction]) -> str:
     return jsonlib.dumps([summary(p) for p in predictions], indent=1)
 
 
-def table(predictions: list[Prediction]) -> str:
-    """The predictions as a Markdown table."""
+#: Under a ``--sweep`` table: what its order means and what it leaves out.
+RANKING_NOTE = (
+    "Ranked by predicted tokens/s only (within 0.5%: fewer link bytes first). Quality is not predicted: a larger"
+    " sync_every, more fragments or a coarser reduce_dtype may cost perplexity per token; see docs/benchmarks.md for"
+    " measured costs."
+)
+
+
+def outer_topology_of(setup: TrainSetup) -> str:
+    """The outer topology the federated rows assume, in words."""
+    federation = setup.federation
+    topology = federation.hierarchical or federation.mixing
+    return "all groups at every sync" if topology is None else topology.describe()
+
+
+def sites_of(cluster: ClusterSpec) -> str:
+    """The sites the cluster is made of, in words."""
+    if cluster.nodes_per_site is None:
+        return "one (every node on one network)"
+    sites = cluster.num_nodes // cluster.nodes_per_site
+    uplink = (cluster.site_bandwidth or 0.0) * 8 / 1e6
+    return f"{sites} of {cluster.nodes_per_site} nodes, {uplink:,.4g} Mbit/s uplinks"
+
+
+def _fits(p: Prediction) -> str:
+    return "yes" if p.fits else f"no: {p.advice}"
+
+
+def table(predictions: list[Prediction], ranked: bool = False) -> str:
+    """The predictions as a Markdown table, under the model, cluster, outer topology and sites they assume.
+
+    Args:
+        predictions: The rows.
+        ranked: The rows are a sweep's ranking: say what it ranks by and what it leaves out.
+    """
     if not predictions:
         return "No configuration fits."
     p0 = predictions[0]
     head = (
         f"{p0.model.name} ({p0.model.num_parameters / 1e9:.3g} B parameters, {p0.model.seq_len} tokens) on"
-        f" {p0.cluster.name} ({p0.cluster.num_nodes} x {p0.cluster.devices_per_node} ranks)\n\n"
+        f" {p0.cluster.name} ({p0.cluster.num_nodes} x {p0.cluster.devices_per_node} ranks)\n"
+        f"outer topology: {outer_topology_of(p0.setup)}; sites: {sites_of(p0.cluster)}\n\n"
         "| strategy | groups x replicas x shards | H / frag / delay / dtype | step s | tokens/s | seq/s | compute util."
         " | link GB/step | GiB/rank | fits | batch/step | bottleneck |\n" + "|---" * 12 + "|"
     )
@@ -225,14 +262,14 @@ def table(predictions: list[Prediction]) -> str:
         s, t = p.setup, p.topology
         f = s.federation
         delay = f"eager ({f.eager_rule})" if f.eager_rule else f.sync_delay
-        fed = f"{f.sync_every} / {f.fragments} / {delay} / {f.reduce_dtype}" if s.federated else "-"
+        fed = f"{f.sync_every} / {f.fragments} / {delay} / {f.effective_reduce_dtype}" if s.federated else "-"
         rows.append(
             f"| {s.strategy} | {t.num_groups} x {t.num_replicas} x {t.shard_size} | {fed} | {p.step_seconds:.3g} |"
             f" {p.tokens_per_second:,.0f} | {p.sequences_per_second:,.1f} | {p.compute_utilization:.2f} |"
-            f" {p.link_bytes_per_step / 1e9:.3g} | {p.memory.device / GIB:.1f} | {'yes' if p.fits else 'no'} |"
+            f" {p.link_bytes_per_step / 1e9:.3g} | {p.memory.device / GIB:.1f} | {_fits(p)} |"
             f" {p.batch_per_step:,} | {p.bottleneck} |"
         )
-    return "\n".join([head, *rows])
+    return "\n".join([head, *rows, *(["", RANKING_NOTE] if ranked else [])])
 
 
 def main(argv: list[str] | None = None) -> None:

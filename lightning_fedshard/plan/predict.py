@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
 
 from lightning_fedshard.core.codecs import SparseTopK
 from lightning_fedshard.core.config import FederationConfig
@@ -34,7 +34,7 @@ from lightning_fedshard.plan.framing import (
     framed_bytes,
     ring_allreduce_messages,
 )
-from lightning_fedshard.plan.specs import ClusterSpec, ModelSpec, TrainSetup
+from lightning_fedshard.plan.specs import GIB, ClusterSpec, ModelSpec, TrainSetup
 
 #: Messages one rank sends over its ring edge in one call, as (share of the edge's payload, messages) parts.
 Messages = Sequence[tuple[float, float]]
@@ -205,6 +205,11 @@ class Prediction:
     def link_bytes_per_sync(self) -> float:
         """Bytes all nodes send into the network per landing of one fragment."""
         return sum(c.link_bytes * c.calls for c in self.sync_collectives)
+
+    @property
+    def advice(self) -> str | None:
+        """For a setup that does not fit in device memory, what would make it fit (``None`` when it fits)."""
+        return None if self.fits else memory_advice(self.model, self.cluster, self.setup, self.topology)
 
 
 def topology_of(setup: TrainSetup, cluster: ClusterSpec) -> FederationTopology:
@@ -549,6 +554,60 @@ def memory(model: ModelSpec, setup: TrainSetup, t: FederationTopology) -> Memory
         sync=_sync_bytes(reducer, fragment) + in_flight if federated else 0.0,
         sync_overlaps_training=setup.federation.sync_delay > 0 or eager,
     )
+
+
+def memory_advice(model: ModelSpec, cluster: ClusterSpec, setup: TrainSetup, t: FederationTopology) -> str:
+    """What would bring ``setup`` into device memory, by the memory model (:func:`memory`).
+
+    When the sharded state alone is too large: shard over more ranks. Otherwise the transients are: one change, or
+    one change of the sync (streaming fragments, each holding ``1 / P`` of the shard at its sync; no overlap of the
+    sum with training) together with one of training (activation checkpointing, a smaller micro-batch).
+    """
+    mem = memory(model, setup, t)
+    state = mem.parameters + mem.gradients + mem.optimizer
+    limit = cluster.device_memory
+    if state > limit:
+        return (
+            f"the sharded state alone needs {state / GIB:.1f} GiB of {limit / GIB:.1f}: shard over more ranks"
+            f" ({'fewer groups or ' if setup.federated else ''}a larger shard)"
+        )
+    sync, training = list(_sync_changes(model, setup)), list(_training_changes(setup))
+    pairs = [
+        (f"{a} and {b}", replace(u, federation=s.federation)) for a, s in sync for b, u in training
+    ]  # one change of the sync and one of training
+    for change, changed in (*sync, *training, *pairs):
+        if memory(model, changed, t).device <= limit:
+            return f"try {change}"
+    transient = (mem.device - state) / GIB
+    return f"over by {(mem.device - limit) / GIB:.1f} GiB with {transient:.1f} GiB of transients: shard over more ranks"
+
+
+def _sync_changes(model: ModelSpec, setup: TrainSetup) -> Iterator[tuple[str, TrainSetup]]:
+    """Changes of the federation that lower a sync's device memory, as ``(what to try, the changed setup)``."""
+    federation = setup.federation
+    if not setup.federated:
+        return
+    units = model.num_layers + 1  # a fragment is made of whole FSDP units: one per layer and the root
+    more = range(federation.fragments + 1, min(federation.sync_every, units) + 1)
+    for fragments in (p for p in more if federation.sync_every % p == 0):
+        try:
+            changed = replace(federation, fragments=fragments)
+        except ValueError:  # e.g. a sync_delay too long for the shorter interval, or an outer topology
+            continue
+        yield f"fragments={fragments}", replace(setup, federation=changed)
+    if federation.sync_delay or federation.eager_rule is not None:
+        overlap = "sync_delay=0" if federation.sync_delay else "eager_updates=false"
+        yield overlap, replace(setup, federation=replace(federation, sync_delay=0, eager_updates=False))
+
+
+def _training_changes(setup: TrainSetup) -> Iterator[tuple[str, TrainSetup]]:
+    """Changes of training that lower its activations, as ``(what to try, the changed setup)``."""
+    if not setup.activation_checkpointing:
+        yield "activation_checkpointing=true", replace(setup, activation_checkpointing=True)
+    micro_batch = setup.micro_batch // 2
+    while micro_batch >= 1:
+        yield f"micro_batch={micro_batch}", replace(setup, micro_batch=micro_batch)
+        micro_batch //= 2
 
 
 def _sync_bytes(reducer: Reducer, local: float) -> float:

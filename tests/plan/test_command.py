@@ -75,3 +75,46 @@ def test_default_layout_leaves_out_only_what_the_defaults_cannot_cut(capsys):
     swept = plan(num_groups=16, sweep=True, top=5)
     assert {p.topology.num_groups for p in swept} == {16}
     capsys.readouterr()
+
+
+def test_the_table_names_the_outer_topology_and_sites_it_assumes(capsys):
+    plan(model="xs", cluster="emulated-4x2")
+    assert (
+        "\nouter topology: all groups at every sync; sites: one (every node on one network)\n"
+        in capsys.readouterr().out
+    )
+    plan(model="xs", cluster="emulated-2x2x2", outer_topology="lightning_fedshard.Gossip")  # a class path alone
+    out = capsys.readouterr().out
+    assert "\nouter topology: gossip with 1 peer(s) per sync; sites: 2 of 2 nodes, 20 Mbit/s uplinks\n" in out
+    plan(model="xs", cluster="emulated-2x2x2", json=True)
+    row = json.loads(capsys.readouterr().out)[2]
+    assert (row["outer_topology"], row["sites"]) == ("all groups at every sync", "2 of 2 nodes, 20 Mbit/s uplinks")
+
+
+def test_the_sweep_says_it_ranks_by_throughput_only(capsys):
+    plan(model="xs", cluster="emulated-4x2", sweep=True, top=2)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("Ranked by predicted tokens/s only") and "Quality is not predicted" in last
+    assert "docs/benchmarks.md" in last
+    plan(model="xs", cluster="emulated-4x2")  # a comparison is not a ranking
+    assert "Ranked by" not in capsys.readouterr().out
+
+
+def test_a_row_that_does_not_fit_says_what_would(capsys):
+    rows = {p.setup.strategy: p for p in plan(device_memory_gib=52, num_groups=128)}
+    assert "| 52.4 | no: try fragments=2 |" in capsys.readouterr().out
+    fl_fsdp = rows["fl_fsdp"]
+    assert not fl_fsdp.fits and fl_fsdp.advice == "try fragments=2"
+    # The advice holds: with two fragments the same setup fits.
+    assert all(p.fits for p in plan(device_memory_gib=52, num_groups=128, fragments=2)[2:])
+    capsys.readouterr()
+    plan(device_memory_gib=40, num_groups=128, json=True)
+    advice = {row["strategy"]: row["advice"] for row in json.loads(capsys.readouterr().out)}
+    assert advice == {
+        "fsdp": None,
+        "hsdp": "try activation_checkpointing=true",
+        "fl_fsdp": "try fragments=4 and activation_checkpointing=true",
+        "fl_hsdp": "try fragments=4 and activation_checkpointing=true",
+    }
+    plan(device_memory_gib=10)
+    assert "| no: the sharded state alone needs 29.9 GiB of 10.0: shard over more ranks" in capsys.readouterr().out
