@@ -55,6 +55,7 @@ class Report:
                 tables[name] = sweep.sweep_table(self.configs(name))
         if self.analyses["eager"]:
             tables["overlap"] = overlap.table(self.configs("eager"), self.results["eager"], self.results.get("race"))
+            tables["overlap_cpu"] = overlap.cpu_table(self.configs("eager"))
         if (horizon := self.results.get("horizon")) is not None:
             tables["horizon"] = overlap.horizon_table(horizon)
         if (elastic_results := self.results.get("elastic")) is not None:
@@ -151,6 +152,7 @@ def write_docs(report: Report, tables: dict[str, str]) -> None:
         ("sync_grid", "sync_grid"),
         ("defaults", "defaults"),
         ("eager", "overlap"),
+        ("eager", "overlap_cpu"),
         ("horizon", "horizon"),
         ("race", "race"),
         ("race", "race_budgets"),

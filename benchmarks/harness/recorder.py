@@ -21,6 +21,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from benchmarks.harness.config import RunConfig
+from benchmarks.harness.threads import ThreadClock
 from lightning_fedshard import OuterSync
 from lightning_fedshard.core.outer import SyncStats
 
@@ -140,6 +141,7 @@ class BenchRecorder(L.Callback):
         self._finish_start = 0.0
         self._sync_clock: float | None = None
         self._cpu0 = 0.0
+        self.threads = ThreadClock()
 
     def clock(self) -> float:
         """Seconds of training so far: wall time since training started, minus validation and end-of-fit syncs."""
@@ -154,6 +156,7 @@ class BenchRecorder(L.Callback):
         self.train.open(trainer)
         self._t0 = time.perf_counter()
         self._cpu0 = cpu_seconds()
+        self.threads.start()
 
     @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
@@ -174,6 +177,7 @@ class BenchRecorder(L.Callback):
             self.syncs.append({"step": step, "seconds": seconds, "tx_bytes": self.sync.close(trainer)})
             self._sync_clock = None
         self._record_strategy_sync(trainer, step)
+        self.threads.sample()
         self.steps.append({"step": step, "clock": self.clock()})
         pl_module.log("bench/clock", self.clock(), on_step=True, rank_zero_only=True)
         pl_module.log("bench/tokens", float(step * self.tokens_per_step(trainer)), on_step=True, rank_zero_only=True)
@@ -228,6 +232,7 @@ class BenchRecorder(L.Callback):
         # clock stopped. Runs with one fragment end on a sync step, so it has nothing left to do there.
         train_seconds = self.clock()
         cpu = cpu_seconds() - self._cpu0  # this rank's process (threads included), validation included
+        self.threads.sample()
         self.train.close(trainer)
         every: list[dict[str, Any]] = [{} for _ in range(trainer.world_size)]
         dist.all_gather_object(every, self._rank_record(trainer, cpu))
@@ -238,6 +243,7 @@ class BenchRecorder(L.Callback):
     def _rank_record(self, trainer: L.Trainer, cpu: float) -> dict[str, Any]:
         return {
             "cpu_seconds": cpu,
+            "thread_cpu_seconds": self.threads.seconds(),
             "model_state_bytes": {**model_state_bytes(trainer), "gradients": self.gradient_bytes},
             "rank": trainer.global_rank,
             "node": trainer.node_rank,
@@ -274,6 +280,7 @@ class BenchRecorder(L.Callback):
             "strategy_syncs": [r["strategy_syncs"] for r in ranks],
             "maxrss_mib": [r["maxrss_mib"] for r in ranks],
             "cpu_seconds": [r["cpu_seconds"] for r in ranks],
+            "thread_cpu_seconds": [r["thread_cpu_seconds"] for r in ranks],
             "model_state_bytes": [r["model_state_bytes"] for r in ranks],
             "versions": {"torch": torch.__version__, "lightning": L.__version__},
         }

@@ -78,6 +78,25 @@ def byte_model(run: dict[str, Any]) -> tuple[float, float]:
     return (training + harness) / steps, harness / steps
 
 
+def thread_cpu(run: dict[str, Any]) -> dict[str, float]:
+    """CPU seconds per rank (mean over ranks) of the training threads per step, of the background sum per landing
+    in training, and of every other thread (gloo's, torch's pools) per step; NaN where the run did not record them.
+
+    The split is over the whole training (validation included), as :class:`benchmarks.harness.threads.ThreadClock`
+    measured it in every rank.
+    """
+    split = [r for r in run.get("thread_cpu_seconds") or [] if r]
+    if not split:
+        return {"training_cpu_per_step": math.nan, "background_cpu_per_sync": math.nan, "other_cpu_per_step": math.nan}
+    steps, landings = run["config"]["max_steps"], landings_in_training(run)
+    mean = {key: statistics.fmean(r[key] for r in split) for key in split[0]}
+    return {
+        "training_cpu_per_step": mean["training"] / steps,
+        "background_cpu_per_sync": mean["background_sum"] / landings if landings else math.nan,
+        "other_cpu_per_step": mean["other"] / steps,
+    }
+
+
 def config_key(configuration: str, link: float | None) -> str:
     """A configuration on a link: ``"fl_fsdp-int8-50mbit"``."""
     return f"{configuration}-{link_slug(link)}"
@@ -106,6 +125,7 @@ def analyze_run(run: dict[str, Any]) -> dict[str, Any]:
         "model_bytes_per_step": model_bytes,
         "harness_bytes_per_step": harness,
         "cpu_seconds": run.get("cpu_seconds"),
+        **thread_cpu(run),
         "model_state_bytes": run.get("model_state_bytes"),
         "maxrss_mib": run.get("maxrss_mib"),
         "load_before": run["loadavg_before"][0],
@@ -132,6 +152,7 @@ def analyze(results: dict[str, Any], compute: dict[str, float] | None = None) ->
         cell = r.pop("reference")
         reference = by_cell.get((*cell, r["repeat"])) if cell else None
         r["utilization"] = reference["run_pace"] / r["run_pace"] if reference else math.nan
+        r["pace_ratio"] = r["tokens_per_s"] / reference["tokens_per_s"] if reference else math.nan
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         groups[r["config"]].append(r)
@@ -165,6 +186,10 @@ SPREAD_KEYS = (
     "step_time",
     "tokens_per_s",
     "utilization",
+    "pace_ratio",
+    "training_cpu_per_step",
+    "background_cpu_per_sync",
+    "other_cpu_per_step",
     "inrun_utilization",
     "effective_utilization",
     "run_pace",

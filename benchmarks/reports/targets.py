@@ -77,7 +77,12 @@ def _best(options: dict[str, Any], metric: str) -> tuple[str, dict[str, Any]] | 
 
 
 def utilization_rows(options: dict[str, Any]) -> list[Row]:
-    """FL+FSDP's best compute utilization at 50 Mbit/s, against the no-sync run and as the strategy measures it."""
+    """FL+FSDP's best compute utilization at 50 Mbit/s, against the no-sync run and as the strategy measures it.
+
+    Both rows are judged by the pace (against the no-sync run): the in-run figure says how little the training
+    thread waited for a sync, not how fast the run trained, so its row carries the same configuration's pace ratio
+    beside it and is met or missed by that.
+    """
     rows = []
     measures = (
         (
@@ -85,12 +90,20 @@ def utilization_rows(options: dict[str, Any]) -> list[Row]:
             "",
             f"FL+FSDP compute utilization at {link_label(UTILIZATION_LINK)}, sync_every=8, best sync option",
         ),
-        ("inrun_utilization", "-in-run", "the same, as the strategy measures it in-run (1 - exposed sync time / time)"),
+        (
+            "inrun_utilization",
+            "-in-run",
+            "the same, as the strategy measures it in-run (1 - exposed sync time / time); judged by the same"
+            " configuration's tokens/s against the no-sync run's",
+        ),
     )
     for metric, suffix, words in measures:
         best = _best(options, metric)
         value = best[1][metric]["median"] if best else None
-        met = value is not None and value >= UTILIZATION_TARGET
+        pace = best[1]["pace_ratio"] if best and "pace_ratio" in best[1] else None
+        judged = value if metric == "utilization" else (pace["median"] if pace else None)
+        met = judged is not None and judged >= UTILIZATION_TARGET
+        more: dict[str, Any] = {"pace_ratio": pace} if metric != "utilization" else {}
         rows.append(
             _row(
                 f"utilization-{link_slug(UTILIZATION_LINK)}{suffix}",
@@ -101,6 +114,7 @@ def utilization_rows(options: dict[str, Any]) -> list[Row]:
                 best[1][metric]["n"] if best else 0,
                 configuration=best[0] if best else None,
                 spread=best[1][metric] if best else None,
+                **more,
             )
         )
     return rows

@@ -61,3 +61,19 @@ def test_equal_time_needs_both_a_faster_pace_and_no_worse_perplexity():
     ppl = {"fl_fsdp-int4ef": {0: 100.0}, "fl_fsdp-sparse-eager": {0: 99.0}}
     row = overlap.equal_time_row(configs, ppl)
     assert row["links"]["5mbit"]["ahead"] and not row["links"]["20mbit"]["ahead"] and not row["met"]
+
+
+def test_hidden_sync_targets_are_judged_by_the_pace_not_the_in_run_utilization():
+    def config(pace: float, in_run: float) -> dict:
+        return {"pace_ratio": spread([pace, pace + 0.02, pace - 0.02]), "effective_utilization": spread([in_run])}
+
+    configs = {
+        "fl_fsdp-sparse-eager-5mbit": config(0.73, 0.99),  # the training thread never waits, the run is slower
+        "fl_fsdp-sparse-eager-20mbit": config(0.98, 0.90),
+    }
+    rows = {r["id"]: r for r in overlap.targets(None, configs, None, None)}
+    slow, fast = rows["eager-utilization-5mbit"], rows["eager-utilization-20mbit"]
+    assert slow["measured"] == pytest.approx(0.73) and not slow["met"]
+    assert slow["in_run"]["median"] == pytest.approx(0.99)
+    assert fast["measured"] == pytest.approx(0.98) and fast["met"]
+    assert fast["spread"]["n"] == 3
