@@ -77,3 +77,21 @@ def test_hidden_sync_targets_are_judged_by_the_pace_not_the_in_run_utilization()
     assert slow["in_run"]["median"] == pytest.approx(0.99)
     assert fast["measured"] == pytest.approx(0.98) and fast["met"]
     assert fast["spread"]["n"] == 3
+
+
+def test_the_in_run_utilization_row_is_judged_by_the_pace_of_its_configuration():
+    from benchmarks.reports.targets import utilization_rows
+
+    def option(in_run: float, pace: float) -> dict:
+        return {
+            "kind": "fl_fsdp-int8",
+            "link": 50.0,
+            "utilization": spread([pace]),
+            "inrun_utilization": spread([in_run]),
+            "pace_ratio": spread([pace]),
+        }
+
+    rows = {r["id"]: r for r in utilization_rows({"fl_fsdp-int8-50mbit": option(in_run=0.99, pace=0.80)})}
+    row = rows["utilization-50mbit-in-run"]
+    assert row["measured"] == pytest.approx(0.80) and not row["met"]
+    assert row["in_run"]["median"] == pytest.approx(0.99)
