@@ -18,6 +18,7 @@ payload.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -253,6 +254,22 @@ def ring(
         messages: The messages one rank sends over its ring edge in one call (all pieces), as ``(share of the
             edge's payload, messages)`` parts; each part is framed on its own on a cluster with a ``tcp_mtu``.
     """
+    frozen_rings = tuple(tuple(members) for members in rings)
+    return _ring(name, frozen_rings, tensor_bytes, factor, calls, cluster, pieces, tuple(messages))
+
+
+@functools.lru_cache(maxsize=4096)
+def _ring(
+    name: str,
+    rings: tuple[tuple[int, ...], ...],
+    tensor_bytes: float,
+    factor: float,
+    calls: float,
+    cluster: ClusterSpec,
+    pieces: int,
+    messages: tuple[tuple[float, float], ...],
+) -> Collective:
+    """:func:`ring`, remembered: a sweep asks for the same collective of the same layout for every option it tries."""
     edges: list[tuple[int, int, float]] = []
     steps = 0
     for members in rings:
@@ -333,6 +350,19 @@ def _on_the_link(payload: float, messages: Messages, cluster: ClusterSpec) -> fl
     return sum(framed_bytes(share * payload, count, cluster.tcp_mtu) for share, count in messages)
 
 
+@functools.lru_cache(maxsize=256)
+def _rings(t: FederationTopology, axis: str) -> tuple[tuple[int, ...], ...]:
+    """The rings of ``t`` along ``axis``, each in ring order, remembered per topology.
+
+    ``"shard"``: by group, then replica; ``"replicate"``: by group, then shard; ``"fed"``: by replica, then shard.
+    """
+    if axis == "shard":
+        return tuple(tuple(t.shard_ranks(g, r)) for g in range(t.num_groups) for r in range(t.num_replicas))
+    if axis == "replicate":
+        return tuple(tuple(t.replicate_ranks(g, s)) for g in range(t.num_groups) for s in range(t.shard_size))
+    return tuple(tuple(t.fed_ranks(r, s)) for r in range(t.num_replicas) for s in range(t.shard_size))
+
+
 def step_collectives(model: ModelSpec, setup: TrainSetup, t: FederationTopology, c: ClusterSpec) -> list[Collective]:
     """The in-group collectives of one optimizer step (every micro-batch gathers and reduces again).
 
@@ -340,7 +370,7 @@ def step_collectives(model: ModelSpec, setup: TrainSetup, t: FederationTopology,
     stays gathered from forward to backward. Gradients are reduce-scattered over the shard ranks (gloo: an
     all-reduce), then all-reduced over the replicas (HSDP). Messages are counted per unit with the average unit.
     """
-    shard_rings = [t.shard_ranks(g, r) for g in range(t.num_groups) for r in range(t.num_replicas)]
+    shard_rings = _rings(t, "shard")
     accum = setup.grad_accum
     layers = model.num_parameters - model.root_parameters
     gather = (2 * layers + model.root_parameters) * setup.param_bytes
@@ -359,7 +389,7 @@ def step_collectives(model: ModelSpec, setup: TrainSetup, t: FederationTopology,
         scatter = ring(name, shard_rings, grads, scatter_factor, accum, c, units, ((1.0, units * per_unit),))
         collectives.append(scatter)
     if (replicas := t.num_replicas) > 1:
-        replica_rings = [t.replicate_ranks(g, s) for g in range(t.num_groups) for s in range(t.shard_size)]
+        replica_rings = _rings(t, "replicate")
         shard_grads = model.num_parameters * setup.grad_bytes / t.shard_size
         per_unit = ring_allreduce_messages(math.ceil(shard_grads / units), replicas, setup.grad_bytes)
         collectives.append(
@@ -391,7 +421,7 @@ def sync_collectives(model: ModelSpec, setup: TrainSetup, t: FederationTopology,
     numel = math.ceil(model.num_parameters / t.shard_size / setup.federation.fragments)
     part = math.ceil(numel / t.num_replicas)
     per_rank = reducer.wire_bytes(part, groups)
-    fed_rings = [t.fed_ranks(r, s) for r in range(t.num_replicas) for s in range(t.shard_size)]
+    fed_rings = _rings(t, "fed")
     # Express the reducer's bytes as a ring all-gather-like collective of the same per-rank volume.
     tensor = per_rank * groups / (groups - 1)
     if isinstance(reducer, AllReduceSum):  # gloo's ring all-reduce of the values in the wire dtype
@@ -403,14 +433,14 @@ def sync_collectives(model: ModelSpec, setup: TrainSetup, t: FederationTopology,
         ring(f"outer sum ({setup.federation.codec.describe()})", fed_rings, tensor, 1.0, 1.0, c, 1, messages)
     ]
     if t.num_replicas > 1:  # the summed parts, still encoded, gathered inside the group
-        replica_rings = [t.replicate_ranks(g, s) for g in range(groups) for s in range(t.shard_size)]
+        replica_rings = _rings(t, "replicate")
         gathered = t.num_replicas * reducer.encoded_bytes(part, groups)
         gather = ((1.0, allgather_messages(t.num_replicas)),)
         collectives.append(ring("outer sum: gather over replicas", replica_rings, gathered, 1.0, 1.0, c, 1, gather))
     stats = (groups, NORM_VALUES)  # values of the two sums
     collectives.append(_stats_sums("sync statistics: sums over the fed ring", fed_rings, groups, stats, c))
     if t.shard_size > 1:
-        shard_rings = [t.shard_ranks(g, r) for g in range(groups) for r in range(t.num_replicas)]
+        shard_rings = _rings(t, "shard")
         collectives.append(_stats_sums("sync statistics: sums in the group", shard_rings, t.shard_size, stats, c))
     return collectives
 
@@ -513,7 +543,7 @@ def _mean_collective(name: str, rounds: list[list[Collective]]) -> Collective:
     )
 
 
-def _stats_sums(name: str, rings: list[list[int]], n: int, values: Sequence[int], c: ClusterSpec) -> Collective:
+def _stats_sums(name: str, rings: Sequence[Sequence[int]], n: int, values: Sequence[int], c: ClusterSpec) -> Collective:
     """Small float64 all-reduces over ``rings`` of ``n`` ranks, one per entry of ``values``, as one collective."""
     sizes = [v * STATS_VALUE_BYTES for v in values]
     messages = [(size / sum(sizes), ring_allreduce_messages(size, n, STATS_VALUE_BYTES)) for size in sizes]
