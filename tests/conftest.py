@@ -1,6 +1,8 @@
 import ctypes
+import multiprocessing.process
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -63,3 +65,16 @@ def _no_leaked_process_group():
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _single_process_unless_slow(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test that starts a process must be marked `slow`, so that `pytest -m "not slow"` stays single-process."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"{request.node.nodeid} starts a process: mark it `@pytest.mark.slow`")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)

@@ -6,7 +6,7 @@ steps its own inner optimizer, and the anchor takes hand-written outer SGD steps
 mean pseudo-gradient.
 
 Without options the anchor syncs as a whole every ``sync_every`` steps and once more at the last step. With
-streaming fragments, delay and merge (issue 8) the schedule is, for ``H = sync_every``, ``P = len(fragments)`` and
+streaming fragments, delay and merge the schedule is, for ``H = sync_every``, ``P = len(fragments)`` and
 ``K = H / P``:
 
 - every fragment has its own slice of the anchor and its own outer optimizer state;

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # launches processes
+
 ROOT = Path(__file__).parents[1]
 HEAVY = ("transformers", "datasets", "tokenizers", "torchmetrics")
 # What users import; jsonargparse resolves the examples' `class_path`s through `lightning_fedshard.examples`.

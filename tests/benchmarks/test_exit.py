@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # launches processes
+
 REPO = Path(__file__).resolve().parents[2]
 RANK = """
 import os, sys, time

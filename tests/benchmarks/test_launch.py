@@ -54,22 +54,26 @@ def _launch(tmp_path: Path, *behaviours: str) -> dict:
     return launch(FakeCluster(behaviours, tmp_path), cfg, identity, port=0, timeout=60)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_a_rank_that_aborts_after_training_fails_the_run_with_its_exit_code_and_log(tmp_path: Path):
     with pytest.raises(RunFailed, match=r"node 1 exited with -6 \(SIGABRT\):\n.*node 1: trained"):
         _launch(tmp_path, "write", "abort")
 
 
+@pytest.mark.slow
 def test_a_run_without_results_fails_with_its_own_message(tmp_path: Path):
     with pytest.raises(RunFailed, match=r"every node exited with 0, but global rank 0 wrote no .*run\.json"):
         _launch(tmp_path, "exit", "exit")
 
 
+@pytest.mark.slow
 def test_a_result_left_by_an_earlier_attempt_does_not_count(tmp_path: Path):
     (tmp_path / "run.json").write_text("{}")
     with pytest.raises(RunFailed, match="wrote no"):
         _launch(tmp_path, "exit", "exit")
 
 
+@pytest.mark.slow
 def test_a_successful_run_returns_rank_0s_record_with_its_identity(tmp_path: Path):
     result = _launch(tmp_path, "write", "exit")
     assert result["train_seconds"] == 1.0

@@ -17,6 +17,8 @@ from benchmarks import metrics
 from benchmarks.harness.cluster import namespaces_available
 from lightning_fedshard.core.config import FederationConfig
 
+pytestmark = pytest.mark.slow  # launches processes
+
 REPO = Path(__file__).resolve().parents[2]
 _UNAVAILABLE = namespaces_available()
 

@@ -116,6 +116,7 @@ while not Path(sys.argv[2]).exists():  # silent until the other rank's collectiv
 """
 
 
+@pytest.mark.slow
 def test_real_gloo_failures_are_plain_runtime_errors_and_count_by_origin(tmp_path: Path):
     """A silent peer (timeout) and a dead peer, as torch 2.13 reports them on gloo."""
     init, release = f"tcp://127.0.0.1:{free_port()}", tmp_path / "release"

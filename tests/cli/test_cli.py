@@ -42,6 +42,7 @@ def test_shakespeare_configs_show_a_correct_console(config):
     assert not any(isinstance(callback, ModelSummary) for callback in trainer.callbacks)
 
 
+@pytest.mark.slow
 def test_examples_load_lazily_and_by_class_path():
     # `lightning_fedshard.examples` defers its imports; configs still name its classes as `class_path`.
     code = (
@@ -125,6 +126,7 @@ def test_a_hierarchical_outer_topology_in_yaml(tmp_path):
     assert federation.outer_topology == Hierarchical({8: 2, 32: 4}, sites=[[0, 2], [1, 3]])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("cls", "own"),
     [
@@ -182,6 +184,7 @@ def test_bad_value_raises_argument_error_without_exit_on_error(tmp_path):
     assert isinstance(error.value.__cause__, ValueError)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["python -m lightning_fedshard", "fedshard"])
 def test_bad_strategy_argument_is_a_short_error(command):
     prefix = [sys.executable, "-m", "lightning_fedshard"] if command != "fedshard" else [FEDSHARD]
@@ -219,6 +222,7 @@ def test_parse_and_build_errors_are_short(capsys, monkeypatch, arg, value, first
     assert lines[-1].startswith("tip: ") and len(lines) < 10
 
 
+@pytest.mark.slow
 def test_tiny_federated_fit_through_the_cli(tmp_path):
     """Two one-rank groups, launched by Lightning itself from `python -m lightning_fedshard fit`."""
     config = tmp_path / "tiny.yaml"

@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from lightning_fedshard.examples import LlamaLM
+
+pytestmark = pytest.mark.slow  # launches processes
 
 ROOT = Path(__file__).parents[2]
 

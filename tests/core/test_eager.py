@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -225,45 +224,66 @@ def test_eager_excludes_delay_and_merge():
     assert FederationConfig(eager_updates=True).eager_rule == FederationConfig(eager_updates="share").eager_rule
 
 
-class _SlowSums:
-    """A thread communicator whose all-to-all (the background sum) takes ``delay`` seconds; statistics are instant."""
+class _GatedSums:
+    """A thread communicator whose all-to-all (the background sum) waits for a permit from the group's training loop.
 
-    def __init__(self, inner: Any, delay: float) -> None:
-        self._inner, self._delay = inner, delay
+    A sync that waited for a sum still held back would wait for a permit only the loop itself can give: the gate then
+    records it as starved (after ``patience`` seconds) and lets the sum through, so the test fails instead of hanging.
+    """
+
+    def __init__(self, inner: Any, patience: float = 30.0) -> None:
+        self._inner, self._patience = inner, patience
+        self._permits = threading.Semaphore(0)
+        self.passed = 0  # sums let through, in order
+        self.starved = 0  # sums that found no permit: a sync waited for them
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
+    def release(self, count: int = 1) -> None:
+        self._permits.release(count)
+
     def all_to_all(self, output: Tensor, input: Tensor) -> None:
-        time.sleep(self._delay)
+        if not self._permits.acquire(timeout=self._patience):
+            self.starved += 1
         self._inner.all_to_all(output, input)
+        self.passed += 1
 
 
 def test_eager_sums_run_for_a_whole_round_while_other_fragments_land():
-    """With 2 fragments a sum is always in flight when the other fragment lands and runs its statistics."""
+    """With 2 fragments a sum is always in flight when the other fragment lands and runs its statistics.
+
+    Each sum is held back until the loop has come back from the next landing (the other fragment's): no sync waits for
+    it, and it still lands in time (only the end of training waits for the last ones).
+    """
     config = FederationConfig(eager_updates=True, sync_every=4, fragments=2, reduce_dtype="int8")
-    delay, step_time = 0.15, 0.1
-    waits: list[list[float]] = [[], []]
+    gates: list[_GatedSums] = []
+    held: list[list[int]] = [[], []]  # sums let through by the end of each landing
 
     def work(g: int, comm: Any) -> list[Tensor]:
         shards = [torch.zeros(300) for _ in range(2)]
-        fed = Federation(config, _SlowSums(comm, delay))
+        gate = _GatedSums(comm)
+        gates.append(gate)
+        fed = Federation(config, gate)
         fed.start(shards, step=0)
         for step in range(1, 13):
-            time.sleep(step_time)  # training
             for shard in shards:
                 shard.add_(g + step)
-            start = time.perf_counter()
-            fed.maybe_sync(step)
-            waits[g].append(time.perf_counter() - start)
+            fed.maybe_sync(step)  # fragments land at 2, 4, ..., 12, each starting a sum
+            if step % 2 == 0:
+                held[g].append(gate.passed)
+                if step > 2:  # the other fragment has landed since the sum started 2 steps ago: let that one go
+                    gate.release()
+        gate.release(10)  # the end of training waits for the sums in flight and sums the last rounds at once
         fed.finish(12)
         return shards
 
-    assert threading.active_count() >= 1
     results = ThreadGroups(2).run(work)
     assert all(torch.equal(a, b) for a, b in zip(*results))
-    # Each sum (0.15 s) lands 2 steps (0.2 s) after it starts: no sync waits for it (the end of training does).
-    assert max(max(w) for w in waits) < delay * 0.8, waits
+    assert [gate.starved for gate in gates] == [0, 0], "a sync waited for a sum in flight"
+    # the landing at step 2k + 2 took the sum started at 2k - 2 (one round earlier): the sums let through by then are
+    # exactly the k - 1 released, none of those still held back
+    assert held == [[0, 0, 1, 2, 3, 4]] * 2
 
 
 def test_validation_between_syncs_sees_every_round_trained_so_far():

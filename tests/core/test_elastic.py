@@ -138,6 +138,7 @@ def test_the_lighthouse_status_page_lists_the_federations_heartbeating():
     assert _HEARTBEAT.findall(page) == [("tests", "3", "0.09652"), ("other.run-1", "12", "12.5")]
 
 
+@pytest.mark.slow
 def test_the_package_imports_without_torchft():
     code = (
         "import sys; sys.modules['torchft'] = None; import lightning_fedshard as l; "

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from lightning_fedshard.core import listeners
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.listeners import UtilizationClock
@@ -15,12 +16,13 @@ from lightning_fedshard.core.outer import SyncStats
 from tests.core.fake_comm import ThreadGroups
 
 
-def test_clock_counts_exposed_time_and_discarded_work():
+def test_clock_counts_exposed_time_and_discarded_work(monkeypatch):
+    readings = iter([0.0, 10.0, 10.2])  # built at 0 s, the round starts at 10 s and its sync comes 0.2 s later
+    monkeypatch.setattr(listeners, "time", SimpleNamespace(perf_counter=lambda: next(readings)))
     clock = UtilizationClock()
     clock.on_start(0)
-    time.sleep(0.2)
     stats = clock.on_sync(SyncStats(0.0, 0.0, 0, 0.05, 1, exposed_seconds=0.05, discarded_fraction=0.25))
-    assert stats.compute_utilization == pytest.approx(0.75, abs=0.05)
+    assert stats.compute_utilization == pytest.approx(0.75)
     assert stats.effective_utilization == pytest.approx(stats.compute_utilization * 0.75)
     logged = stats.as_dict()
     assert logged["fedshard/effective_utilization"] == stats.effective_utilization

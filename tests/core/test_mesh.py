@@ -6,6 +6,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.slow  # launches processes
+
 _SCRIPT = textwrap.dedent(
     """
     import atexit, sys

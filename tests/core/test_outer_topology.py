@@ -184,6 +184,7 @@ def _averager_worker(rank: int, store: str, out_dir: str, ours: dict[int, int]) 
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("ours", "same"), [({2: 2, 4: 4}, True), ({2: 2, 6: 4}, False)])
 def test_hierarchical_fedavg_with_sgd_lands_on_torchs_hierarchical_model_averager(tmp_path, ours, same):
     run_ranks(_averager_worker, 4, (str(tmp_path / "store"), str(tmp_path), ours))
@@ -370,6 +371,7 @@ def _gossip_worker(rank: int, store: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_the_mix_over_real_gloo_processes_matches_the_thread_fake(tmp_path):
     run_ranks(_gossip_worker, 4, (str(tmp_path / "store"), str(tmp_path)))
 

@@ -267,6 +267,7 @@ def _gloo_worker(rank: int, store: str, out_dir: str, calls: list[list[torch.Ten
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_process_group_communicator_on_gloo_matches_the_thread_fake(tmp_path):
     calls = [_inputs(2, 1001, seed=6), _inputs(2, 1001, seed=7)]
     run_ranks(_gloo_worker, 2, (str(tmp_path / "store"), str(tmp_path), calls))

@@ -1,8 +1,8 @@
 """An elastic federation on one machine for tests: an in-process lighthouse and group jobs as subprocesses.
 
-Every group job is ``tests/elastic/worker.py`` once per rank, with the group's own rendezvous (its MASTER_PORT) and
-``FEDSHARD_GROUP``, in a session of its own so that a test can kill or stop the whole group. Whatever a test starts
-is ended when the ``Cluster`` closes.
+Every group job is ``tests/elastic/worker.py`` once per rank (started by ``tests.launch.start``), with the group's own
+rendezvous (its MASTER_PORT) and ``FEDSHARD_GROUP``, in a session of its own so that a test can kill or stop the
+whole group. Whatever a test starts is ended when the ``Cluster`` closes.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tests.launch import free_port
+from tests.launch import Process, free_port, start
 
 WORKER = Path(__file__).with_name("worker.py")
 ROOT = Path(__file__).parents[2]
@@ -31,7 +30,7 @@ class Job:
 
     group: int
     out: Path
-    procs: list[subprocess.Popen] = field(default_factory=list)
+    procs: list[Process] = field(default_factory=list)
 
     def wait(self, timeout: float) -> list[int | None]:
         deadline = time.monotonic() + timeout
@@ -127,17 +126,9 @@ class Cluster:
                 "RUST_LOG": os.environ.get("LIGHTHOUSE_LOG", "warn"),
                 "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
             }
-            log = open(out / f"rank{rank}.log", "w")
             job.procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), json.dumps(spec), str(out)],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+                start(WORKER, [json.dumps(spec), str(out)], env, out / f"rank{rank}.log", new_session=True)
             )
-            log.close()
         self.jobs.append(job)
         return job
 

@@ -23,7 +23,7 @@ from tests.elastic.reference import cosine_lr, group_batches, initial_weights, r
 
 pytest.importorskip("torchft")
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # launches processes
 
 BASE = {"strategy": "fl_fsdp", "sync_every": 4, "max_steps": 24, "reduce_dtype": "float32", "step_sleep": 0.25}
 
@@ -306,10 +306,9 @@ def outage(root: Path) -> Iterator[dict[str, Any]]:
         after_short = jobs[0].progress()
         wait_for(lambda: jobs[0].progress() >= after_short + 8, 120, "training after a short outage")
         cluster.stop_lighthouse()
-        gone = time.monotonic()
         for job in jobs.values():
             job.wait(120)
-        yield {"jobs": jobs, "took": time.monotonic() - gone, "after_short": after_short}
+        yield {"jobs": jobs, "after_short": after_short}
     finally:
         cluster.close()
 
@@ -327,8 +326,9 @@ def test_a_long_lighthouse_outage_ends_every_group_with_a_clear_error(outage):
     for job in outage["jobs"].values():
         result = job.result()
         assert result["error"].startswith(f"FederationError: Elastic group {result['group']} lost the lighthouse at")
+        # the job's quorum timeout and retries, not the default 15 minutes (the fixture waits 120 s for the jobs)
+        assert "it did not answer within 20 s and 3 retries" in result["error"]
         assert result["global_step"] < 200
-    assert outage["took"] < 90  # the quorum timeout (20 s) and 3 retries, not the default 15 minutes
 
 
 def test_a_heal_that_keeps_failing_ends_with_a_clear_error(root):

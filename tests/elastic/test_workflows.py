@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # launches processes
+
 pytest.importorskip("torchft")
 
 SCRIPT = textwrap.dedent(

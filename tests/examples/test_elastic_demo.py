@@ -37,6 +37,7 @@ def test_a_bad_fault_is_refused_naming_it(spec, message):
         parse_faults(spec, groups=3)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_the_demo_survives_a_kill_and_a_hang_and_reports_them(tmp_path):
     pytest.importorskip("torchft")

@@ -241,6 +241,7 @@ def test_fabric_empty_init_materializes_through_fsdp(monkeypatch: pytest.MonkeyP
     torch.testing.assert_close(model.model.model.rotary_emb.inv_freq, _rope_inv_freq(TINY["hidden_size"] // 2))
 
 
+@pytest.mark.slow
 def test_meta_init_under_fl_fsdp_materializes_one_unit_at_a_time(tmp_path: Path) -> None:
     """4 ranks, 2 groups x 2 shards, through the Trainer: no rank ever holds more than one unit outside its shards.
 
@@ -281,6 +282,7 @@ def test_meta_init_under_fl_fsdp_materializes_one_unit_at_a_time(tmp_path: Path)
     assert full_states >= 2
 
 
+@pytest.mark.slow
 def test_meta_init_under_fl_fsdp2_materializes_only_local_shards(tmp_path: Path) -> None:
     """FSDP2: `fully_shard` first, then `to_empty` + `reset_parameters` on the shards; groups start equal and learn.
 

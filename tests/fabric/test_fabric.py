@@ -75,7 +75,7 @@ RESUME = [
     dict(name="resume_full", resume=True, state_dict_type="full"),
     dict(name="resume_sharded", resume=True, state_dict_type="sharded"),
 ]
-# FSDP2 (issue 12): every scenario again on fl_fsdp2 / fl_hsdp2, in the same launch, named "<name>@fsdp2"
+# FSDP2: every scenario again on fl_fsdp2 / fl_hsdp2, in the same launch, named "<name>@fsdp2"
 SCENARIOS += [dict(s, name=f"{s['name']}@fsdp2", strategy=f"{s['strategy']}2") for s in SCENARIOS]
 RESUME += [dict(s, name=f"{s['name']}@fsdp2", strategy="fl_fsdp2") for s in RESUME]
 TOPOLOGY = {
@@ -94,6 +94,7 @@ def results(tmp_path_factory):
     return {s["name"]: [torch.load(root / s["name"] / f"rank{r}.pt") for r in range(4)] for s in SCENARIOS + RESUME}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BOTH)
 def test_fabric_loop_matches_reference(results, name):
     spec = next(s for s in SCENARIOS if s["name"] == name)
@@ -124,6 +125,7 @@ def test_fabric_loop_matches_reference(results, name):
     assert max((ref["final"][k] - ranks[0]["initial"][f"net.{k}"]).abs().max() for k in ref["final"]) > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["", "@fsdp2"])
 def test_syncs_happen_inside_optimizer_step_and_finish_closes_the_round(results, backend):
     fsdp = results[f"fsdp{backend}"][0]
@@ -133,6 +135,7 @@ def test_syncs_happen_inside_optimizer_step_and_finish_closes_the_round(results,
     assert hsdp["strategy_type"] == ("FLHSDP2Strategy" if backend else "FLHSDPStrategy")
 
 
+@pytest.mark.slow
 def test_every_sync_goes_through_the_runtime_entry_points(results):
     """The Fabric path: `optimizer_step` calls `FederatedRuntime.after_optimizer_step`, never the core itself."""
     for name in BOTH:
@@ -168,6 +171,7 @@ def test_one_model_and_one_optimizer(monkeypatch):
         strategy.setup_optimizer(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["resume_full", "resume_sharded", "resume_full@fsdp2", "resume_sharded@fsdp2"])
 def test_fabric_save_and_load_resume_exactly(results, name):
     """Saved between two syncs (step 3 of sync_every=2), loaded into a fresh setup: the same weights to the bit."""

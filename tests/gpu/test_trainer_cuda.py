@@ -57,6 +57,7 @@ def test_one_process_on_the_gpu_trains_like_on_the_cpu(cls):
     torch.testing.assert_close(gpu, cpu, rtol=1e-4, atol=1e-5)  # cuBLAS and the CPU round matmuls differently
 
 
+@pytest.mark.slow
 def test_two_processes_share_the_gpu_over_gloo(tmp_path):
     launch(WORKER, [str(tmp_path)], num_nodes=2, devices=1, log_dir=tmp_path / "logs", timeout=300)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

@@ -11,6 +11,7 @@ import pytest
 from lightning_fedshard.plan.command import plan
 
 
+@pytest.mark.slow
 def test_help_documents_every_input():
     out = subprocess.run(
         [sys.executable, "-m", "lightning_fedshard", "plan", "--help"], capture_output=True, text=True, timeout=120
@@ -31,6 +32,7 @@ def test_table_and_json(capsys):
     assert len(rows) == 3 and {"tokens_per_second", "bottleneck", "collectives"} <= set(rows[0])
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_naming_the_value():
     run = subprocess.run(
         [sys.executable, "-m", "lightning_fedshard", "plan", "--micro_batch", "0"],
@@ -41,6 +43,7 @@ def test_bad_input_is_one_line_naming_the_value():
     assert "Traceback" not in run.stderr
 
 
+@pytest.mark.slow
 def test_given_layout_that_does_not_fit_the_cluster_is_one_line_naming_it():
     run = subprocess.run(
         [sys.executable, "-m", "lightning_fedshard", "plan", "--num_groups", "3"],

@@ -22,6 +22,8 @@ from lightning_fedshard import Gossip, Hierarchical, Mixing, Sampled
 from lightning_fedshard.checkpoint import FEDSHARD_KEY
 from tests.launch import launch
 
+pytestmark = pytest.mark.slow  # launches processes
+
 WORKER = Path(__file__).with_name("ckpt_worker.py")
 FSDP = dict(strategy="fl_fsdp")
 HSDP = dict(strategy="fl_hsdp", num_groups=2, shard_size=2)
@@ -81,13 +83,13 @@ SCENARIOS_4 = [
     dict(FSDP, name="topology_groups", num_groups=4, resume_from="full/ckpts/step=4.ckpt"),
     dict(FSDP, name="nan_raise", ckpt=True, nan_at_step=3, expect_error=True),
     dict(FSDP, name="nan_skip", on_nonfinite="skip_group", nan_at_step=3, reduce_dtype="float32"),
-    # streaming (issue 8): fragments landing at 2, 4, 6, 8, each sum started one step earlier, int8 outer traffic with
+    # streaming: fragments landing at 2, 4, 6, 8, each sum started one step earlier, int8 outer traffic with
     # error feedback; the checkpoints of steps 3 and 5 are written while a sum is in flight
     dict(FSDP, **STREAM, name="stream", ckpt=True),
     dict(FSDP, **STREAM, name="stream_inflight", resume_from="stream/ckpts/step=3.ckpt"),
     dict(FSDP, **STREAM, **SHARDED, name="stream_sharded", ckpt=True),
     dict(FSDP, **STREAM, **SHARDED, name="stream_sharded_inflight", resume_from="stream_sharded/ckpts/step=5.ckpt"),
-    # FSDP2 (issue 12): the same checkpoints and resumes, sharing this launch
+    # FSDP2: the same checkpoints and resumes, sharing this launch
     *_family("full2", FSDP2, "full2")[:4],
     *_family("sharded2", {**FSDP2, **SHARDED}, "sharded2")[:2],
     dict(FSDP2, name="nockpt2"),
@@ -116,7 +118,7 @@ SCENARIOS_8 = [
     dict(HSDP, name="htopology_sharded", **SHARDED, resume_from="../ranks4/sharded/ckpts/step=4.ckpt"),
     dict(HSDP, name="hnan_raise", ckpt=True, nan_at_step=3, expect_error=True),
     dict(HSDP, name="hnan_skip", on_nonfinite="skip_group", nan_at_step=3, reduce_dtype="float32"),
-    # FSDP2 (issue 12): FL+HSDP on fully_shard, 2 groups x 2 replicas x 2 shards
+    # FSDP2: FL+HSDP on fully_shard, 2 groups x 2 replicas x 2 shards
     *_family("hsharded2", {**HSDP2, **SHARDED}, "hsharded2")[:2],
     dict(HSDP, **EAGER, **SHARDED, name="heager", ckpt=True),
     dict(HSDP, **EAGER, **SHARDED, name="heager_inflight", resume_from="heager/ckpts/step=5.ckpt"),
@@ -192,7 +194,7 @@ def _max_diff(a: list[dict], b: list[dict], key: str) -> float:
     return max((x[key] - y[key]).abs().max().item() for x, y in zip(a, b))
 
 
-# -- item 1: exact resume ------------------------------------------------------------------------------------------
+# -- exact resume ------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("world", "resumed", "straight", "step"), RESUMES)
@@ -251,7 +253,7 @@ def test_taking_checkpoints_does_not_change_training(four, eight, world, run, pl
     assert _max_diff(_ranks(root, run), _ranks(root, plain), "final_shards") == 0.0
 
 
-# -- item 6: determinism -------------------------------------------------------------------------------------------
+# -- determinism -------------------------------------------------------------------------------------------------------
 
 
 def test_same_seed_and_configuration_give_identical_weights(four):
@@ -261,7 +263,7 @@ def test_same_seed_and_configuration_give_identical_weights(four):
         assert not torch.equal(x["final_shards"], x["initial"])
 
 
-# -- item 2: the consensus as the ordinary state dict, and its export ----------------------------------------------
+# -- the consensus as the ordinary state dict, and its export ----------------------------------------------------------
 
 
 @pytest.mark.parametrize(("full", "sharded"), [("full", "sharded"), ("full2", "sharded2")])
@@ -285,7 +287,7 @@ def test_state_dict_is_the_consensus_in_the_plain_layout(four, tmp_path, full, s
             assert torch.equal(exported[k], v)
 
 
-# -- item 3: topology changes --------------------------------------------------------------------------------------
+# -- topology changes --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -308,7 +310,7 @@ def test_other_topology_resumes_from_the_consensus_with_a_warning(four, eight, w
             assert torch.equal(r["initial"], ranks[0]["initial"])
 
 
-# -- item 4: non-finite outer gradients ----------------------------------------------------------------------------
+# -- non-finite outer gradients ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("world", "run"), [(4, "nan_raise"), (8, "hnan_raise")])
@@ -337,7 +339,7 @@ def test_skip_group_averages_the_healthy_groups_and_restarts_the_broken_one(four
         torch.testing.assert_close(r["shards_at"][3], a0 - 0.7 * 1.9 * (a0 - theta0), atol=1e-6, rtol=0)
 
 
-# -- item 5: a rank that dies ---------------------------------------------------------------------------------------
+# -- a rank that dies --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("world", "dying"), [(4, 3), (8, 5)])
@@ -375,7 +377,7 @@ def test_user_error_with_the_words_of_a_collective_failure_still_saves_its_on_ex
         assert torch.equal(plain.state_dict()[k], v)
 
 
-# -- streaming fragments (issue 8) ----------------------------------------------------------------------------------
+# -- streaming fragments -----------------------------------------------------------------------------------------------
 
 
 STREAM_RESUMES = [

@@ -23,6 +23,8 @@ from lightning_fedshard.core.topology import FederationTopology
 from tests.launch import launch
 from tests.reference import reference_run
 
+pytestmark = pytest.mark.slow  # launches processes
+
 WORKER = Path(__file__).with_name("worker.py")
 # float32 outer traffic: these scenarios check the algorithm to `1e-5` against float32 references (the package default,
 # int4 with error feedback, is checked by `by_name` against a tolerance).
@@ -77,7 +79,7 @@ SCENARIOS_4 = [
         max_steps=6,
         mid_ckpt_step=4,
     ),  # fmt: skip
-    # streaming fragments, overlapped sums and merging (issue 8); each stops between a snapshot and its landing
+    # streaming fragments, overlapped sums and merging; each stops between a snapshot and its landing
     dict(
         BASE,
         name="stream_f2_d1_a05",
@@ -595,7 +597,7 @@ def test_no_collective_of_a_sync_spans_more_than_one_fed_ring_or_one_group(four,
             assert r["num_syncs"] >= 2 and r["runtime_calls"]["sync_collectives"] > 0, name
 
 
-# -- streaming fragments, overlap and merging (issue 8) -------------------------------------------------------------
+# -- streaming fragments, overlap and merging --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

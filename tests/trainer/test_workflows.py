@@ -16,6 +16,8 @@ from torch.testing import assert_close
 from tests.launch import launch
 from tests.trainer.workflow_worker import NAMES, VARIANTS
 
+pytestmark = pytest.mark.slow  # launches processes
+
 WORKER = Path(__file__).with_name("workflow_worker.py")
 NODES, DEVICES = 2, 2
 
