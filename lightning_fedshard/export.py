@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -87,6 +88,8 @@ def _read_sharded_model(path: Path) -> dict[str, Tensor]:
 
 
 def _pretrained_model(module: Module) -> PreTrainedModel | None:
+    if importlib.util.find_spec("transformers") is None:
+        return None  # without transformers installed, no module can be one of its models
     from transformers import PreTrainedModel
 
     found = [(name, m) for name, m in module.named_modules() if isinstance(m, PreTrainedModel)]

