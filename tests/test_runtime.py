@@ -109,17 +109,23 @@ def test_finish_right_after_a_sync_does_nothing():
     assert ThreadGroups(2).run(work) == [(True, None), (True, None)]
 
 
+def _step_then_break_group_one(runtime: Any, module: torch.nn.Module, group: int) -> torch.optim.Optimizer:
+    """Start the runtime, take one momentum SGD step, and put a NaN into group 1's weights; returns the optimizer."""
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    runtime.set_optimizers([optimizer])
+    runtime.start(0)
+    module(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    if group == 1:
+        with torch.no_grad():
+            module.weight[0, 0] = float("nan")  # type: ignore[index]
+    return optimizer
+
+
 def test_a_skipped_group_restarts_with_a_fresh_inner_optimizer_state():
     def work(group: int, communicator: Any) -> tuple[bool, Any]:
         runtime, module = _runtime(group, communicator, sync_every=1, on_nonfinite="skip_group")
-        optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-        runtime.set_optimizers([optimizer])
-        runtime.start(0)
-        module(torch.ones(1, 2)).sum().backward()
-        optimizer.step()
-        if group == 1:
-            with torch.no_grad():
-                module.weight[0, 0] = float("nan")
+        optimizer = _step_then_break_group_one(runtime, module, group)
         stats = runtime.after_optimizer_step()
         return bool(optimizer.state), stats.skipped_groups
 
@@ -134,14 +140,7 @@ def test_a_group_skipped_by_a_site_sync_restarts_with_a_fresh_inner_optimizer_st
         runtime, module = _runtime(
             group, communicator, num_groups=4, sync_every=1, outer_topology=topology, on_nonfinite="skip_group"
         )
-        optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-        runtime.set_optimizers([optimizer])
-        runtime.start(0)
-        module(torch.ones(1, 2)).sum().backward()
-        optimizer.step()
-        if group == 1:
-            with torch.no_grad():
-                module.weight[0, 0] = float("nan")
+        optimizer = _step_then_break_group_one(runtime, module, group)
         stats = runtime.after_optimizer_step()  # a site sync: {0, 1} and {2, 3}
         return bool(optimizer.state), stats.skipped_groups, bool(torch.isfinite(module.weight).all())
 

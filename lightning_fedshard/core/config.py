@@ -178,11 +178,6 @@ class FederationConfig:
                     f" {self.error_feedback!r}."
                 )
         _check_positive_int("quant_block_size", self.quant_block_size, allow_none=False)
-        if isinstance(self.reduce_dtype, Codec) and self.quant_block_size != DEFAULT_BLOCK_SIZE:
-            raise ValueError(
-                f"`quant_block_size={self.quant_block_size}` is for the named 'int8' / 'int4'; the codec"
-                f" {self.reduce_dtype!r} carries its own parameters."
-            )
         self._check_outer_topology()
         self._check_feedback_in_weights()
         # Builds a reducer once: an unknown dtype, or error feedback with a float dtype, fail here.
@@ -245,6 +240,11 @@ class FederationConfig:
         """Refuse what the codec would silently ignore: a block size it does not use, or sparse without feedback."""
         codec = self.codec
         named = isinstance(self.effective_reduce_dtype, str) and self.effective_reduce_dtype in QUANTIZED_REDUCE_DTYPES
+        if self.quant_block_size != DEFAULT_BLOCK_SIZE and isinstance(self.reduce_dtype, Codec):
+            raise ValueError(
+                f"`quant_block_size={self.quant_block_size}` is for the named 'int8' / 'int4'; the codec"
+                f" {self.reduce_dtype!r} carries its own parameters."
+            )
         if self.quant_block_size != DEFAULT_BLOCK_SIZE and isinstance(codec, ChunkCodec) and not named:
             raise ValueError(
                 f"`quant_block_size={self.quant_block_size}` is for 'int8' / 'int4' given by name;"
