@@ -29,16 +29,17 @@ from torch.optim import Optimizer
 from lightning_fedshard.checkpoint import FederationCheckpointer
 from lightning_fedshard.core.comm import Communicator
 from lightning_fedshard.core.config import FederationConfig
-from lightning_fedshard.core.elastic import ElasticCommunicator, FederationError, MembershipChange
+from lightning_fedshard.core.elastic import FederationError
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fsdp import FSDP1
 from lightning_fedshard.core.lazy import required
 from lightning_fedshard.core.listeners import SyncListener, UtilizationClock
 from lightning_fedshard.core.mesh import FederationMesh, build_federation_mesh
-from lightning_fedshard.core.outer import SyncStats
 from lightning_fedshard.core.quiet import torch_choices_silenced
 from lightning_fedshard.core.sharding import ShardingBackend
+from lightning_fedshard.core.stats import SyncStats
 from lightning_fedshard.core.topology import FederationTopology
+from lightning_fedshard.elastic import ElasticCommunicator, ElasticMembership, MembershipChange
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class FederatedRuntime:
         self._topology: FederationTopology | None = None
         self._mesh: FederationMesh | None = None
         self._federation: Federation | None = None
+        self._membership: ElasticMembership | None = None
         self._module: Module | None = None
         self._optimizers: list[Optimizer] = []
         self._joined = False
@@ -185,9 +187,17 @@ class FederatedRuntime:
             communicator = ElasticCommunicator(elastic, group, self.mesh.communicator(), self._description)
             communicator.on_membership = self._log_membership
         federation = Federation(self.config, communicator)
-        federation.host_state = self._host_state_of_peer
-        federation.load_host_state = self._load_host_state_of_peer
+        self._membership = None
+        if isinstance(communicator, ElasticCommunicator):
+            self._membership = ElasticMembership(federation, communicator)
+            self._membership.host_state = self._host_state_of_peer
+            self._membership.load_host_state = self._load_host_state_of_peer
         return federation
+
+    @property
+    def membership(self) -> ElasticMembership | None:
+        """Elastic: how this group joins and heals, and the groups of the last sync; ``None`` in one job."""
+        return self._membership
 
     @property
     def mesh(self) -> FederationMesh:
@@ -354,7 +364,8 @@ class FederatedRuntime:
         self._start_federation(step)
         self._joining = True
         try:
-            self.step, stats = self.federation.join(step)
+            membership = required(self._membership, "Only an elastic federation is joined.")
+            self.step, stats = membership.join(step)
         finally:
             self._joining = False
         self._joined = True
@@ -432,8 +443,8 @@ class FederatedRuntime:
 
     def close(self) -> None:
         """Elastic: leave the federation (this group's manager stops; the others go on without it)."""
-        if self._federation is not None and self._federation.elastic is not None:
-            self._federation.elastic.close()
+        if self._membership is not None:
+            self._membership.communicator.close()
         self._joined = False
         self._restore_mid_epoch_resume()
 

@@ -102,6 +102,7 @@ def federate(
     hierarchical: dict[int, int] | None = None,
     sites: list[list[int]] | None = None,
     mixing: Callable[[int], Tensor] | None = None,
+    participants: Callable[[int], list[int]] | None = None,
 ) -> dict[str, object]:
     """Train ``groups`` (all holding ``initial``) for ``max_steps`` optimizer steps under the outer schedule above.
 
@@ -122,6 +123,9 @@ def federate(
         hierarchical: ``{period: groups}``: a hierarchical outer topology instead (see `_federate_hierarchical`).
         sites: with ``hierarchical``, the groups of each site, when they are not consecutive.
         mixing: ``round -> G x G`` matrix: a mixing outer topology instead (see `_federate_mixing`; ``"fedavg"``).
+        participants: ``round -> group indices``: sampled participation. The landing after step ``s`` belongs to round
+            ``(s - 1) // sync_every``, and its mean runs over the snapshots of that round's groups only; every group
+            still loads the merged anchor. The final steps at the end average every group.
 
     Returns:
         ``anchors``: the full anchor after every outer step, by optimizer step (``0``: the initial anchor; at ``T``
@@ -157,7 +161,10 @@ def federate(
         if done % every == 0:
             landed = _landing_fragment(done, every, len(parts))
             keys = parts[landed]
-            grad = _outer_step(anchor, outers[landed], in_flight.pop(done), keys)
+            snapshots = in_flight.pop(done)
+            if participants is not None:
+                snapshots = [snapshots[g] for g in participants((done - 1) // sync_every)]
+            grad = _outer_step(anchor, outers[landed], snapshots, keys)
             syncs.append(Sync(done, landed, "landing", grad))
             for g in groups:
                 g.load(_merge(anchor, g.weights(), keys, merge_alpha))
@@ -445,6 +452,7 @@ def reference_run(
     hierarchical: dict[int, int] | None = None,
     sites: list[list[int]] | None = None,
     mixing: Callable[[int], Tensor] | None = None,
+    participants: Callable[[int], list[int]] | None = None,
 ) -> dict[str, object]:
     """``micro_batches[rank]`` lists the sample indices of every micro-batch that rank trained on, in order.
 
@@ -470,4 +478,5 @@ def reference_run(
         hierarchical=hierarchical,
         sites=sites,
         mixing=mixing,
+        participants=participants,
     )

@@ -3,12 +3,14 @@
 from lightning_fedshard.core.codecs import BlockQuantizer, ChunkCodec, Codec, FloatCodec, SparseTopK
 from lightning_fedshard.core.comm import Communicator, ProcessGroupCommunicator
 from lightning_fedshard.core.config import OUTER_OPTIMIZERS, FederationConfig, resolve_outer_optimizer
-from lightning_fedshard.core.elastic import Elastic, ElasticCommunicator, FederationError
+from lightning_fedshard.core.elastic import Elastic, FederationError
 from lightning_fedshard.core.feedback import ErrorFeedback
 from lightning_fedshard.core.mesh import FederationMesh, build_federation_mesh
-from lightning_fedshard.core.outer import NONFINITE_POLICIES, NonFiniteOuterGradientError, OuterStep, SyncStats
+from lightning_fedshard.core.nonfinite import NONFINITE_POLICIES, NonFiniteOuterGradientError
+from lightning_fedshard.core.outer import OuterStep
 from lightning_fedshard.core.outer_topology import Gossip, Hierarchical, Mixing, Sampled
 from lightning_fedshard.core.reducers import AllReduceSum, Reducer, ScatterGatherSum, make_reducer
+from lightning_fedshard.core.stats import SyncStats
 from lightning_fedshard.core.topology import AXES, Axis, FederationTopology
 
 __all__ = [
@@ -22,7 +24,6 @@ __all__ = [
     "Codec",
     "Communicator",
     "Elastic",
-    "ElasticCommunicator",
     "ErrorFeedback",
     "FederationConfig",
     "FederationError",

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_fedshard.core.checks import check_positive_int
 from lightning_fedshard.core.class_names import named_class
 
 #: Largest code of each bit width (codes are symmetric, in ``[-qmax, qmax]``).
@@ -246,8 +247,7 @@ class SparseTopK(ChunkCodec):
             raise ValueError(f"`density` must be a number in (0, 1], got {density!r}.")
         if isinstance(value_bits, bool) or not isinstance(value_bits, int) or not 1 <= value_bits <= 8:
             raise ValueError(f"`value_bits` must be an integer from 1 to 8, got {value_bits!r}.")
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"`chunk_size` must be a positive integer, got {chunk_size!r}.")
+        check_positive_int("chunk_size", chunk_size)
         self.density = float(density)
         self.value_bits = value_bits
         self.chunk_size = chunk_size
@@ -451,8 +451,7 @@ def check_quantizer_args(bits: int, block_size: int) -> None:
     """Raise ``ValueError`` unless ``bits`` is 8 or 4 and ``block_size`` a positive integer."""
     if bits not in QMAX:
         raise ValueError(f"`bits` must be one of {sorted(QMAX)}, got {bits!r}.")
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ValueError(f"`block_size` must be a positive integer, got {block_size!r}.")
+    check_positive_int("block_size", block_size)
 
 
 def padded_length(numel: int, bits: int, block_size: int, parts: int = 1) -> int:

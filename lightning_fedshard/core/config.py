@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from torch.optim import SGD, Optimizer
 
+from lightning_fedshard.core.checks import check_positive_int
 from lightning_fedshard.core.codecs import (
     DEFAULT_BLOCK_SIZE,
     QUANTIZED_REDUCE_DTYPES,
@@ -25,14 +26,23 @@ from lightning_fedshard.core.codecs import (
     resolve_codec,
 )
 from lightning_fedshard.core.elastic import Elastic
-from lightning_fedshard.core.outer import NONFINITE_POLICIES, OuterOptimizerFactory, build_outer_optimizer
-from lightning_fedshard.core.outer_topology import Hierarchical, Mixing, OuterTopologySpec, resolve_outer_topology
+from lightning_fedshard.core.nonfinite import NONFINITE_POLICIES
+from lightning_fedshard.core.outer import OuterOptimizerFactory, build_outer_optimizer
+from lightning_fedshard.core.outer_topology import (
+    Hierarchical,
+    Mixing,
+    OuterTopologySpec,
+    Sampled,
+    resolve_outer_topology,
+)
 from lightning_fedshard.core.reducers import Reducer, make_reducer
+from lightning_fedshard.core.rounds.options import check_compatible
 from lightning_fedshard.core.topology import FederationTopology
 
 #: Named outer optimizers. "fedavg" (the default) replaces every group by the groups' mean, which is what the paper's
 #: published runs do and what won our benchmarks at sync_every=8 (docs/benchmarks.md); "nesterov" is DiLoCo's outer
-#: step (torchft's and OpenDiLoCo's default), tuned there for hundreds of inner steps between syncs.
+#: step (the default of PyTorch's fault-tolerance library and of OpenDiLoCo), tuned there for hundreds of inner steps
+#: between syncs.
 OUTER_OPTIMIZERS: dict[str, OuterOptimizerFactory] = {
     "nesterov": functools.partial(SGD, lr=0.7, momentum=0.9, nesterov=True),
     "fedavg": functools.partial(SGD, lr=1.0),
@@ -106,14 +116,14 @@ class FederationConfig:
             module order, are cut into ``P`` contiguous fragments balanced by size, each with its own outer
             optimizer; one fragment lands every ``sync_every / P`` optimizer steps, in turn, so every fragment still
             syncs every ``sync_every`` steps but one sync moves about ``1 / P`` of the model. ``sync_every`` must be
-            divisible by it, and the model needs at least ``P`` FSDP units (torchft's DiLoCo takes a list of
-            model fragments instead).
+            divisible by it, and the model needs at least ``P`` FSDP units (the DiLoCo of PyTorch's
+            fault-tolerance library takes a list of model fragments instead).
         sync_delay: Optimizer steps that a fragment's sum over the groups may overlap with training (default 0):
             the pseudo-gradient is taken after step ``s - sync_delay``, summed in the background, and applied after
-            step ``s``. ``0 <= sync_delay < sync_every / fragments``. torchft's ``fragment_sync_delay``.
+            step ``s``. ``0 <= sync_delay < sync_every / fragments``. That library's ``fragment_sync_delay``.
         merge_alpha: After a fragment lands, each group's weights of it become
             ``anchor + merge_alpha * (local - anchor)`` (default 0.0: restart from the new anchor); in ``[0, 1]``.
-            torchft's ``fragment_update_alpha``. Only with ``outer_topology="all"``.
+            That library's ``fragment_update_alpha``. Only with ``outer_topology="all"``.
         eager_updates: Overlap each fragment's sum over the groups with the whole next round (default ``False``):
             at a sync every group lands the mean that was summed during the round that just ended, starts summing its
             new pseudo-gradient ``d_g``, and restarts from ``anchor - lr * d_g / G``, its own share of that mean
@@ -122,7 +132,7 @@ class FederationConfig:
             whole mean until the mean lands). The anchor and the outer optimizer stay identical in every group;
             nothing a group trains is thrown away. Excludes ``sync_delay`` and ``merge_alpha``. See
             docs/configuration.md, "Eager updates".
-        elastic: Run each federation group as a job of its own, joined to the others through a torchft lighthouse:
+        elastic: Run each federation group as a job of its own, joined to the others through a lighthouse:
             groups may fail, be replaced and join while the others train (``lightning_fedshard.Elastic(lighthouse=...,
             group=...)``; needs ``pip install lightning-fedshard[elastic]``; see docs/elastic.md). ``num_groups`` is
             then the number of groups the federation is planned for (the data is split into that many parts), and the
@@ -166,8 +176,8 @@ class FederationConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_groups", "shard_size"):
-            _check_positive_int(name, getattr(self, name), allow_none=True)
-        _check_positive_int("sync_every", self.sync_every, allow_none=False)
+            check_positive_int(name, getattr(self, name), allow_none=True)
+        check_positive_int("sync_every", self.sync_every)
         _check_learning_rate_given(self.outer_optimizer)
         # Build the outer optimizer once on a probe tensor, so a broken factory fails before any rank starts.
         build_outer_optimizer(self.outer_optimizer_factory, [torch.zeros(1, requires_grad=True)])
@@ -177,7 +187,7 @@ class FederationConfig:
                     f"`error_feedback` must be True, False, None (automatic) or {FEEDBACK_IN_WEIGHTS!r}, got"
                     f" {self.error_feedback!r}."
                 )
-        _check_positive_int("quant_block_size", self.quant_block_size, allow_none=False)
+        check_positive_int("quant_block_size", self.quant_block_size)
         self._check_outer_topology()
         self._check_feedback_in_weights()
         # Builds a reducer once: an unknown dtype, or error feedback with a float dtype, fail here.
@@ -189,6 +199,7 @@ class FederationConfig:
             raise ValueError(f"`on_nonfinite` must be one of {list(NONFINITE_POLICIES)}, got {self.on_nonfinite!r}.")
         self._check_streaming()
         self._check_elastic()
+        check_compatible(self)
 
     def _check_feedback_in_weights(self) -> None:
         if not self.feedback_in_weights:
@@ -198,39 +209,11 @@ class FederationConfig:
                 f"`error_feedback='weights'` keeps what a lossy codec dropped;"
                 f" `reduce_dtype={self.effective_reduce_dtype!r}` drops nothing. Use 'int8', 'int4' or 'sparse'."
             )
-        excluded = {
-            "eager_updates": self.eager_updates is not False,
-            "merge_alpha": bool(self.merge_alpha),
-            "outer_topology": resolve_outer_topology(self.outer_topology) is not None,
-            "elastic": self.elastic is not None,
-        }
-        clashes = [f"`{name}={getattr(self, name)!r}`" for name, clash in excluded.items() if clash]
-        if clashes:
-            raise ValueError(
-                f"`error_feedback='weights'` writes each group's own residual into its weights at every landing; it"
-                f" excludes {', '.join(clashes)} (leave eager_updates=False, merge_alpha=0, outer_topology='all',"
-                " elastic=None)."
-            )
 
     def _check_outer_topology(self) -> None:
-        """Refuse the options an outer topology other than ``"all"`` would accept and then ignore or undo."""
+        """Refuse error feedback under a mixing outer topology, which runs in float32 (nothing to keep)."""
         topology = resolve_outer_topology(self.outer_topology)
-        if topology is not None and self.merge_alpha:
-            raise ValueError(
-                f"`merge_alpha={self.merge_alpha!r}` is not built for `outer_topology={topology!r}`: its syncs restart"
-                " every group from the mean, so the option would be ignored. Drop `merge_alpha` (leave it at 0) or"
-                " use `outer_topology='all'`."
-            )
-        if not isinstance(topology, Mixing):
-            return
-        if not self.codec.exact:
-            raise ValueError(
-                f"`outer_topology={topology!r}` runs in float32, and `reduce_dtype={self.reduce_dtype!r}` would round"
-                " the pseudo-gradient of the whole run: a mix never moves the anchor, so a uniform round and the end of"
-                " training average everything trained since the start. Leave `reduce_dtype` unset (float32 with a"
-                " mixing) or set it to 'float32'."
-            )
-        if self.error_feedback not in (None, False):
+        if isinstance(topology, Mixing) and self.codec.exact and self.error_feedback not in (None, False):
             raise ValueError(
                 f"`outer_topology={topology!r}` runs in float32, which drops nothing for"
                 f" `error_feedback={self.error_feedback!r}` to keep. Leave `error_feedback` unset."
@@ -279,25 +262,23 @@ class FederationConfig:
                     f" planned for {self.num_groups} group(s), so it would wait for groups that never come (and fail"
                     f" after `quorum_timeout={self.elastic.quorum_timeout:g}` s). Set `{name}` <= `num_groups`."
                 )
-        if resolve_outer_topology(self.outer_topology) is not None or self.eager_updates is not False:
-            raise ValueError(
-                f"An elastic federation averages whichever groups take part in a sync; it runs neither"
-                f" `outer_topology={self.outer_topology!r}` nor `eager_updates={self.eager_updates!r}` (leave them"
-                " at 'all' and False)."
-            )
 
     def _check_streaming(self) -> None:
-        _check_positive_int("fragments", self.fragments, allow_none=False)
-        if self.sync_every % self.fragments:
+        check_positive_int("fragments", self.fragments)
+        topology = resolve_outer_topology(self.outer_topology)
+        if isinstance(topology, Hierarchical):
+            topology.check_sync_every(self.sync_every)
+        period, name = self.outer_period, "sync_every" if self.hierarchical is None else "the largest period"
+        if period % self.fragments:
             raise ValueError(
-                f"`sync_every={self.sync_every}` must be divisible by `fragments={self.fragments}`: one fragment lands"
-                " every `sync_every / fragments` optimizer steps."
+                f"`{name}={period}` must be divisible by `fragments={self.fragments}`: one fragment lands every"
+                f" `{name} / fragments` optimizer steps."
             )
-        interval = self.sync_every // self.fragments
+        interval = period // self.fragments
         delay = self.sync_delay
         if not isinstance(delay, int) or isinstance(delay, bool) or not 0 <= delay < interval:
             raise ValueError(
-                f"`sync_delay` must be an integer in [0, sync_every / fragments) = [0, {interval}), got {delay!r}."
+                f"`sync_delay` must be an integer in [0, {name} / fragments) = [0, {interval}), got {delay!r}."
             )
         alpha = self.merge_alpha
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
@@ -305,24 +286,6 @@ class FederationConfig:
         if not (isinstance(self.eager_updates, bool) or self.eager_updates in EAGER_RULES):
             raise ValueError(
                 f"`eager_updates` must be False, True, or one of {list(EAGER_RULES)}, got {self.eager_updates!r}."
-            )
-        topology = resolve_outer_topology(self.outer_topology)
-        if isinstance(topology, Hierarchical):
-            topology.check_sync_every(self.sync_every)
-        if topology is not None and (self.fragments > 1 or delay or self.eager_updates is not False):
-            raise ValueError(
-                f"`outer_topology={topology!r}` runs with one fragment and no overlap; got `fragments="
-                f"{self.fragments}`, `sync_delay={delay}`, `eager_updates={self.eager_updates!r}`."
-            )
-        if isinstance(topology, Mixing) and self.outer_optimizer != "fedavg":
-            raise ValueError(
-                f"`outer_topology={topology!r}` mixes the groups' weights with plain means; it needs"
-                f" `outer_optimizer='fedavg'`, got {self.outer_optimizer!r}."
-            )
-        if self.eager_updates and (delay or alpha):
-            raise ValueError(
-                f"`eager_updates=True` overlaps each sum with a whole round and keeps all local progress; it excludes"
-                f" `sync_delay={delay}` and `merge_alpha={alpha}` (leave them at 0)."
             )
 
     def topology(self, num_nodes: int, devices_per_node: int, hybrid: bool) -> FederationTopology:
@@ -396,9 +359,20 @@ class FederationConfig:
         return topology if isinstance(topology, Hierarchical) else None
 
     @property
+    def outer_period(self) -> int:
+        """Optimizer steps between two outer steps of a fragment: ``sync_every``, a hierarchical topology's largest period."""
+        hierarchical = self.hierarchical
+        return max(hierarchical.levels) if hierarchical is not None else self.sync_every
+
+    @property
     def mixing(self) -> Mixing | None:
-        """The mixing outer topology (``Mixing``, ``Gossip``, ``Sampled``), if that is the one."""
+        """The mixing outer topology (``Mixing``, ``Gossip``, ``Sampled``), if that is the one.
+
+        ``Sampled(..., outer_step=True)`` is none: its sample takes the federation's outer step on a shared anchor.
+        """
         topology = resolve_outer_topology(self.outer_topology)
+        if isinstance(topology, Sampled) and topology.outer_step:
+            return None
         return topology if isinstance(topology, Mixing) else None
 
     def site_blocks(self, num_groups: int) -> dict[int, tuple[tuple[int, ...], ...]]:
@@ -430,7 +404,7 @@ class FederationConfig:
 
     @property
     def effective_reduce_dtype(self) -> str | torch.dtype | Codec:
-        """The ``reduce_dtype`` that runs: the one given, else ``"int4"`` (``"float32"`` with a mixing)."""
+        """The ``reduce_dtype`` that runs: the one given, else ``"int4"`` (``"float32"`` with a :attr:`mixing`)."""
         if self.reduce_dtype is not None:
             return self.reduce_dtype
         return MIXING_REDUCE_DTYPE if self.mixing is not None else DEFAULT_REDUCE_DTYPE
@@ -546,10 +520,3 @@ def outer_learning_rate_warning(spec: OuterOptimizerSpec) -> str | None:
         " anchor towards the groups' mean. Set its `init_args.lr` (1.0 with SGD is plain averaging) unless this is"
         " what you mean."
     )
-
-
-def _check_positive_int(name: str, value: object, allow_none: bool) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")

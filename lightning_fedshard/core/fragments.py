@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lightning_fedshard.core.checks import check_positive_int
+
 
 def cut_fragments(sizes: Sequence[int], num_fragments: int) -> list[list[int]]:
     """Cut units (FSDP units, in module order) into contiguous fragments balanced by size.
@@ -30,8 +32,7 @@ def cut_fragments(sizes: Sequence[int], num_fragments: int) -> list[list[int]]:
     Raises:
         ValueError: If there are fewer units than fragments, or ``num_fragments < 1``.
     """
-    if num_fragments < 1:
-        raise ValueError(f"`fragments` must be a positive integer, got {num_fragments!r}.")
+    check_positive_int("fragments", num_fragments)
     if num_fragments > len(sizes):
         raise ValueError(
             f"`fragments={num_fragments}` is more than the model's {len(sizes)} FSDP unit(s): a fragment is made of"

@@ -13,7 +13,8 @@ A :class:`Mixing` topology applies any doubly-stochastic matrix ``W`` (rows and 
 preserved and their distance from it shrinks like the second-largest eigenvalue of ``W``. :class:`Gossip` (each group
 with ``peers`` seeded partners) and :class:`Sampled` (a seeded sample of groups averages among themselves, the others
 keep training) are mixings. These topologies take plain means (``"fedavg"``); the groups differ between syncs, their
-consensus is the exact mean, and the end of training averages every group.
+consensus is the exact mean, and the end of training averages every group. ``Sampled(..., outer_step=True)`` is no mix:
+the sample's pseudo-gradients make the federation's outer step, from whose anchor every group restarts.
 
 This module knows nothing about Lightning; it is a schedule.
 """
@@ -25,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from lightning_fedshard.core.checks import check_positive_int
 from lightning_fedshard.core.class_names import named_class, required_arguments
 
 #: How far from 1 a row or column sum of a mixing matrix may be.
@@ -64,8 +66,7 @@ class Hierarchical:
         parsed = {}
         for period, groups in levels.items():
             for name, value in (("period", period), ("number of groups", groups)):
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise ValueError(f"Every {name} of `levels` must be a positive integer, got {value!r} in {levels}.")
+                check_positive_int(name, value, what=f"Every {name} of `levels={dict(levels)}`")
             parsed[period] = groups
         sizes = list(parsed.values())
         if len(set(sizes)) != len(sizes):
@@ -240,8 +241,7 @@ class Gossip(Mixing):
     """
 
     def __init__(self, peers: int = 1, seed: int = 0) -> None:
-        if isinstance(peers, bool) or not isinstance(peers, int) or peers < 1:
-            raise ValueError(f"`peers` must be a positive integer, got {peers!r}.")
+        check_positive_int("peers", peers)
         self.peers, self.seed = peers, seed  # the matrix of a round is drawn by `weights`
 
     def __repr__(self) -> str:
@@ -278,30 +278,49 @@ class Gossip(Mixing):
 
 
 class Sampled(Mixing):
-    """Every sync, a seeded sample of ``groups_per_round`` groups averages among themselves; the others keep training.
+    """Every sync, a seeded sample of ``groups_per_round`` groups averages: among themselves, or into the outer step.
+
+    By default (``outer_step=False``) the sampled groups replace their weights by their plain mean and the others keep
+    training (a mixing, gossip-like). With ``outer_step=True`` it is sampled participation as FedAvg and Photon run
+    it: at each round the anchor takes the outer step (any outer optimizer, Nesterov included) on the mean
+    pseudo-gradient of the round's sampled groups only, and *every* group restarts from the new anchor; the groups not
+    sampled take part in the collective but add nothing. The end of training is one outer step on every group's
+    pseudo-gradient, so the run ends on the consensus, the anchor.
+
+    Round ``r`` is the ``r``-th (from 0) ``sync_every``-step period: a landing after optimizer step ``s`` belongs to
+    round ``(s - 1) // sync_every``, so with one fragment round ``r`` lands after step ``(r + 1) sync_every``, and
+    with ``fragments = P`` every fragment lands once per round with the same sample.
 
     Args:
-        groups_per_round: Groups that take part in each sync (2 or more, at most the groups).
+        groups_per_round: Groups that take part in each sync (at most the groups; at least 2 for a mix, 1 with
+            ``outer_step=True``).
         seed: Seed of the schedule.
+        outer_step: Sampled participation in the federation's outer step (see above) instead of a mix.
     """
 
-    def __init__(self, groups_per_round: int, seed: int = 0) -> None:
-        if isinstance(groups_per_round, bool) or not isinstance(groups_per_round, int) or groups_per_round < 2:
-            raise ValueError(f"`groups_per_round` must be an integer of 2 or more, got {groups_per_round!r}.")
+    def __init__(self, groups_per_round: int, seed: int = 0, outer_step: bool = False) -> None:
+        if not isinstance(outer_step, bool):
+            raise ValueError(f"`outer_step` must be True or False, got `outer_step={outer_step!r}`.")
+        check_positive_int("groups_per_round", groups_per_round, minimum=1 if outer_step else 2)
         self.groups_per_round, self.seed = groups_per_round, seed  # the matrix of a round is drawn by `weights`
+        self.outer_step = outer_step
 
     def __repr__(self) -> str:
-        return f"Sampled(groups_per_round={self.groups_per_round}, seed={self.seed})"
+        outer_step = ", outer_step=True" if self.outer_step else ""
+        return f"Sampled(groups_per_round={self.groups_per_round}, seed={self.seed}{outer_step})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sampled) and (self.groups_per_round, self.seed) == (other.groups_per_round, other.seed)
+        return isinstance(other, Sampled) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash(("sampled", self.groups_per_round, self.seed))
+        return hash(("sampled", *self._key()))
+
+    def _key(self) -> tuple[int, int, bool]:
+        return self.groups_per_round, self.seed, self.outer_step
 
     def describe(self) -> str:
-        """E.g. ``"2 sampled groups per sync"``."""
-        return f"{self.groups_per_round} sampled groups per sync"
+        """E.g. ``"2 sampled groups per sync"``, ``"2 sampled groups per outer step"``."""
+        return f"{self.groups_per_round} sampled groups per {'outer step' if self.outer_step else 'sync'}"
 
     def check_groups(self, num_groups: int) -> None:
         """Raise ``ValueError`` with more groups per round than groups."""

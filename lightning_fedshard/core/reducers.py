@@ -86,6 +86,20 @@ class Reducer(Protocol):
     def encoded_bytes(self, numel: int, members: int) -> int:
         """Bytes of :meth:`sum_encoded`'s result (what each replica of a shard shares with the others)."""
 
+    def reset_residual(self) -> None:
+        """Forget what earlier syncs dropped, so that the next sync carries nothing over.
+
+        A reducer without error feedback keeps nothing, and this does nothing.
+        """
+
+    def take_residual(self) -> Tensor | None:
+        """Remove and return this rank's residual of the last sync: what its encoding of its own input dropped.
+
+        Returns:
+            The residual, shaped like the last input (``None`` if the reducer keeps none). It is no longer held: the
+            next sync does not add it.
+        """
+
     def state_dict(self) -> dict[str, Any]:
         """What must survive a checkpoint."""
 
@@ -136,6 +150,17 @@ class AllReduceSum:
     def encoded_bytes(self, numel: int, members: int) -> int:
         """The summed values in the wire dtype."""
         return numel * self.codec.element_size
+
+    def reset_residual(self) -> None:
+        """Nothing to forget: a float sum drops nothing."""
+
+    def take_residual(self) -> Tensor | None:
+        """``None``: a float sum keeps no residual.
+
+        Returns:
+            Always ``None``.
+        """
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         """Nothing: a float sum keeps no state."""
@@ -210,7 +235,7 @@ class ScatterGatherSum:
         Raises:
             TypeError: If ``x`` is not float32.
             ValueError: With error feedback, if ``x``'s shape (or the ring size) differs from the calls the held
-                residuals come from; call ``feedback.reset()`` first when that is intended.
+                residuals come from; call :meth:`reset_residual` first when that is intended.
         """
         return self.decode(self.sum_encoded(x, communicator, members), x.numel(), members).view(x.shape)
 
@@ -272,6 +297,22 @@ class ScatterGatherSum:
             return 4 * numel
         return members * ChunkLayout.of(numel, members, self.codec).piece_bytes
 
+    def reset_residual(self) -> None:
+        """Drop both error-feedback residuals (e.g. when the vector or the ring changes); no-op without feedback."""
+        if self.feedback is not None:
+            self.feedback.reset()
+
+    def take_residual(self) -> Tensor | None:
+        """Remove and return the residual of this rank's own quantization in the last call (slot ``"residual"``).
+
+        The residual of the chunk this rank sums (``"sum_residual"``) stays held and is added to its next sum.
+
+        Returns:
+            ``input - dequantized``, shaped like the last input; ``None`` without error feedback, before the first
+            call with more than one member, or once taken.
+        """
+        return self.feedback.take("residual") if self.feedback is not None else None
+
     def state_dict(self) -> dict[str, Any]:
         """The error-feedback residuals of this rank (``None`` before the first call or without feedback)."""
         if self.feedback is None:
@@ -291,13 +332,14 @@ class ScatterGatherSum:
         if residual is not None and residual.shape != x.shape:
             raise ValueError(
                 f"The error-feedback residual has shape {tuple(residual.shape)} but the tensor to reduce has"
-                f" shape {tuple(x.shape)}: use one reducer per tensor layout, or call `reset()` to drop the residuals."
+                f" shape {tuple(x.shape)}: use one reducer per tensor layout, or call `reset_residual()` to drop the"
+                " residuals."
             )
         if sum_residual is not None and sum_residual.numel() != layout.chunk:
             raise ValueError(
                 f"The error-feedback sum residual has {sum_residual.numel()} values but this call's chunk has"
-                f" {layout.chunk}: the number of groups changed since the residuals were kept. Call `reset()` to drop"
-                " the residuals."
+                f" {layout.chunk}: the number of groups changed since the residuals were kept. Call `reset_residual()`"
+                " to drop the residuals."
             )
 
     def _sum_received(self, parts: Tensor) -> Tensor:

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from lightning_fedshard.core.checks import check_positive_int
+
 
 class Axis(str, Enum):
     """Names of the federation mesh axes."""
@@ -47,9 +49,7 @@ class FederationTopology:
 
     def __post_init__(self) -> None:
         for name in ("world_size", "num_groups", "shard_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+            check_positive_int(name, getattr(self, name))
         if self.world_size % self.num_groups:
             raise ValueError(
                 f"The world size ({self.world_size}) must be divisible by `num_groups={self.num_groups}`:"

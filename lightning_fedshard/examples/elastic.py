@@ -498,7 +498,8 @@ class EventLog(Callback):
         if stats is None or stats is self._seen:
             return
         self._seen = stats
-        members = list(trainer.strategy.federation.members)  # type: ignore[attr-defined]
+        membership = getattr(runtime, "membership", None)
+        members = list(membership.members) if membership is not None else []
         self._write(
             {
                 "event": "sync",

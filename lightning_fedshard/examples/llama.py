@@ -28,6 +28,7 @@ from torchmetrics import MeanMetric
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+from lightning_fedshard.core.checks import check_positive_int
 from lightning_fedshard.core.meta_init import install_reset_parameters, materialize
 
 
@@ -346,8 +347,7 @@ def _validate(
 ) -> None:
     sizes = {**vars(shape), "vocab_size": vocab_size, "max_seq_len": max_seq_len}
     for name, value in sizes.items():
-        if value < 1:
-            raise ValueError(f"`{name}` must be positive, got `{name}={value}`.")
+        check_positive_int(name, value, what=f"`{name}={value!r}`")
     if shape.hidden_size % (2 * shape.num_heads):
         # Rotary embeddings rotate pairs of channels, so the head dimension must be even.
         raise ValueError(

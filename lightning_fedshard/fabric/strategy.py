@@ -24,7 +24,7 @@ from lightning_fedshard._arguments import (
     FSDP2Arguments,
     document_federation_args,
 )
-from lightning_fedshard.core.outer import SyncStats
+from lightning_fedshard.core.stats import SyncStats
 
 #: Key of the Fabric strategy's own counters in a checkpoint.
 _FABRIC_KEY = "fedshard_fabric"

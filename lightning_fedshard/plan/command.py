@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
 
+from lightning_fedshard.core.checks import check_positive_int
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.outer_topology import OuterTopologySpec
 from lightning_fedshard.plan.predict import Prediction
@@ -99,8 +100,7 @@ def plan(
     Returns:
         The predictions printed.
     """
-    if top < 1:
-        raise ValueError(f"`top={top!r}` must be a positive number of rows.")
+    check_positive_int("top", top)
     spec = _model(model, model_config, seq_len)
     machine = _cluster(
         cluster, nodes, devices_per_node, peak_tflops, mfu, step_seconds, device_memory_gib,

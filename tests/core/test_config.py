@@ -132,8 +132,9 @@ def test_a_mixing_refuses_a_reduce_dtype_that_would_round_the_whole_runs_pseudo_
 
     for topology in (Gossip(peers=1), Sampled(groups_per_round=2)):
         message = (
-            rf"`outer_topology={re.escape(repr(topology))}` runs in float32, and `reduce_dtype='{reduce_dtype}'` would"
-            r" round the pseudo-gradient of the whole run: .* Leave `reduce_dtype` unset"
+            rf"`outer_topology={re.escape(repr(topology))}` and `reduce_dtype='{reduce_dtype}'` are not built to run"
+            r" together yet: a uniform round and the end of training average the whole run's pseudo-gradient\. Drop"
+            r" one of them \(leave `reduce_dtype` unset, or use `outer_topology='all'`\)"
         )
         with pytest.raises(ValueError, match=message):
             FederationConfig(outer_topology=topology, reduce_dtype=reduce_dtype)
@@ -142,7 +143,7 @@ def test_a_mixing_refuses_a_reduce_dtype_that_would_round_the_whole_runs_pseudo_
 def test_a_mixing_refuses_error_feedback_and_a_codec_object():
     from lightning_fedshard import BlockQuantizer, Gossip
 
-    with pytest.raises(ValueError, match=r"`reduce_dtype=BlockQuantizer\(bits=8, block_size=64\)` would round"):
+    with pytest.raises(ValueError, match=r"and `reduce_dtype=BlockQuantizer\(bits=8, block_size=64\)` are not built to run together yet"):
         FederationConfig(outer_topology=Gossip(peers=1), reduce_dtype=BlockQuantizer(8, 64))
     for feedback in (True, "weights"):
         with pytest.raises(ValueError, match=rf"drops nothing for `error_feedback={feedback!r}` to keep"):
@@ -150,20 +151,17 @@ def test_a_mixing_refuses_error_feedback_and_a_codec_object():
     assert isinstance(FederationConfig(outer_topology=Gossip(peers=1), error_feedback=False).reducer(), AllReduceSum)
 
 
-def test_merge_alpha_is_refused_with_an_outer_topology_it_would_not_change():
-    from lightning_fedshard import FLFSDPStrategy, Gossip, Hierarchical
+def test_merge_alpha_is_refused_with_a_mixing_that_has_no_anchor_to_merge_towards():
+    from lightning_fedshard import FLFSDPStrategy, Gossip
 
-    hierarchical = Hierarchical({2: 2, 4: 4})
     message = (
-        r"`merge_alpha=0.5` is not built for `outer_topology=Hierarchical\(levels=\{2: 2, 4: 4\}\)`: .* Drop"
-        r" `merge_alpha` \(leave it at 0\) or use `outer_topology='all'`"
+        r"`outer_topology=Gossip\(peers=1, seed=0\)` and `merge_alpha=0.25` cannot be combined: a mix moves no shared"
+        r" anchor, .* Drop one of them \(leave `merge_alpha=0`, or use `outer_topology='all'`\)"
     )
     with pytest.raises(ValueError, match=message):
-        FederationConfig(sync_every=2, merge_alpha=0.5, outer_topology=hierarchical)
-    with pytest.raises(ValueError, match=message):  # in the strategy's constructor, before any process starts
-        FLFSDPStrategy(sync_every=2, merge_alpha=0.5, outer_topology=hierarchical)
-    with pytest.raises(ValueError, match=r"`merge_alpha=0.25` is not built for `outer_topology=Gossip"):
         FederationConfig(merge_alpha=0.25, outer_topology=Gossip(peers=1))
+    with pytest.raises(ValueError, match=message):  # in the strategy's constructor, before any process starts
+        FLFSDPStrategy(merge_alpha=0.25, outer_topology=Gossip(peers=1))
     assert FederationConfig(merge_alpha=0.5).describe().endswith("merge_alpha=0.5, anchor on the CPU")
 
 

@@ -215,9 +215,13 @@ def test_eager_resume_with_sums_in_flight_is_exact(reduce_dtype):
 
 
 def test_eager_excludes_delay_and_merge():
-    with pytest.raises(ValueError, match=r"excludes `sync_delay=1` and `merge_alpha=0.0`"):
+    message = (
+        r"^`eager_updates=True` and `sync_delay=1` cannot be combined: eager updates already overlap each sum with a"
+        r" whole round\. Drop one of them \(leave `sync_delay=0`, or leave `eager_updates=False`\)"
+    )
+    with pytest.raises(ValueError, match=message):  # names only the options at fault: not the default merge_alpha
         FederationConfig(eager_updates=True, sync_every=4, sync_delay=1)
-    with pytest.raises(ValueError, match=r"`merge_alpha=0.5`"):
+    with pytest.raises(ValueError, match=r"^`eager_updates=True` and `merge_alpha=0.5` cannot be combined"):
         FederationConfig(eager_updates=True, merge_alpha=0.5)
     with pytest.raises(ValueError, match=r"`eager_updates` must be False, True, or one of \['share', 'local'\], got 1"):
         FederationConfig(eager_updates=1)

@@ -12,7 +12,7 @@ from lightning_fedshard.core import listeners
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.listeners import UtilizationClock
-from lightning_fedshard.core.outer import SyncStats
+from lightning_fedshard.core.stats import SyncStats
 from tests.core.fake_comm import ThreadGroups
 
 

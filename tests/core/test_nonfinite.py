@@ -3,7 +3,8 @@ import torch
 from torch.testing import assert_close
 
 from lightning_fedshard.core.config import OUTER_OPTIMIZERS, FederationConfig
-from lightning_fedshard.core.outer import NonFiniteOuterGradientError, OuterStep
+from lightning_fedshard.core.nonfinite import NonFiniteOuterGradientError
+from lightning_fedshard.core.outer import OuterStep
 from tests.core.fake_comm import ThreadGroups
 
 

@@ -176,11 +176,11 @@ def test_error_feedback_residual_has_the_input_shape_and_survives_state_dict():
         reducer = _quantized(4, 32, error_feedback=True)
         reducer.sum_across_groups(xs[g], comm, comm.num_groups)
         # The residual of this rank's own quantization: blocks align with the chunks, so it is the plain round trip's.
-        residual = reducer.feedback.get("residual")
+        state = reducer.state_dict()
+        residual = state["residual"]
         assert residual is not None and residual.shape == (10, 50)
         assert torch.equal(residual, xs[g] - dequantize(quantize(xs[g], 4, 32)).view(10, 50))
         assert residual.abs().max() > 0
-        state = reducer.state_dict()
         restored = _quantized(4, 32, error_feedback=True)
         restored.load_state_dict(state)
         fresh = _quantized(4, 32, error_feedback=True)
@@ -197,10 +197,10 @@ def test_error_feedback_shape_change_raises_until_reset():
         reducer.sum_across_groups(torch.randn(100), comm, comm.num_groups)
         with pytest.raises(ValueError, match="reset"):
             reducer.sum_across_groups(torch.randn(120), comm, comm.num_groups)
-        reducer.feedback.reset()
+        reducer.reset_residual()
         out = reducer.sum_across_groups(torch.ones(120), comm, comm.num_groups)
         # Same tensor, another ring size: the sum residual no longer fits this rank's chunk.
-        reducer.feedback.residuals["residual"] = None
+        reducer.take_residual()
         with pytest.raises(ValueError, match="number of groups"):
             reducer.sum_across_groups(torch.ones(120), comm, 3)
         return out
@@ -212,6 +212,58 @@ def test_error_feedback_shape_change_raises_until_reset():
 def test_without_error_feedback_no_state_is_kept():
     state = _compressed_sums([_inputs(2, 100)], 8)[0][2]
     assert state == {"residual": None, "sum_residual": None}
+
+
+def test_take_residual_returns_this_ranks_residual_once():
+    xs = [x.view(20, 25) for x in _inputs(2, 500, seed=5)]
+
+    def work(g, comm):
+        reducer = _quantized(4, 32, error_feedback=True)
+        assert reducer.take_residual() is None  # nothing kept before the first sync
+        reducer.sum_across_groups(xs[g], comm, comm.num_groups)
+        kept = reducer.state_dict()
+        residual = reducer.take_residual()
+        assert residual is not None and torch.equal(residual, kept["residual"])
+        assert reducer.take_residual() is None  # taken: no longer held
+        after = reducer.state_dict()
+        assert after["residual"] is None
+        assert torch.equal(after["sum_residual"], kept["sum_residual"])  # the summed chunk's residual stays
+        return residual
+
+    for g, residual in enumerate(ThreadGroups(2).run(work)):
+        assert torch.equal(residual, xs[g] - dequantize(quantize(xs[g], 4, 32)).view(20, 25))
+
+
+def test_reset_residual_makes_the_next_sync_carry_nothing():
+    xs, second = _inputs(2, 500, seed=6), _inputs(2, 500, seed=7)
+
+    def work(g, comm):
+        reducer, fresh = _quantized(8, 32, error_feedback=True), _quantized(8, 32, error_feedback=True)
+        reducer.sum_across_groups(xs[g], comm, comm.num_groups)
+        assert all(r is not None for r in reducer.state_dict().values())
+        reducer.reset_residual()
+        assert reducer.state_dict() == {"residual": None, "sum_residual": None}
+        return [r.sum_across_groups(second[g], comm, comm.num_groups) for r in (reducer, fresh)]
+
+    for after_reset, fresh in ThreadGroups(2).run(work):
+        assert torch.equal(after_reset, fresh)
+
+
+def test_reducers_without_error_feedback_keep_no_residual():
+    xs = _inputs(2, 300, seed=8)
+
+    def work(g, comm):
+        quantized, float32 = _quantized(8), AllReduceSum(FloatCodec())
+        quantized.sum_across_groups(xs[g], comm, comm.num_groups)
+        float32.sum_across_groups(xs[g].clone(), comm, comm.num_groups)
+        for reducer in (quantized, float32):
+            reducer.reset_residual()  # nothing to forget: no error
+            assert reducer.take_residual() is None
+        return quantized.state_dict(), float32.state_dict()
+
+    for quantized_state, float_state in ThreadGroups(2).run(work):
+        assert quantized_state == {"residual": None, "sum_residual": None}
+        assert float_state == {}
 
 
 # ------------------------------------------------------------------------------------ float reducer, factory

@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 import lightning_fedshard
-from lightning_fedshard.core.elastic import ElasticCommunicator
+from lightning_fedshard.elastic import ElasticCommunicator
 from tests.toy import IndexedRegression, loss_fn, make_net
 
 STRATEGIES = {
@@ -139,7 +139,7 @@ class Recorder(L.Callback):
             {
                 "step": step,
                 "groups": stats.groups,
-                "members": list(trainer.strategy.federation.members),
+                "members": list(trainer.strategy.runtime.membership.members),
                 "joined": list(stats.joined_groups),
                 "lost": stats.lost,
                 "num_syncs": stats.num_syncs,

@@ -10,7 +10,7 @@ import torch
 from lightning_fedshard import Hierarchical, OuterSync
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.outer import SyncStats
+from lightning_fedshard.core.stats import SyncStats
 from lightning_fedshard.runtime import FederatedRuntime
 from tests.core.fake_comm import ThreadGroups
 

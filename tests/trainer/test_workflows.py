@@ -100,6 +100,18 @@ def test_a_mixing_with_the_default_reduce_dtype_ends_fit_on_the_groups_exact_mea
     assert line in (root / "logs" / "rank0.log").read_text()
 
 
+def test_sampled_participation_restarts_every_group_from_the_anchor_of_each_outer_step(root, ranks):
+    """`Sampled(2, outer_step=True)` on 4 one-rank groups: the outer step at steps 2 and 4 takes the sampled groups'
+    mean and every group restarts from it, so all groups agree right after the last step (no end-of-fit sync needed)."""
+    for seen in ranks:
+        run = seen["sampled"]
+        assert_close(run["before_end_of_fit"], ranks[0]["sampled"]["before_end_of_fit"], rtol=0, atol=0)
+        assert_close(run["after_fit"], run["before_end_of_fit"], rtol=0, atol=0)
+        assert run["syncs_after_fit"] == 2 and run["syncs_after_second_fit"] == 4  # outer steps, no mix
+    line = "outer step every 2 optimizer steps (fedavg), outer traffic float32, 2 sampled groups per outer step"
+    assert line in (root / "logs" / "rank0.log").read_text()
+
+
 def test_a_plain_strategy_resumes_the_consensus_of_a_federated_checkpoint(ranks):
     checkpoint = torch.load(ranks[0]["fl_fsdp"]["final_checkpoint"], weights_only=False)
     assert checkpoint["optimizer_states"] == []  # the inner optimizer states are per group, beside the consensus

@@ -15,7 +15,7 @@ import lightning as L
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lightning_fedshard import FLFSDPStrategy, Gossip, Hierarchical  # importing registers the strategy names
+from lightning_fedshard import FLFSDPStrategy, Gossip, Hierarchical, Sampled  # importing registers the strategy names
 
 NAMES = ("fl_fsdp", "fl_hsdp", "fl_fsdp2", "fl_hsdp2")
 #: The same workflow with sync options whose groups hold sums in flight or differ between syncs (sync_every=2).
@@ -24,6 +24,9 @@ VARIANTS = {
     "weights": lambda: FLFSDPStrategy(sync_every=2, reduce_dtype="sparse", error_feedback="weights"),
     "hierarchical": lambda: FLFSDPStrategy(num_groups=4, sync_every=2, outer_topology=Hierarchical({2: 2, 4: 4})),
     "gossip": lambda: FLFSDPStrategy(num_groups=4, sync_every=2, outer_topology=Gossip(peers=1)),  # reduce_dtype unset
+    "sampled": lambda: FLFSDPStrategy(
+        num_groups=4, sync_every=2, reduce_dtype="float32", outer_topology=Sampled(2, outer_step=True)
+    ),
 }
 
 

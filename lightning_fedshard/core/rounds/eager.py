@@ -1,0 +1,258 @@
+"""Eager updates (arXiv 2502.12996): each fragment's sum over the groups overlaps with the whole next round.
+
+With ``d_g`` group ``g``'s pseudo-gradient of the round that just ended (from where the group started it), ``m`` the
+mean over the groups of the previous round's, landing now, ``G`` the healthy groups and ``lr`` the fragment's outer
+learning rate, a fragment's sync is::
+
+    anchor = outer_optimizer.step(anchor, grad=m)      # every group alike: the anchor is the consensus
+    start  = anchor - lr * d_g / G                     # this group's own share of the sum now in flight
+    shards = start                                     # the next round starts there
+
+(``start = anchor - lr * d_g`` with ``eager_rule="local"``), and the mean of the ``d_g`` is summed in the background
+until the fragment's next sync. At the end of training every fragment lands its sum in flight and syncs what it
+trained since, at once; every group ends on the anchor. Nothing a group trains is thrown away.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_fedshard.core.fragments import landing_fragment
+from lightning_fedshard.core.norms import nbytes
+from lightning_fedshard.core.pending import PendingSync
+from lightning_fedshard.core.rounds.base import Host, Refusal, Round, drop
+from lightning_fedshard.core.stats import SyncStats
+
+
+class EagerRound(Round):
+    """Fragments whose sums land a whole round after they started (see the module's description).
+
+    Args:
+        federation: The federation this round syncs.
+        period: Optimizer steps between two syncs of one fragment.
+    """
+
+    refuses = {
+        "sync_delay": Refusal("eager updates already overlap each sum with a whole round", impossible=True),
+        "merge_alpha": Refusal("eager updates keep all local progress, there is nothing to merge", impossible=True),
+        "error_feedback_weights": Refusal("each group's start already differs from the anchor by its own share"),
+    }
+
+    def __init__(self, federation: Host, period: int) -> None:
+        super().__init__(federation)
+        self.period = period
+        self.rule = federation.config.eager_rule or "share"
+        self._sums: dict[int, PendingSync] = {}  # each fragment's sum in flight until its next sync
+        #: Per fragment, how far this group's start of the round lies below the anchor (flat, float32).
+        self.offsets: list[Tensor | None] = [None] * federation.config.fragments
+        self._blocked = 0.0  # seconds eager steps blocked the loop since the last one that landed a sum
+
+    @override
+    def is_due(self, step: int) -> bool:
+        due = landing_fragment(step, self.period, self.config.fragments) is not None
+        return due and step > self.federation.last_synced_step
+
+    @override
+    def after_step(self, step: int) -> SyncStats | None:
+        if not self.is_due(step):
+            return None
+        fragment = landing_fragment(step, self.period, self.config.fragments)
+        assert fragment is not None
+        stats, started = self.step(fragment, self._sums.pop(fragment, None), step)
+        assert started is not None  # only the end of training lands everything
+        self._sums[fragment] = started
+        self.federation.written()
+        self.federation.last_synced_step = self.federation.landed_at[fragment] = step
+        return None if stats is None else replace(stats, num_fragments=self.config.fragments)
+
+    @torch.no_grad()
+    def step(
+        self, fragment: int, pending: PendingSync | None, step: int | None = None, final: bool = False
+    ) -> tuple[SyncStats | None, PendingSync | None]:
+        """One eager update of a fragment: land the previous round's sum, start this round's; collective.
+
+        Args:
+            fragment: Which fragment.
+            pending: The fragment's sum started at its previous sync (``None`` at its first).
+            step: The optimizer step after which this runs.
+            final: Land everything now (no sum left in flight): every group ends on the anchor.
+
+        Returns:
+            The statistics of the sum that landed (``None`` if none did) and the sum now in flight (``None`` when
+            ``final``).
+
+        Raises:
+            NonFiniteOuterGradientError: As for the outer step, after the previous round's sum landed on the anchor
+                (the shards are left as they are).
+        """
+        outer = self.outer
+        clock = time.perf_counter()
+        if pending is not None:
+            self._detach_result(pending)  # the fragment's buffer is free again
+        taken = outer.pseudogradient(fragment, self.offsets[fragment])
+        own = None if final else self._own_copy(fragment, taken[0])  # before a sum in place overwrites the buffer
+        landed = outer.complete(pending, step=step, write=False) if pending is not None else None
+        started = outer.begin(fragment, step, background=not final, taken=taken)
+        if own is None:
+            final_stats = outer.complete(started, step=step)
+            self.offsets[fragment] = None
+            return final_stats if landed is None else _both(landed, final_stats), None
+        self._start_from_own_share(fragment, own, started)
+        # The loop was blocked for all of this call; a call that landed nothing hands its time to the next landing.
+        self._blocked += time.perf_counter() - clock
+        if landed is None:
+            return None, started
+        blocked, self._blocked = self._blocked, 0.0
+        return replace(landed, exposed_seconds=blocked), started
+
+    @override
+    def finish(self, step: int) -> list[SyncStats]:
+        """Every fragment lands its sum in flight; those that trained since it started also sync what they did.
+
+        The final sums run in this thread over the ring the background sums use, so every sum in flight is awaited
+        first.
+        """
+        for in_flight in self.in_flight():
+            in_flight.result()
+        synced = []
+        for fragment in range(self.config.fragments):
+            pending = self._sums.pop(fragment, None)
+            if self.federation.landed_at[fragment] == step:
+                stats = self._settle(fragment, pending, step)
+            else:
+                stats, _ = self.step(fragment, pending, step, final=True)
+                self.federation.landed_at[fragment] = step
+            if stats is not None:
+                synced.append(stats)
+        self.federation.written()
+        self.federation.last_synced_step = step
+        return synced
+
+    def _settle(self, fragment: int, pending: PendingSync | None, step: int) -> SyncStats | None:
+        """Land a sum in flight and put every group on the anchor, with nothing trained since it started."""
+        stats = self.outer.complete(pending, step=step, write=False) if pending is not None else None
+        self.outer.copy_anchor_to_shards(fragment)
+        self.offsets[fragment] = None
+        return stats
+
+    @override
+    def load_consensus(self) -> None:
+        """Each fragment's anchor as it will be once its sum in flight has landed.
+
+        A fragment's sum lands a round after it started, so the anchor alone lags the groups by a round; the consensus
+        that validation sees includes every round trained so far. Waits for the sums (collective, in start order).
+        """
+        outer = self.outer
+        outer.copy_anchor_to_shards()
+        for pending in self.in_flight():
+            pending.result()
+        for fragment in sorted(self._sums):
+            for i, anchor in zip(outer.fragments[fragment], self.projected_anchor(self._sums[fragment])):
+                outer.shards[i].copy_(anchor)
+
+    @torch.no_grad()
+    def projected_anchor(self, pending: PendingSync) -> list[Tensor]:
+        """The fragment's anchor once ``pending``'s sum has landed, computed on copies (nothing changes here).
+
+        Waits for the sum. The fragment's outer optimizer steps a copy of the anchor from a copy of its state.
+        """
+        outer = self.outer
+        mean = pending.result() / pending.contributors
+        anchors = [outer.anchor[i].detach().clone().requires_grad_(True) for i in outer.fragments[pending.fragment]]
+        optimizer = outer.optimizers[pending.fragment]
+        trial = type(optimizer)(anchors, **optimizer.defaults)
+        trial.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        offset = 0
+        for anchor in anchors:
+            anchor.grad = mean[offset : offset + anchor.numel()].view_as(anchor).to(anchor.device, anchor.dtype)
+            offset += anchor.numel()
+        trial.step()
+        return [a.detach() for a in anchors]
+
+    def _detach_result(self, pending: PendingSync) -> None:
+        """Wait for ``pending``'s sum and make sure it does not live in the fragment's buffer (summed in place)."""
+        result = pending.result()
+        buffer = self.outer.flat_buffer(pending.fragment)
+        if buffer is not None and result.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+            pending._result = result.clone()
+
+    def _own_copy(self, fragment: int, local: Tensor) -> Tensor:
+        """A float32 copy of this group's pseudo-gradient, where the anchor lives."""
+        device = self.outer.anchor[self.outer.fragments[fragment][0]].device
+        return local.to(device=device, dtype=torch.float32, copy=True)
+
+    def _start_from_own_share(self, fragment: int, offset: Tensor, pending: PendingSync) -> None:
+        """Write ``anchor - lr * d_g / G`` (or ``lr * d_g``) into the fragment's shards and keep the offset.
+
+        ``offset`` holds ``d_g`` on the way in.
+        """
+        outer = self.outer
+        if pending.absent(outer.communicator.group_index):
+            offset.zero_()  # a skipped group adds nothing to the sum and restarts from the anchor
+        weight = 1.0 / pending.contributors if self.rule == "share" else 1.0
+        offset.mul_(float(outer.optimizers[fragment].param_groups[0]["lr"]) * weight)
+        self.offsets[fragment] = offset
+        start = 0
+        for i in outer.fragments[fragment]:
+            shard, anchor = outer.shards[i], outer.anchor[i]
+            part = offset[start : start + anchor.numel()].view_as(anchor)
+            shard.copy_((anchor - part).to(shard.device, non_blocking=True))
+            start += anchor.numel()
+
+    @override
+    def in_flight(self) -> list[PendingSync]:
+        return sorted(self._sums.values(), key=lambda p: (p.started_at or 0, p.fragment))
+
+    @override
+    def forget_in_flight(self) -> None:
+        for fragment in sorted(self._sums):
+            drop(self._sums.pop(fragment))
+
+    @property
+    def sums(self) -> dict[int, PendingSync]:
+        """Each fragment's sum in flight, by fragment."""
+        return self._sums
+
+    @override
+    def restart_from_anchor(self) -> None:
+        self.offsets = [None] * len(self.offsets)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"eager": {f: self._sums[f].state_dict() for f in sorted(self._sums)}}
+
+    @override
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        device = self.outer.shards[0].device
+        self._sums = {int(f): PendingSync.from_state_dict(s, device) for f, s in state.get("eager", {}).items()}
+
+    @override
+    def group_state_dict(self) -> dict[str, Any]:
+        return {"offsets": [None if o is None else o.detach().clone() for o in self.offsets]}
+
+    @override
+    def load_group_state_dict(self, state: dict[str, Any]) -> None:
+        outer = self.outer
+        for fragment, offset in enumerate(state.get("offsets", [None] * len(self.offsets))):
+            device = outer.anchor[outer.fragments[fragment][0]].device
+            self.offsets[fragment] = None if offset is None else offset.to(device, torch.float32, copy=True)
+
+    @override
+    def state_nbytes(self) -> dict[str, int]:
+        return {"eager_offsets": nbytes(self.offsets)}
+
+
+def _both(first: SyncStats, second: SyncStats) -> SyncStats:
+    """One record for two syncs of a fragment in a row: the second's norms, both's bytes and seconds."""
+    return replace(
+        second,
+        bytes_sent=first.bytes_sent + second.bytes_sent,
+        exposed_seconds=first.exposed_seconds + second.exposed_seconds,
+    )

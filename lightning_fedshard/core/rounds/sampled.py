@@ -1,0 +1,52 @@
+"""Sampled participation (FedAvg, Photon): the outer step on the mean of the groups sampled for the round.
+
+Every group trains every step; at each landing only the groups that ``Sampled(..., outer_step=True)`` samples for the
+landing's round add their pseudo-gradient, the others take part in the collective with zeros (they are *idle*), and
+the mean divides by the sampled groups. The anchor takes the outer step (any outer optimizer) on that mean and every
+group, sampled or not, restarts from the new anchor, exactly as in the plain round: fragments, ``sync_delay`` and
+``merge_alpha`` work as there.
+
+The landing after optimizer step ``s`` belongs to round ``(s - 1) // sync_every``: with one fragment round ``r`` lands
+after step ``(r + 1) sync_every``; with ``P`` fragments the ``P`` landings of one ``sync_every``-step period share the
+round's sample. With ``sync_delay`` a sum starts before its landing and already leaves out the groups of the landing's
+round. The end of training takes the plain round's final outer step on every group, so the run ends on the consensus.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from typing_extensions import override
+
+from lightning_fedshard.core.outer_topology import Sampled
+from lightning_fedshard.core.rounds.base import Host, Refusal
+from lightning_fedshard.core.rounds.plain import PlainRound
+
+
+class SampledRound(PlainRound):
+    """The plain round whose landings take the mean over the round's sampled groups only (see the module).
+
+    Args:
+        federation: The federation this round syncs.
+        topology: The sampling schedule (``Sampled(..., outer_step=True)``).
+        period: Optimizer steps between two landings of one fragment (``sync_every``): the length of a round.
+    """
+
+    refuses: ClassVar[dict[str, Refusal]] = {
+        "eager_updates": Refusal("eager updates share each group's part of a mean that a sample would leave out"),
+    }
+
+    def __init__(self, federation: Host, topology: Sampled, period: int) -> None:
+        super().__init__(federation, period)
+        self.topology = topology
+
+    def round_of(self, landing: int) -> int:
+        """The round of the landing after optimizer step ``landing``: ``(landing - 1) // period``."""
+        return (landing - 1) // self.period
+
+    @override
+    def idle(self, landing: int) -> tuple[int, ...]:
+        """The groups that the landing's round did not sample."""
+        groups = self.federation.communicator.participants()
+        chosen = set(self.topology.sample(self.round_of(landing), len(groups)))
+        return tuple(g for g in groups if g not in chosen)

@@ -1,0 +1,155 @@
+"""A hierarchical round: sites of groups average their weights often, the whole federation takes the outer step.
+
+At a step the largest period of ``Hierarchical(levels)`` that divides it decides: a level below the whole federation
+replaces every group's weights by the plain float32 mean over its site (no outer step: the anchor and the outer
+optimizer are the federation's), and the level that spans every group is the federation's own round, run by the
+round inside (plain: fragments, ``sync_delay``, ``merge_alpha``) with the largest period as its period. When both
+fall on one step the federation's landing comes first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from typing_extensions import override
+
+from lightning_fedshard.core.nonfinite import NonFiniteOuterGradientError
+from lightning_fedshard.core.outer_topology import Hierarchical
+from lightning_fedshard.core.pending import PendingSync
+from lightning_fedshard.core.rounds.averaging import (
+    apply_weights,
+    flat_weights,
+    load_mean_over_groups,
+    mean_bytes,
+    weights_sync_stats,
+)
+from lightning_fedshard.core.rounds.base import Host, Refusal, Round, combined
+from lightning_fedshard.core.stats import SyncStats
+
+if TYPE_CHECKING:
+    from lightning_fedshard.core.outer import OuterStep
+
+
+class HierarchicalRound(Round):
+    """Site syncs at the smaller periods around the federation's round at the largest (see the module).
+
+    Args:
+        federation: The federation this round syncs.
+        topology: The sites and their periods.
+        inner: The federation's round at the largest period.
+    """
+
+    refuses = {
+        "eager_updates": Refusal("a site sync would have to average each group's share of the sum in flight too"),
+        "error_feedback_weights": Refusal("a site sync would average away the residuals each group keeps"),
+    }
+
+    def __init__(self, federation: Host, topology: Hierarchical, inner: Round) -> None:
+        super().__init__(federation)
+        self.topology = topology
+        self.inner = inner
+
+    @override
+    def is_due(self, step: int) -> bool:
+        return self._site_size(step) is not None or self.inner.is_due(step)
+
+    def _site_size(self, step: int) -> int | None:
+        size = self.topology.block_size(step)
+        groups = len(self.federation.communicator.participants())
+        return size if size is not None and size < groups else None
+
+    @override
+    def after_step(self, step: int) -> SyncStats | None:
+        stats = [s for s in (self.inner.after_step(step),) if s is not None]
+        size = self._site_size(step)
+        if size is not None:
+            groups = len(self.federation.communicator.participants())
+            stats.append(average_in_site(self.outer, size, self.topology.blocks(size, groups), step=step))
+            self.federation.written()
+        return combined(stats, self.config.fragments) if len(stats) > 1 else (stats[0] if stats else None)
+
+    @override
+    def finish(self, step: int) -> list[SyncStats]:
+        return self.inner.finish(step)
+
+    @override
+    def load_consensus(self) -> None:
+        """The exact mean over all groups of their current weights, which a site sync does not change."""
+        load_mean_over_groups(self.federation)
+
+    @override
+    def in_flight(self) -> list[PendingSync]:
+        return self.inner.in_flight()
+
+    @override
+    def forget_in_flight(self) -> None:
+        self.inner.forget_in_flight()
+
+    @override
+    def restart_from_anchor(self) -> None:
+        self.inner.restart_from_anchor()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    @override
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    @override
+    def group_state_dict(self) -> dict[str, Any]:
+        return self.inner.group_state_dict()
+
+    @override
+    def load_group_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_group_state_dict(state)
+
+    @override
+    def state_nbytes(self) -> dict[str, int]:
+        return self.inner.state_nbytes()
+
+
+@torch.no_grad()
+def average_in_site(
+    outer: OuterStep, size: int, blocks: Sequence[Sequence[int]] | None = None, step: int | None = None
+) -> SyncStats:
+    """Replace every shard by its plain mean over this group's block of ``size`` groups; collective.
+
+    Float32, one all-reduce over the block, no outer step. Before anything is written every group learns which groups
+    hold NaN/Inf weights, over the fed ring as the outer step does: ``on_nonfinite="raise"`` then raises in every
+    group; ``"skip_group"`` leaves a broken group out of its site's mean (the site divides by its healthy groups), and
+    the broken group takes that mean too.
+
+    Args:
+        outer: The outer step whose shards average.
+        size: Groups per block.
+        blocks: Every block of ``size`` groups (the communicator's sites); default: consecutive groups.
+        step: The optimizer step this sync follows (for messages).
+
+    Raises:
+        NonFiniteOuterGradientError: If a group's weights hold NaN/Inf and ``on_nonfinite="raise"``, or every group of
+            a site's do. No group's weights were changed then.
+    """
+    start = time.perf_counter()
+    communicator = outer.communicator
+    groups = communicator.participants()
+    if blocks is None:
+        blocks = [groups[i : i + size] for i in range(0, len(groups), size)]
+    flat = flat_weights(outer.shards)
+    broken = outer.nonfinite_groups(flat, groups, step, "site sync")
+    stranded = [g for block in blocks if set(block) <= set(broken) for g in block]
+    if stranded:
+        raise NonFiniteOuterGradientError(stranded, outer.num_syncs, step, "site sync", outer.on_nonfinite)
+    (site,) = [block for block in blocks if communicator.group_index in block]
+    if communicator.group_index in broken:
+        flat.zero_()  # adds nothing to its site's sum
+    communicator.sum_over_site(flat, size)
+    flat.div_(sum(1 for g in site if g not in broken))
+    norm, drift = apply_weights(outer, flat, broken, len(groups))
+    seconds = time.perf_counter() - start
+    sent = mean_bytes(flat.numel(), size)
+    return weights_sync_stats(outer, norm, drift, sent, seconds, broken, kind="site sync", site_size=size)

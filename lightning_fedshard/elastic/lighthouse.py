@@ -1,0 +1,95 @@
+"""What a lighthouse's status page tells before a group joins: the federations it serves and whether one trained.
+
+torchft's lighthouse has no API to list its replicas; its status page (``/status``) shows every replica that
+heartbeats and the members of its last quorum with their steps. A group reads it once before its first quorum.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+#: A heartbeat line of the lighthouse's status page: ``<federation>_<group>:<uuid>: seen <seconds>s ago``.
+HEARTBEAT = re.compile(r"^\s*([A-Za-z0-9.\-]+)_(\d+):[0-9a-f\-]{36}: seen ([0-9.e\-]+)s ago", re.MULTILINE)
+#: A heartbeat entry with the lighthouse's own verdict: ``old`` once it is older than its heartbeat timeout.
+_HEARTBEAT_ENTRY = re.compile(r'class="heartbeat\s*(old)?\s*">\s*([A-Za-z0-9.\-]+)_(\d+):[0-9a-f\-]{36}: seen')
+#: A member of the lighthouse's last quorum: its replica id and its step (the syncs it had committed).
+_QUORUM_MEMBER = re.compile(r"<b>\s*([A-Za-z0-9.\-]+)_(\d+):[0-9a-f\-]{36}\s*</b>\s*<br/>\s*Step:\s*(\d+)")
+
+
+def status_page(address: str, timeout: float = 5.0) -> str:
+    """The lighthouse's status page (torchft has no other way to list its replicas); empty if it cannot be read."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{address.rstrip('/')}/status", timeout=timeout) as response:
+            return str(response.read().decode(errors="replace"))
+    except (OSError, ValueError):
+        return ""
+
+
+def federations_on(page: str, recent: float = 10.0) -> dict[str, set[int]]:
+    """The federations whose groups heartbeat to the lighthouse (seen in the last ``recent`` s), from its page."""
+    found: dict[str, set[int]] = {}
+    for name, group, age in HEARTBEAT.findall(page):
+        if float(age) <= recent:
+            found.setdefault(name, set()).add(int(group))
+    return found
+
+
+@dataclass(frozen=True)
+class TrainedFederation:
+    """A federation that committed syncs on a lighthouse, as its status page shows it (the lighthouse's memory)."""
+
+    name: str
+    #: The syncs its groups had committed at the lighthouse's last quorum (torchft's step).
+    syncs: int
+    #: The groups of that quorum.
+    groups: tuple[int, ...]
+    #: Its groups that still heartbeat (the lighthouse does not count them as gone).
+    alive: tuple[int, ...]
+
+
+def trained_federation(page: str, federation: str) -> TrainedFederation | None:
+    """``federation`` if the last quorum on the lighthouse (its status ``page``) had its groups past step 0."""
+    members = [(int(group), int(step)) for name, group, step in _QUORUM_MEMBER.findall(page) if name == federation]
+    syncs = max((step for _, step in members), default=0)
+    if syncs == 0:
+        return None
+    alive = {int(group) for old, name, group in _HEARTBEAT_ENTRY.findall(page) if name == federation and not old}
+    return TrainedFederation(federation, syncs, tuple(sorted({g for g, _ in members})), tuple(sorted(alive)))
+
+
+def second_start(trained: TrainedFederation, group: int, address: str, when: str) -> str:
+    """Why a job that holds no state of ``trained`` must not start it again from step 0 on the same lighthouse."""
+    return (
+        f"This job (elastic group {group}) was refused: federation {trained.name!r} already trained on the lighthouse"
+        f" at {address} (groups {list(trained.groups)} had committed {trained.syncs} sync(s) at its last quorum) and"
+        f" {when}: this job would silently start a second federation {trained.name!r} from step 0 on fresh weights."
+        " To train a new federation, start a new lighthouse or give it another name (`Elastic(federation=...)`);"
+        " to go on with this one, restart its groups from their checkpoints."
+    )
+
+
+def reachable(address: str, timeout: float = 2.0) -> bool:
+    """Whether something listens at ``address`` (``http://host:port``)."""
+    import socket
+
+    parsed = urlparse(address if "://" in address else f"http://{address}")
+    try:
+        with socket.create_connection((parsed.hostname or "localhost", parsed.port or 29510), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+__all__ = [
+    "HEARTBEAT",
+    "TrainedFederation",
+    "federations_on",
+    "reachable",
+    "second_start",
+    "status_page",
+    "trained_federation",
+]

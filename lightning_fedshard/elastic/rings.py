@@ -1,0 +1,124 @@
+"""The fed rings of an elastic group: torchft's reconfigurable process groups, rebuilt at every change of groups.
+
+Each rank meets the ranks at its in-group position in every group of a quorum on two rings: one for the sums of a
+sync, and one beside it for the training thread's statistics (so that they never queue behind a sum in flight).
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+
+def sum_options() -> Any:
+    """Options of an all-reduce that sums (torchft's process groups take the options object)."""
+    from torch.distributed.distributed_c10d import AllreduceOptions
+
+    options = AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stubs type the field as ReduceOp
+    return options
+
+
+def gather_options() -> Any:
+    """Options of an all-gather."""
+    from torch.distributed.distributed_c10d import AllgatherOptions
+
+    return AllgatherOptions()
+
+
+def fed_rings(timeout: timedelta) -> Any:
+    """Torchft's reconfigurable gloo group for the sums, with a second ring for statistics configured beside it."""
+    from torchft.process_group import ProcessGroupGloo
+
+    class FedRings(ProcessGroupGloo):
+        """The fed ring of one in-group position; ``stats`` is the same ring for the training thread's statistics."""
+
+        def __init__(self) -> None:
+            super().__init__(timeout=timeout)
+            self.stats = ProcessGroupGloo(timeout=timeout)
+            self.members: tuple[int, ...] = ()
+            self.quorum_id: int | None = None
+            self.max_step = 0  # of the last quorum (set by QuorumRecorder)
+            self.heal_source: int | None = None  # the group this rank heals from at the last quorum, if it does
+            self._built: tuple[int | None, tuple[int, ...]] | None = None  # the quorum id and groups of the ring
+            self._deferred: tuple[str, tuple[Any, ...]] | None = None
+
+        def configure(
+            self,
+            store_addr: str,
+            replica_id: str,
+            rank: int,
+            world_size: int,
+            quorum_id: int | None = None,
+            group_rank: int | None = None,
+            group_world_size: int | None = None,
+            global_ranks: list[int] | None = None,
+        ) -> None:
+            args = (replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks)
+            # torchft numbers the ranks of a quorum (group index) * (ranks per group) + (rank in the group), in ring
+            # order, from the trailing digits of each replica id ("<federation>_<group>").
+            size, position = group_world_size or 1, group_rank or 0
+            members = tuple((r - position) // size for r in (global_ranks or [0]))
+            self.members, self.quorum_id = members, quorum_id
+            # Every member of a quorum sees the same step: the rendezvous differs from an earlier ring's with the same
+            # id (a restarted lighthouse counts ids from the start).
+            build = (f"{store_addr}/{self.max_step}", args)
+            if self._built == (quorum_id, members):
+                return  # this quorum's ring is built already (a restarted lighthouse gave out its id again)
+            built_id = self._built[0] if self._built is not None else None
+            if built_id is not None and quorum_id is not None and quorum_id < built_id:
+                if set(members) < set(self._built[1]):  # type: ignore[index]
+                    # A restarted lighthouse answered before every group of the last ring reconnected: keep that
+                    # ring until they are back (the communicator asks again) or given up for (build_deferred).
+                    self._deferred = build
+                    return
+            self._build(*build)
+
+        def _build(self, prefix: str, args: tuple[Any, ...]) -> None:
+            super().configure(f"{prefix}/sums", *args)
+            self.stats.configure(f"{prefix}/stats", *args)
+            self._built, self._deferred = (args[3], self.members), None
+
+        def build_deferred(self) -> None:
+            """Build the ring of the last quorum, if it was held back."""
+            if self._deferred is not None:
+                self._build(*self._deferred)
+
+        def errored(self) -> Exception | None:
+            return super().errored() or self.stats.errored()
+
+    return FedRings()
+
+
+def _heal_source(quorum: Any) -> int | None:
+    """The group a rank heals from in torchft's answer to its quorum, if it heals.
+
+    The answer lists the quorum's replica ids in replica-rank order (torchft sorts them); the source is one of them.
+    """
+    source, replicas = getattr(quorum, "recover_src_replica_rank", None), getattr(quorum, "replica_ids", None)
+    if not getattr(quorum, "heal", False) or source is None or not replicas or not 0 <= source < len(replicas):
+        return None
+    match = re.search(r"(\d+)$", str(replicas[source]).split(":")[0])
+    return int(match.group(1)) if match else None
+
+
+class QuorumRecorder:
+    """torchft's manager client, recording each quorum's step on the rings before they are built."""
+
+    def __init__(self, client: Any, rings: Any) -> None:
+        self._client, self._rings = client, rings
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._client._quorum(*args, **kwargs)
+        self._rings.max_step = int(result.max_step)
+        self._rings.heal_source = _heal_source(result)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+__all__ = ["QuorumRecorder", "fed_rings", "gather_options", "sum_options"]
