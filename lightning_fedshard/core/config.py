@@ -213,7 +213,7 @@ class FederationConfig:
     def _check_outer_topology(self) -> None:
         """Refuse error feedback under a mixing outer topology, which runs in float32 (nothing to keep)."""
         topology = resolve_outer_topology(self.outer_topology)
-        if isinstance(topology, Mixing) and self.codec.exact and self.error_feedback not in (None, False):
+        if self.mixing is not None and self.codec.exact and self.error_feedback not in (None, False):
             raise ValueError(
                 f"`outer_topology={topology!r}` runs in float32, which drops nothing for"
                 f" `error_feedback={self.error_feedback!r}` to keep. Leave `error_feedback` unset."

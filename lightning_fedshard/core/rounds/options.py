@@ -19,6 +19,7 @@ from lightning_fedshard.core.rounds.base import Refusal
 from lightning_fedshard.core.rounds.eager import EagerRound
 from lightning_fedshard.core.rounds.mixing import MixingRound
 from lightning_fedshard.core.rounds.plain import FEEDBACK_IN_WEIGHTS_REFUSES
+from lightning_fedshard.core.rounds.sampled import SampledRound
 from lightning_fedshard.core.rounds.sites import HierarchicalRound
 
 #: A :class:`~lightning_fedshard.core.config.FederationConfig` (which imports this module, so it is not imported here).
@@ -51,9 +52,14 @@ def _topology(config: Config) -> Any:
 def _is_mixing(cls: type) -> Callable[[Config], bool]:
     def is_set(config: Config) -> bool:
         topology = _topology(config)
-        return isinstance(topology, Mixing) and isinstance(topology, cls) and _mixing_kind(topology) is cls
+        return isinstance(topology, Mixing) and config.mixing is not None and _mixing_kind(topology) is cls
 
     return is_set
+
+
+def _samples_outer_steps(config: Config) -> bool:
+    topology = _topology(config)
+    return isinstance(topology, Sampled) and topology.outer_step
 
 
 def _mixing_kind(topology: Mixing) -> type:
@@ -90,6 +96,13 @@ SWITCHES: tuple[Switch, ...] = (
     ),
     Switch("gossip", "Gossip", _is_mixing(Gossip), _given("outer_topology"), "use `outer_topology='all'`"),
     Switch("sampled", "Sampled", _is_mixing(Sampled), _given("outer_topology"), "use `outer_topology='all'`"),
+    Switch(
+        "sampled_outer_step",
+        "Sampled(outer_step=True)",
+        _samples_outer_steps,
+        _given("outer_topology"),
+        "use `outer_topology='all'`",
+    ),
     Switch("mixing", "Mixing", _is_mixing(Mixing), _given("outer_topology"), "use `outer_topology='all'`"),
     Switch(
         "elastic",
@@ -135,12 +148,13 @@ MODES: Mapping[str, Mapping[str, Refusal]] = {
     "gossip": MixingRound.refuses,
     "sampled": MixingRound.refuses,
     "mixing": MixingRound.refuses,
+    "sampled_outer_step": SampledRound.refuses,
     "elastic": Elastic.refuses,
     "error_feedback_weights": FEEDBACK_IN_WEIGHTS_REFUSES,
 }
 
 #: Switches that are alternatives of one option: never set together, so not a pair of the table.
-ALTERNATIVES: tuple[frozenset[str], ...] = (frozenset({"hierarchical", "gossip", "sampled", "mixing"}),)
+ALTERNATIVES: tuple[frozenset[str], ...] = (frozenset({"hierarchical", "gossip", "sampled", "sampled_outer_step", "mixing"}),)
 
 
 def refusal(a: str, b: str) -> tuple[str, Refusal] | None:
