@@ -120,7 +120,11 @@ def federate(
             synchronous outer step, its outer optimizer stepping twice at ``T``) or ``"reset"`` (no second outer
             step: its groups are reset to the anchor of the landing at ``T``, i.e. the last merge is skipped).
         eager: eager updates instead (see `_federate_eager`; no delay, no merge).
-        hierarchical: ``{period: groups}``: a hierarchical outer topology instead (see `_federate_hierarchical`).
+        hierarchical: ``{period: groups}``: a hierarchical outer topology (see `_federate_hierarchical`). With
+            fragments, a delay or a merge the federation's schedule above runs with the largest period as ``H``
+            (``sync_every`` is ignored), and after every step, once that step's landing (if any) is done, the sites of
+            the level that decides the step (if it is below the whole federation) replace their weights by their plain
+            mean (see `_site_means`).
         sites: with ``hierarchical``, the groups of each site, when they are not consecutive.
         mixing: ``round -> G x G`` matrix: a mixing outer topology instead (see `_federate_mixing`; ``"fedavg"``).
         participants: ``round -> group indices``: sampled participation. The landing after step ``s`` belongs to round
@@ -134,8 +138,11 @@ def federate(
         order.
     """
     parts = _check_fragments(list(initial), fragments)
+    streaming = len(parts) > 1 or sync_delay or merge_alpha
+    if hierarchical is not None and streaming:
+        sync_every = max(hierarchical)
     every = _check_schedule(sync_every, len(parts), sync_delay, merge_alpha, final_landing)
-    if hierarchical is not None:
+    if hierarchical is not None and not streaming:
         return _federate_hierarchical(initial, groups, hierarchical, outer, max_steps, sites)
     if mixing is not None:
         return _federate_mixing(initial, groups, mixing, every, outer, max_steps)
@@ -169,6 +176,8 @@ def federate(
             for g in groups:
                 g.load(_merge(anchor, g.weights(), keys, merge_alpha))
             anchors[done] = _copy(anchor)
+        if hierarchical is not None:
+            _site_means(groups, hierarchical, sites, done)
     # End of training: reductions still in flight are dropped; every fragment whose groups may not hold its anchor
     # takes one synchronous outer step on its current pseudo-gradient and every group restarts from the result.
     if max_steps > 0:
@@ -200,6 +209,21 @@ def _everyone_meets(
     for g in groups:
         g.load(_copy(anchor))
     anchors[step] = _copy(anchor)
+
+
+def _site_means(groups: Sequence[Group], levels: dict[int, int], sites: list[list[int]] | None, done: int) -> None:
+    """After step ``done``: if the largest period of ``levels`` dividing it averages fewer than all groups, every block
+    of that many groups (consecutive in the order ``sites`` lists them) takes its plain mean."""
+    due = [period for period in levels if done % period == 0]
+    if not due or levels[max(due)] >= len(groups):
+        return
+    size = levels[max(due)]
+    order = [g for site in sites for g in site] if sites else list(range(len(groups)))
+    for start in range(0, len(groups), size):
+        block = [groups[g] for g in order[start : start + size]]
+        mean = {k: torch.stack([g.weights()[k] for g in block]).mean(0) for k in block[0].weights()}
+        for g in block:
+            g.load({k: v.clone() for k, v in mean.items()})
 
 
 def _federate_hierarchical(

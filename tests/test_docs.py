@@ -191,3 +191,15 @@ def test_getting_started_sync_bytes_are_the_byte_formula_of_the_example():
     column = header.index("fedshard/sync_bytes")
     logged = {float(row[column]) for row in rows if row[column]}
     assert logged == {float(int4.wire_bytes(part, groups))}
+
+
+def test_the_compatibility_table_in_the_docs_is_the_one_the_modes_declare():
+    from lightning_fedshard.core.rounds.options import compatibility_table
+
+    text = _read("docs/configuration.md")
+    start = text.index("<!-- compatibility table: begin -->\n") + len("<!-- compatibility table: begin -->\n")
+    end = text.index("<!-- compatibility table: end -->")
+    assert text[start:end] == compatibility_table(), (
+        "regenerate the table in docs/configuration.md from"
+        " `lightning_fedshard.core.rounds.options.compatibility_table()`"
+    )

@@ -104,8 +104,7 @@ class FederationConfig:
             groups' weights is exactly float32 averaging's and they differ only by what they have not sent yet;
             validation, checkpoints' consensus and the end of training take that mean with one float32 all-reduce.
             With ``"sparse"`` it measured better than the buffer over a few syncs and worse over many (see
-            docs/configuration.md, "Error feedback in the weights"); excludes ``eager_updates``, ``merge_alpha``,
-            outer topologies other than ``"all"`` and ``elastic``.
+            docs/configuration.md, "Error feedback in the weights").
         anchor_device: Where the anchor (float32) and the outer optimizer state live: ``"cpu"`` (default; host
             memory, the accelerator pays nothing) or ``"device"`` (next to the model's shards).
         on_nonfinite: What a sync does when a group's pseudo-gradient holds NaN/Inf. ``"raise"`` (default): stop
@@ -115,23 +114,23 @@ class FederationConfig:
         fragments: Streaming fragments ``P`` (default 1: the whole model syncs at once). The model's FSDP units, in
             module order, are cut into ``P`` contiguous fragments balanced by size, each with its own outer
             optimizer; one fragment lands every ``sync_every / P`` optimizer steps, in turn, so every fragment still
-            syncs every ``sync_every`` steps but one sync moves about ``1 / P`` of the model. ``sync_every`` must be
-            divisible by it, and the model needs at least ``P`` FSDP units (the DiLoCo of PyTorch's
-            fault-tolerance library takes a list of model fragments instead).
+            syncs every ``sync_every`` steps but one sync moves about ``1 / P`` of the model (with a hierarchical
+            topology: its largest period instead of ``sync_every``). That period must be divisible by it, and the model
+            needs at least ``P`` FSDP units (the DiLoCo of PyTorch's fault-tolerance library takes a list of model
+            fragments instead).
         sync_delay: Optimizer steps that a fragment's sum over the groups may overlap with training (default 0):
             the pseudo-gradient is taken after step ``s - sync_delay``, summed in the background, and applied after
             step ``s``. ``0 <= sync_delay < sync_every / fragments``. That library's ``fragment_sync_delay``.
         merge_alpha: After a fragment lands, each group's weights of it become
             ``anchor + merge_alpha * (local - anchor)`` (default 0.0: restart from the new anchor); in ``[0, 1]``.
-            That library's ``fragment_update_alpha``. Only with ``outer_topology="all"``.
+            That library's ``fragment_update_alpha``.
         eager_updates: Overlap each fragment's sum over the groups with the whole next round (default ``False``):
             at a sync every group lands the mean that was summed during the round that just ended, starts summing its
             new pseudo-gradient ``d_g``, and restarts from ``anchor - lr * d_g / G``, its own share of that mean
             applied at once (``True`` or ``"share"``: the eager updates of arXiv 2502.12996; ``lr`` the outer
             learning rate), or from ``anchor - lr * d_g`` (``"local"``: its own pseudo-gradient stands in for the
             whole mean until the mean lands). The anchor and the outer optimizer stay identical in every group;
-            nothing a group trains is thrown away. Excludes ``sync_delay`` and ``merge_alpha``. See
-            docs/configuration.md, "Eager updates".
+            nothing a group trains is thrown away. See docs/configuration.md, "Eager updates".
         elastic: Run each federation group as a job of its own, joined to the others through a lighthouse:
             groups may fail, be replaced and join while the others train (``lightning_fedshard.Elastic(lighthouse=...,
             group=...)``; needs ``pip install lightning-fedshard[elastic]``; see docs/elastic.md). ``num_groups`` is
@@ -141,21 +140,23 @@ class FederationConfig:
             ``lightning_fedshard.Hierarchical(levels={8: 2, 32: 4})``: blocks of consecutive groups (sites) average
             their weights at the smaller periods, the whole federation takes the outer step at the largest (see
             docs/configuration.md, "Outer topology"). Hierarchical levels below the federation are summed in float32;
-            they exclude ``fragments > 1``, ``sync_delay`` and ``eager_updates``. Or a mixing (``Gossip(peers=1)``,
-            ``Sampled(groups_per_round=k)``, ``Mixing(matrix)``): every ``sync_every`` steps each group takes a
-            doubly-stochastic mix of the groups' weights (plain means: ``outer_optimizer="fedavg"``; float32:
-            ``reduce_dtype`` unset or ``"float32"``). Topologies other than ``"all"`` exclude ``merge_alpha``.
+            the federation's own round (fragments, ``sync_delay``, ``merge_alpha``) runs at the largest period. Or a
+            mixing (``Gossip(peers=1)``, ``Sampled(groups_per_round=k)``, ``Mixing(matrix)``): every ``sync_every``
+            steps each group takes a doubly-stochastic mix of the groups' weights (plain means:
+            ``outer_optimizer="fedavg"``; float32: ``reduce_dtype`` unset or ``"float32"``).
+            ``Sampled(groups_per_round=k, outer_step=True)`` instead takes the outer step on the sampled groups' mean.
+
+            Which of these options compose is declared by each sync mode and listed in
+            docs/configuration.md, "Which options compose"; a pair that does not is refused in the constructor.
 
     Raises:
         ValueError: For a non-positive ``num_groups``, ``shard_size`` or ``sync_every``, an unknown outer optimizer
             name, an outer optimizer factory that does not return an optimizer, an unknown reduce dtype, anchor device
-            or ``on_nonfinite`` policy, ``sync_every`` not divisible by ``fragments``, ``sync_delay`` outside ``[0,
-            sync_every / fragments)``, ``merge_alpha`` outside ``[0, 1]``, ``quant_block_size < 1``, a
+            or ``on_nonfinite`` policy, the outer period not divisible by ``fragments``, ``sync_delay`` outside ``[0,
+            period / fragments)``, ``merge_alpha`` outside ``[0, 1]``, ``quant_block_size < 1``, a
             ``quant_block_size`` with a codec that does not use it (``"sparse"``, a codec object),
             ``error_feedback=False`` with ``"sparse"``, ``error_feedback=True`` or ``"weights"`` with a float
-            ``reduce_dtype``, ``"weights"`` with an option it excludes, ``eager_updates`` with ``sync_delay`` or
-            ``merge_alpha``, an outer topology other than ``"all"`` with ``merge_alpha``, or a mixing outer topology
-            with a ``reduce_dtype`` other than float32 or with ``error_feedback``.
+            ``reduce_dtype``, error feedback with a mixing, or two options that do not compose (see above).
     """
 
     num_groups: int | None = None
@@ -360,7 +361,7 @@ class FederationConfig:
 
     @property
     def outer_period(self) -> int:
-        """Optimizer steps between two outer steps of a fragment: ``sync_every``, a hierarchical topology's largest period."""
+        """Steps between two outer steps of a fragment: ``sync_every``, or a hierarchical topology's largest period."""
         hierarchical = self.hierarchical
         return max(hierarchical.levels) if hierarchical is not None else self.sync_every
 

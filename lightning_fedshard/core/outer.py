@@ -138,7 +138,7 @@ class OuterStep:
         step: int | None = None,
         background: bool = True,
         taken: tuple[Tensor, bool] | None = None,
-        idle: Sequence[int] = (),
+        idle: Sequence[int] | Callable[[tuple[int, ...]], Sequence[int]] = (),
     ) -> PendingSync:
         """Take the fragment's pseudo-gradient now and start summing it over the groups; collective.
 
@@ -151,7 +151,8 @@ class OuterStep:
             step: The optimizer step after which the pseudo-gradient is taken (for messages and statistics).
             background: Sum in a background thread (training may go on) instead of before returning.
             taken: The pseudo-gradient and its finiteness, when the caller took it already (eager updates).
-            idle: Groups that add nothing (zeros) and are not checked for NaN/Inf: the mean divides by the others.
+            idle: Groups that add nothing (zeros) and are not checked for NaN/Inf: the mean divides by the others;
+                or how they follow from this sync's participants (a sample drawn among them).
 
         Raises:
             NonFiniteOuterGradientError: As for :meth:`step`; nothing was changed then.
@@ -164,6 +165,7 @@ class OuterStep:
             participants = self.communicator.participants()
         finally:
             self.syncing = None
+        idle = idle(participants) if callable(idle) else idle
         joined_now, idle = self.communicator.joined(), tuple(g for g in participants if g in idle)
         idle_now = self.communicator.group_index in idle
         broken, joined = self._absent_groups(finite or joined_now or idle_now, joined_now, local.device, participants)

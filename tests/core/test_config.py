@@ -143,7 +143,8 @@ def test_a_mixing_refuses_a_reduce_dtype_that_would_round_the_whole_runs_pseudo_
 def test_a_mixing_refuses_error_feedback_and_a_codec_object():
     from lightning_fedshard import BlockQuantizer, Gossip
 
-    with pytest.raises(ValueError, match=r"and `reduce_dtype=BlockQuantizer\(bits=8, block_size=64\)` are not built to run together yet"):
+    message = r"and `reduce_dtype=BlockQuantizer\(bits=8, block_size=64\)` are not built to run together yet"
+    with pytest.raises(ValueError, match=message):
         FederationConfig(outer_topology=Gossip(peers=1), reduce_dtype=BlockQuantizer(8, 64))
     for feedback in (True, "weights"):
         with pytest.raises(ValueError, match=rf"drops nothing for `error_feedback={feedback!r}` to keep"):

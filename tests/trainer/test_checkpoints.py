@@ -37,6 +37,17 @@ EAGER = dict(sync_every=4, fragments=2, eager_updates=True, reduce_dtype="int4",
 HIERARCHICAL = dict(
     num_groups=4, sync_every=2, outer_topology=topology_record(Hierarchical({2: 2, 4: 4})), reduce_dtype="float32"
 )
+# sites around a streaming federation: the sites average after steps 2, 4 and 6; the federation's 2 fragments land
+# after 4 and 8, each sum started a step earlier (a sum is in flight after step 3), half the local progress merged
+HIERARCHICAL_STREAM = dict(
+    HIERARCHICAL,
+    outer_topology=topology_record(Hierarchical({2: 2, 8: 4})),
+    fragments=2,
+    sync_delay=1,
+    merge_alpha=0.5,
+    reduce_dtype="int8",
+    error_feedback=True,
+)
 # mixings of 4 one-rank groups every 2 steps, plain averaging: the groups differ after every sync
 MIXING = dict(num_groups=4, sync_every=2, outer_optimizer="fedavg", reduce_dtype="float32")
 RING = [[0.5, 0.25, 0, 0.25], [0.25, 0.5, 0.25, 0], [0, 0.25, 0.5, 0.25], [0.25, 0, 0.25, 0.5]]
@@ -100,6 +111,8 @@ SCENARIOS_4 = [
     dict(FSDP, **EAGER, name="eager_inflight", resume_from="eager/ckpts/step=5.ckpt"),
     dict(FSDP, **HIERARCHICAL, name="hierarchical", ckpt=True),
     dict(FSDP, **HIERARCHICAL, name="hierarchical_apart", resume_from="hierarchical/ckpts/step=3.ckpt"),
+    dict(FSDP, **HIERARCHICAL_STREAM, name="hstream", ckpt=True),
+    dict(FSDP, **HIERARCHICAL_STREAM, name="hstream_inflight", resume_from="hstream/ckpts/step=3.ckpt"),
     *(
         run
         for name, mixing in MIXINGS.items()
@@ -405,6 +418,21 @@ def test_resume_with_fragments_and_a_sum_in_flight_is_exact(four, eight, world, 
 
 
 # -- a hierarchical outer topology -----------------------------------------------------------------------------
+
+
+def test_resume_of_sites_around_a_streaming_federation_with_a_sum_in_flight_is_exact(four):
+    """After step 3 the groups differ (the sites averaged after step 2) and fragment 0's sum is in flight."""
+    got, want = _ranks(four, "hstream_inflight"), _ranks(four, "hstream")
+    assert all(r["pending_at_save"][3] for r in want), "no sum was in flight when the checkpoint was written"
+    assert not torch.equal(want[0]["shards_at"][3], want[2]["shards_at"][3])  # two sites hold different weights
+    assert got[0]["num_syncs"] == want[0]["num_syncs"] == 3  # landings after 4 and 8, then fragment 0 at the end
+    for g, w in zip(got, want):
+        assert torch.equal(g["initial"], w["shards_at"][3])
+        for s in range(3, 8):
+            assert torch.equal(g["shards_at"][s], w["shards_at"][s]), f"diverged at step {s}"
+        assert torch.equal(g["final_shards"], w["final_shards"])
+        assert torch.equal(g["final_optimizer"], w["final_optimizer"])
+        assert (w["final_shards"] - w["shards_at"][3]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize(

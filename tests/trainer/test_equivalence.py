@@ -161,6 +161,22 @@ SCENARIOS_4 = [
         outer_optimizer="nesterov",
         max_steps=7,
     ),
+    # sites around a streaming federation: 2 sites of 2 one-rank groups average every 2 steps; the federation's round
+    # is 8 steps, its 2 fragments land every 4, each sum overlapped with a step, half the local progress merged
+    dict(
+        BASE,
+        name="hierarchical_stream",
+        strategy="fl_fsdp",
+        num_groups=4,
+        sync_every=2,
+        outer_topology=topology_record(Hierarchical({2: 2, 8: 4})),
+        fragments=2,
+        sync_delay=1,
+        merge_alpha=0.5,
+        outer_optimizer="nesterov",
+        wrap_linear=True,
+        max_steps=11,
+    ),
     # the same with sites that are not consecutive groups: {0, 3} and {1, 2}
     dict(
         BASE,
@@ -288,6 +304,7 @@ FSDP2_TWINS = {
     "hsdp_nesterov",
     "eager_f2",
     "hierarchical",
+    "hierarchical_stream",
     "gossip",
     "weights_int8_hsdp",
 }
@@ -624,6 +641,7 @@ def test_streaming_syncs_match_the_reference(four, name, groups, shard):
         ("eager_hsdp", 8, 2, 2),
         *both(("hierarchical", 4, 4, 1)),
         ("hierarchical_sites", 4, 4, 1),
+        *both(("hierarchical_stream", 4, 4, 1)),
         *both(("gossip", 4, 4, 1)),
         ("sampled", 4, 4, 1),
         ("mixing_hsdp", 8, 2, 2),

@@ -154,7 +154,9 @@ MODES: Mapping[str, Mapping[str, Refusal]] = {
 }
 
 #: Switches that are alternatives of one option: never set together, so not a pair of the table.
-ALTERNATIVES: tuple[frozenset[str], ...] = (frozenset({"hierarchical", "gossip", "sampled", "sampled_outer_step", "mixing"}),)
+ALTERNATIVES: tuple[frozenset[str], ...] = (
+    frozenset({"hierarchical", "gossip", "sampled", "sampled_outer_step", "mixing"}),
+)
 
 
 def refusal(a: str, b: str) -> tuple[str, Refusal] | None:

@@ -10,6 +10,7 @@ its encoding did not send stays in its own weights.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -82,9 +83,13 @@ class PlainRound(Round):
         self._pending = self.outer.begin(fragment, step, background=True, idle=self.idle(step + self.config.sync_delay))
         return None
 
-    def idle(self, landing: int) -> tuple[int, ...]:
-        """The groups that add nothing to the landing after optimizer step ``landing`` (none: every group adds)."""
-        return ()
+    def idle(self, landing: int) -> Callable[[tuple[int, ...]], tuple[int, ...]]:
+        """The groups that add nothing to the landing after optimizer step ``landing``, from the sync's participants.
+
+        :meth:`~lightning_fedshard.core.outer.OuterStep.begin` asks the communicator for the participants once and
+        passes them in. Here none: every group adds.
+        """
+        return _nobody
 
     def sync(self, step: int, fragment: int = 0) -> SyncStats:
         """One fragment's outer step now, synchronously (every group restarts from the new anchor); collective."""
@@ -153,6 +158,10 @@ class PlainRound(Round):
             self._pending = PendingSync.from_state_dict(pending, self.outer.shards[0].device)
             if not self._pending.participants:  # saved before syncs recorded their participants: every group
                 self._pending.participants = self.federation.communicator.participants()
+
+
+def _nobody(participants: tuple[int, ...]) -> tuple[int, ...]:
+    return ()
 
 
 @torch.no_grad()

@@ -10,17 +10,26 @@ The landing after optimizer step ``s`` belongs to round ``(s - 1) // sync_every`
 after step ``(r + 1) sync_every``; with ``P`` fragments the ``P`` landings of one ``sync_every``-step period share the
 round's sample. With ``sync_delay`` a sum starts before its landing and already leaves out the groups of the landing's
 round. The end of training takes the plain round's final outer step on every group, so the run ends on the consensus.
+
+The sample is drawn among the sync's participants, in ring order: ``sample(round, len(participants))`` gives positions
+into them. Without an elastic federation the participants are every group, ``(0, ..., G - 1)``; in an elastic one
+they are the live groups of the sync's quorum, and with fewer of them than ``groups_per_round`` every one is sampled.
+A group that joined at the sync adds nothing, sampled or not; when the sample holds only such groups there is no outer
+step, and every group restarts from the anchor as it is.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 from typing_extensions import override
 
 from lightning_fedshard.core.outer_topology import Sampled
+from lightning_fedshard.core.pending import PendingSync
 from lightning_fedshard.core.rounds.base import Host, Refusal
 from lightning_fedshard.core.rounds.plain import PlainRound
+from lightning_fedshard.core.stats import SyncStats
 
 
 class SampledRound(PlainRound):
@@ -45,8 +54,21 @@ class SampledRound(PlainRound):
         return (landing - 1) // self.period
 
     @override
-    def idle(self, landing: int) -> tuple[int, ...]:
-        """The groups that the landing's round did not sample."""
-        groups = self.federation.communicator.participants()
-        chosen = set(self.topology.sample(self.round_of(landing), len(groups)))
-        return tuple(g for g in groups if g not in chosen)
+    def idle(self, landing: int) -> Callable[[tuple[int, ...]], tuple[int, ...]]:
+        """The participants that the landing's round did not sample (drawn by position among them)."""
+        number = self.round_of(landing)
+
+        def not_sampled(participants: tuple[int, ...]) -> tuple[int, ...]:
+            chosen = set(self.topology.sample(number, len(participants)))
+            return tuple(g for position, g in enumerate(participants) if position not in chosen)
+
+        return not_sampled
+
+    @override
+    def _complete(self, pending: PendingSync, step: int, merge_alpha: float) -> SyncStats:
+        """As the plain round's; a sample of joining groups only moves no anchor, and every group restarts from it."""
+        stats = super()._complete(pending, step, merge_alpha)
+        if pending.contributors == 0:
+            self.outer.copy_anchor_to_shards(pending.fragment)
+            self.federation.written()
+        return stats
