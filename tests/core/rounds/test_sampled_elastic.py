@@ -62,7 +62,9 @@ def _config(topology: Sampled, **options: Any) -> FederationConfig:
 def test_an_elastic_federation_takes_sampled_participation_and_not_a_sampled_mix():
     config = _config(Sampled(2, outer_step=True), elastic=Elastic(group=1))
     assert config.elastic is not None
-    with pytest.raises(ValueError, match=r"`elastic=Elastic\(\.\.\.\)` and `outer_topology=Sampled\(groups_per_round=2"):
+    with pytest.raises(
+        ValueError, match=r"`elastic=Elastic\(\.\.\.\)` and `outer_topology=Sampled\(groups_per_round=2"
+    ):
         _config(Sampled(2), elastic=Elastic(group=1))  # a mix over a matrix of the planned groups
 
 
@@ -102,6 +104,34 @@ def test_the_sample_is_drawn_by_position_among_the_live_groups(live, per_round):
             assert torch.equal(shards[r], anchors[r])  # every group, sampled or idle, restarts from the anchor
 
 
+def test_a_sample_of_only_a_joining_group_moves_no_anchor_and_every_group_restarts_from_it():
+    topology = Sampled(1, seed=5, outer_step=True)
+    assert topology.sample(0, 2) == [1] and topology.sample(1, 2) == [0]
+    config = _config(topology, sync_every=2)
+
+    def work(t: int, comm: Any) -> list[tuple[int, Tensor, Tensor]]:
+        view = _Live(comm, t, [(0, (0, 1)), (2, (0, 3))], joins_at=2)  # group 3 replaces group 1 before step 2
+        fed = Federation(config, view)
+        shard = torch.zeros(2)
+        fed.start([shard], step=0)
+        seen = []
+        for step in range(1, 5):
+            view.step = step
+            if step == 2 and t == 1:
+                fed.outer.copy_anchor_to_shards()
+            shard.add_(float(view.group_index + 1))
+            stats = fed.maybe_sync(step)
+            if stats is not None:
+                seen.append((stats.num_syncs, fed.outer.anchor[0].detach().clone(), shard.clone()))
+        return seen
+
+    for first, second in ThreadGroups(2).run(work):
+        assert first[0] == 0 and torch.equal(first[1], torch.zeros(2))  # the sample was the joining group 3 alone
+        assert torch.equal(first[2], first[1])  # group 0 trained, and restarts from the anchor all the same
+        assert second[0] == 1 and torch.equal(second[1], torch.full((2,), 2.0))  # round 1: group 0's two steps
+        assert torch.equal(second[2], second[1])
+
+
 def _update(g: int, step: int, shards: list[Tensor]) -> None:
     for u, shard in enumerate(shards):
         shard.sub_(0.3 * (shard - (g + 1) * (u + 1)) - 0.05 * float(torch.tensor(step + g).sin()))
@@ -138,7 +168,12 @@ def _run(
                 landed[step] = stats
             history[step] = [s.clone() for s in shards]
             if step == stop_at:
-                return {"state": fed.state_dict(), "group": fed.group_state_dict(), "shards": history[step], "step": step}
+                return {
+                    "state": fed.state_dict(),
+                    "group": fed.group_state_dict(),
+                    "shards": history[step],
+                    "step": step,
+                }
         fed.finish(steps)
         return {"history": history, "landed": landed, "final": [s.clone() for s in shards], "anchor": fed.outer.anchor}
 

@@ -1,0 +1,136 @@
+"""Which options compose: every refused pair is refused with its two names, every accepted option changes the result."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from lightning_fedshard import Gossip, Hierarchical, Mixing, Sampled
+from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.core.elastic import Elastic
+from lightning_fedshard.core.federation import Federation
+from lightning_fedshard.core.nonfinite import NonFiniteOuterGradientError
+from lightning_fedshard.core.rounds.options import ALTERNATIVES, SWITCHES, compatibility_table, refusal, refused_pairs
+from tests.core.fake_comm import ThreadGroups
+
+GROUPS, STEPS, UNITS = 4, 14, 3
+RING = [[0.5, 0.25, 0, 0.25], [0.25, 0.5, 0.25, 0], [0, 0.25, 0.5, 0.25], [0.25, 0, 0.25, 0.5]]
+
+#: Each switch set on its own, on top of the base options (4 one-shard groups, sync every 4, float32).
+PROBES: dict[str, dict[str, Any]] = {
+    "fragments": dict(fragments=2),
+    "sync_delay": dict(sync_delay=1),
+    "merge_alpha": dict(merge_alpha=0.5),
+    "eager_updates": dict(eager_updates=True),
+    "hierarchical": dict(outer_topology=Hierarchical({4: 2, 8: 4})),
+    "gossip": dict(outer_topology=Gossip(peers=1, seed=1)),
+    "sampled": dict(outer_topology=Sampled(groups_per_round=2, seed=1)),
+    "sampled_outer_step": dict(outer_topology=Sampled(groups_per_round=2, seed=1, outer_step=True)),
+    "mixing": dict(outer_topology=Mixing(RING)),
+    "elastic": dict(elastic=Elastic(lighthouse="http://localhost:29510", group=0)),
+    "error_feedback_weights": dict(reduce_dtype="int8", error_feedback="weights"),
+    "outer_momentum": dict(outer_optimizer="nesterov"),
+    "skip_group": dict(on_nonfinite="skip_group"),
+    "lossy_dtype": dict(reduce_dtype="int8"),
+}
+#: Switches that choose how the syncs run (each a mode whose accepted options are walked below).
+MODES = ("plain", "eager_updates", "hierarchical", "gossip", "sampled", "sampled_outer_step", "mixing")
+BASE = dict(num_groups=GROUPS, sync_every=4, reduce_dtype="float32")
+
+
+def test_every_switch_has_a_probe():
+    assert set(PROBES) == {s.name for s in SWITCHES}
+
+
+def _options(*switches: str) -> dict[str, Any]:
+    options = dict(BASE)
+    for name in switches:
+        options.update(PROBES[name])
+    return options
+
+
+@pytest.mark.parametrize(("a", "b"), refused_pairs())
+def test_a_refused_pair_is_refused_naming_only_its_two_options(a, b):
+    with pytest.raises(ValueError) as error:
+        FederationConfig(**_options(a, b))
+    message = str(error.value)
+    mode, why = refusal(a, b)
+    assert why.reason in message
+    assert ("cannot be combined" if why.impossible else "are not built to run together yet") in message
+    head = re.split(r" cannot be combined| are not built to run together yet", message)[0]
+    named = re.findall(r"`(\w+)=", head)  # the options before the reason
+    assert len(named) == 2, message
+
+
+def test_the_table_marks_every_pair_once_and_refuses_at_most_what_it_lists():
+    table = compatibility_table()
+    assert table.count("\n- `") + 1 == len(refused_pairs()) + 1  # one reason per refused pair
+    for a, b in refused_pairs():
+        assert not any({a, b} <= group for group in ALTERNATIVES)
+
+
+def _update(g: int, step: int, w: list[Tensor]) -> list[Tensor]:
+    """Group ``g``'s optimizer step ``step``: a pull of its own strength towards its own target, and a nonlinear push.
+
+    The groups' pulls differ and the push is nonlinear, so averaging does not commute with training: when and what the
+    groups average shows in the result.
+    """
+    return [
+        x - (0.2 + 0.1 * g) * (x - (g + 1) * (u + 1)) + 0.05 * torch.sin(x + step) + 0.01 * u for u, x in enumerate(w)
+    ]
+
+
+def _train(options: dict[str, Any], nan_at: int | None = None) -> list[Tensor] | str:
+    """Every group trains by `_update` for `STEPS` steps and finishes; the groups' final weights, or the error."""
+    config = FederationConfig(**options)
+
+    def work(g: int, comm: Any) -> Tensor:
+        shards = [torch.full((2,), float(u)) for u in range(UNITS)]
+        fed = Federation(config, comm)
+        fed.start(shards, step=0)
+        for step in range(1, STEPS + 1):
+            for shard, new in zip(shards, _update(g, step - 1, shards)):
+                shard.copy_(new)
+            if step == nan_at and g == 1:
+                shards[0][0] = float("nan")
+            fed.maybe_sync(step)
+        fed.finish(STEPS)
+        return torch.cat([s.clone() for s in shards])
+
+    try:
+        return ThreadGroups(GROUPS).run(work)
+    except NonFiniteOuterGradientError as error:
+        return f"raised: {type(error).__name__}"
+
+
+def _accepted() -> list[tuple[str, str]]:
+    """Every (mode, switch) where the mode runs the switch; elastic federations run in processes (tests/elastic)."""
+    pairs = []
+    for mode in MODES:
+        for switch in PROBES:
+            if switch == mode or switch == "elastic" or switch in MODES:
+                continue
+            if mode != "plain" and refusal(mode, switch) is not None:
+                continue
+            pairs.append((mode, switch))
+    return pairs
+
+
+@pytest.mark.parametrize(("mode", "switch"), _accepted())
+def test_every_option_a_mode_accepts_changes_what_it_computes(mode, switch):
+    """Nothing is accepted and then ignored: the option set on its own changes the groups' final weights."""
+    base = () if mode == "plain" else (mode,)
+    without, with_it = _options(*base), _options(*base, switch)
+    if switch == "error_feedback_weights":  # against error feedback in a buffer, on the same codec
+        without = {**without, "reduce_dtype": "int8"}
+    nan_at = 5 if switch == "skip_group" else None  # the policy acts on a group whose weights hold NaN
+    before, after = _train(without, nan_at), _train(with_it, nan_at)
+    if isinstance(before, str) or isinstance(after, str):
+        assert before != after, (before, after)
+        return
+    difference = max(float((x - y).abs().max()) for x, y in zip(before, after))
+    assert difference > 1e-4, f"{switch} changed nothing under {mode}"
