@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -38,15 +38,16 @@ from torch.optim import Optimizer
 from lightning_fedshard.core.codecs import FloatCodec
 from lightning_fedshard.core.comm import Communicator, sum_over_model
 from lightning_fedshard.core.nonfinite import NONFINITE_POLICIES, NonFiniteOuterGradientError
-from lightning_fedshard.core.norms import nbytes, squared_norm
+from lightning_fedshard.core.norms import squared_norm
+from lightning_fedshard.core.outer_state import OuterOptimizerFactory, OuterState, build_outer_optimizer, new_anchor
 from lightning_fedshard.core.pending import PendingSync
 from lightning_fedshard.core.reducers import AllReduceSum, Reducer
 from lightning_fedshard.core.stats import SyncStats
 
-OuterOptimizerFactory = Callable[[Iterable[Tensor]], Optimizer]
+__all__ = ["OuterOptimizerFactory", "OuterStep", "build_outer_optimizer"]
 
 
-class OuterStep:
+class OuterStep(OuterState):
     """Keeps the anchor and the outer optimizers for a list of local shards, and performs outer steps.
 
     The shards may be cut into *fragments* (contiguous lists of shard indices), each with its own outer optimizer, that
@@ -98,7 +99,7 @@ class OuterStep:
         #: Site syncs and mixes done so far (syncs that move no anchor; see :mod:`~lightning_fedshard.core.rounds`).
         self.site_syncs = 0
         self.syncs_lost = 0
-        self.anchor = [_new_anchor(s, anchor_device) for s in self.shards]
+        self.anchor = [new_anchor(s, anchor_device) for s in self.shards]
         self._flat_buffers: dict[int, Tensor] = {}  # one pseudo-gradient buffer per fragment, reused by every sync
         self.optimizers = [build_outer_optimizer(outer_optimizer, [self.anchor[i] for i in f]) for f in self.fragments]
         build = reducer or (lambda: AllReduceSum(FloatCodec(reduce_dtype)))
@@ -328,69 +329,6 @@ class OuterStep:
         for i in indices:
             self.shards[i].copy_(self.anchor[i], non_blocking=True)
 
-    def state_nbytes(self) -> dict[str, int]:
-        """Bytes of the anchor, the outer optimizers' state and the error-feedback residuals."""
-        optimizer_state = [v for o in self.optimizers for state in o.state.values() for v in state.values()]
-        residuals = [v for r in self.reducers for v in r.state_dict().values()]
-        return {
-            "anchor": nbytes(self.anchor),
-            "outer_optimizer": nbytes(optimizer_state),
-            "residuals": nbytes(residuals),
-        }
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's outer state: anchor shards, outer optimizer states (one per fragment) and the sync counter."""
-        return {
-            "anchor": [a.detach().clone() for a in self.anchor],
-            "optimizers": [o.state_dict() for o in self.optimizers],
-            "num_syncs": self.num_syncs,
-            "site_syncs": self.site_syncs,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned on the same rank of the same topology."""
-        anchors = state["anchor"]
-        if len(anchors) != len(self.anchor):
-            raise ValueError(f"The saved outer state holds {len(anchors)} shards, this rank has {len(self.anchor)}.")
-        optimizers = state.get("optimizers", [state.get("optimizer")])  # one "optimizer" before fragments existed
-        if len(optimizers) != len(self.optimizers):
-            raise ValueError(
-                f"The saved outer state has {len(optimizers)} fragment optimizer(s), this run {len(self.optimizers)}."
-            )
-        with torch.no_grad():
-            for mine, saved in zip(self.anchor, anchors):
-                if mine.shape != saved.shape:
-                    raise ValueError(f"Saved anchor shard of shape {tuple(saved.shape)} != {tuple(mine.shape)}.")
-                mine.copy_(saved)
-        for optimizer, saved_state in zip(self.optimizers, optimizers):
-            optimizer.load_state_dict(saved_state)
-        self.num_syncs = int(state["num_syncs"])
-        self.site_syncs = int(state.get("site_syncs", 0))  # written before site syncs were counted: none
-
-    def group_state_dict(self) -> dict[str, Any]:
-        """State that differs between the groups: the error-feedback residuals, per fragment."""
-        return {"reducers": [r.state_dict() for r in self.reducers]}
-
-    def load_group_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`group_state_dict` on the same rank of the same topology.
-
-        A residual of another size than this rank's part of its fragment (written before the replicas of a shard
-        split its sum) cannot be carried on and is dropped: that sync's rounding errors are then lost, not delayed.
-        """
-        for fragment, (reducer, saved) in enumerate(zip(self.reducers, state.get("reducers", []))):
-            if saved is None:
-                continue
-            residual = saved.get("residual")
-            if residual is not None and residual.numel() != self._part_numel(fragment):
-                continue
-            reducer.load_state_dict(saved)
-
-    def _part_numel(self, fragment: int) -> int:
-        """Values of the part of a fragment this rank sums over the groups (see :meth:`_replica_part`)."""
-        numel = sum(self.shards[i].numel() for i in self.fragments[fragment])
-        replicas = self.communicator.num_replicas
-        return numel if replicas == 1 else -(-numel // replicas)
-
     def flat_buffer(self, fragment: int) -> Tensor | None:
         """The fragment's pseudo-gradient buffer, once a sync took one."""
         return self._flat_buffers.get(fragment)
@@ -474,21 +412,3 @@ class OuterStep:
         mean_sq_all = total_mean_sq / len(pending.participants)  # every group holds the same mean
         drift_sq = (total_own_sq - 2.0 * total_dot) / healthy + mean_sq_all
         return math.sqrt(max(mean_sq_all, 0.0)), math.sqrt(max(drift_sq, 0.0))
-
-
-def build_outer_optimizer(factory: OuterOptimizerFactory, params: list[Tensor]) -> Optimizer:
-    """Call an outer optimizer factory and check that it returned an optimizer."""
-    optimizer = factory(params)
-    if not isinstance(optimizer, Optimizer):
-        raise ValueError(
-            f"The outer optimizer factory {factory!r} returned {type(optimizer).__name__}, expected a"
-            " `torch.optim.Optimizer`."
-        )
-    return optimizer
-
-
-def _new_anchor(shard: Tensor, device: torch.device | str | None) -> Tensor:
-    anchor = shard.detach().to(device=device or shard.device, dtype=torch.float32, copy=True)
-    if anchor.device.type == "cpu" and shard.device.type == "cuda":
-        anchor = anchor.pin_memory()
-    return anchor.requires_grad_(True)

@@ -10,7 +10,10 @@ of each sync (who took part, who joined, whether it was lost) is replayed with h
   ``rank = g * W + r``, whatever job runs the group - the data follows the optimizer step; the group's gradient is the
   mean of its ranks'; the learning rate is the cosine schedule of step ``t``;
 - a committed sync averages ``anchor - weights`` over the groups that took part and did not join at that sync, and the
-  anchor takes that step (FedAvg: outer SGD with learning rate 1); groups that joined add nothing.
+  anchor takes that step (FedAvg: outer SGD with learning rate 1); groups that joined add nothing;
+- with sampled participation (``groups_per_round``, ``seed``) only the groups at the round's sampled positions among
+  the sync's groups (in ring order) add: ``randperm`` of ``torch.Generator`` seeded ``seed * 1_000_003 + round``, the
+  first ``groups_per_round`` positions, where the sync after step ``s`` is of round ``(s - 1) // sync_every``.
 """
 
 from __future__ import annotations
@@ -78,10 +81,25 @@ def timeline(records: list[list[dict[str, Any]]]) -> dict[int, dict[str, Any]]:
     return merged
 
 
+def sampled_positions(groups_per_round: int, seed: int, round: int, members: int) -> list[int]:
+    """The positions among ``members`` groups that sampled participation draws for round ``round``."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + round)
+    return sorted(torch.randperm(members, generator=generator)[:groups_per_round].tolist())
+
+
 def replay(
-    syncs: dict[int, dict[str, Any]], num_groups: int, ranks: int, total: int, initial: dict[str, Tensor]
+    syncs: dict[int, dict[str, Any]],
+    num_groups: int,
+    ranks: int,
+    total: int,
+    initial: dict[str, Tensor],
+    sampled: tuple[int, int] | None = None,
+    sync_every: int = 4,
 ) -> dict[int, dict[str, Tensor]]:
-    """The anchor after every committed sync of the timeline ``syncs`` (see `timeline`); every group starts at 0."""
+    """The anchor after every committed sync of the timeline ``syncs`` (see `timeline`); every group starts at 0.
+
+    ``sampled``: ``(groups_per_round, seed)`` of sampled participation, whose rounds are ``sync_every`` steps long.
+    """
     anchor = {k: v.clone() for k, v in initial.items()}
     batches = {g: group_batches(g, num_groups, ranks, total) for g in range(num_groups)}
     lrs = [cosine_lr(t, total) for t in range(total)]
@@ -89,7 +107,10 @@ def replay(
     previous = 0
     for step in sorted(syncs):
         sync = syncs[step]
-        contributors = [g for g in sync["members"] if g not in sync["joined"]]
+        members = sync["members"]
+        if sampled is not None:
+            members = [members[p] for p in sampled_positions(*sampled, (step - 1) // sync_every, len(members))]
+        contributors = [g for g in members if g not in sync["joined"]]
         if sync["lost"] or step == previous or not contributors:
             previous = step
             continue
@@ -107,4 +128,4 @@ def _copy(weights: dict[str, Tensor]) -> dict[str, Tensor]:
     return {k: v.clone() for k, v in weights.items()}
 
 
-__all__ = ["cosine_lr", "group_batches", "initial_weights", "replay", "timeline"]
+__all__ = ["cosine_lr", "group_batches", "initial_weights", "replay", "sampled_positions", "timeline"]

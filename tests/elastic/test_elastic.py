@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.elastic.cluster import Cluster, Job, wait_for
-from tests.elastic.reference import cosine_lr, group_batches, initial_weights, replay, timeline
+from tests.elastic.reference import cosine_lr, group_batches, initial_weights, replay, sampled_positions, timeline
 
 pytest.importorskip("torchft")
 
@@ -140,6 +140,31 @@ def test_the_anchors_of_the_survivors_agree_and_equal_the_reference(dropouts):
 def _partial(job: Job) -> dict[str, Any] | None:
     """A killed job writes nothing: its syncs are known from the survivors' records only."""
     return job.result() if (job.out / "rank0.pt").exists() else None
+
+
+def test_sampled_participation_draws_among_the_live_groups_and_equals_the_reference(root):
+    # One group of the live ones per round (FedAvg's client sampling); group 1 is killed mid-round, so from step 8 on
+    # the sample is drawn among groups [0, 2], and its position 1 is group 2.
+    cluster = Cluster(root / "sampled", min_groups=1)
+    spec = {**BASE, "num_groups": 3, "start_groups": 3, "sampled": [1, 3]}
+    try:
+        jobs = {g: cluster.start(g, {**spec, **_fault(("kill", 6) if g == 1 else None)}) for g in range(3)}
+        assert [jobs[g].wait(240) for g in (0, 2)] == [[0], [0]]
+    finally:
+        cluster.close()
+    survivors = [jobs[g].result() for g in (0, 2)]
+    syncs = timeline([r["syncs"] for r in survivors])
+    assert sorted(syncs[4]["members"]) == [0, 1, 2] and sorted(syncs[8]["members"]) == [0, 2]
+    assert not any(s["lost"] or s["joined"] for step, s in syncs.items() if step > 0)
+    reference = replay(syncs, 3, 1, 24, initial_weights(), sampled=(1, 3))
+    for record in survivors:
+        assert record["error"] is None and record["global_step"] == 24
+        for step, consensus in record["consensus"].items():
+            assert _max_error(consensus, reference[step]) < 1e-6, (record["group"], step)
+            assert _equal(consensus, survivors[0]["consensus"][step]), (record["group"], step)
+        assert _max_error(record["final"], reference[24]) < 1e-6
+    # Some round sampled position 1 among the live [0, 2], i.e. group 2 (not the gone group 1).
+    assert any(sampled_positions(1, 3, (step - 1) // 4, 2) == [1] for step in syncs if step >= 8)
 
 
 # -- a group that joins ------------------------------------------------------------------------------------------

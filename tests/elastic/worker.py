@@ -172,6 +172,9 @@ def _strategy(spec: dict[str, Any], cls: Any = None) -> Any:
     kwargs = {k: spec[k] for k in keys if k in spec}
     if spec.get("fragments", 1) > 1:
         kwargs["fsdp_modules" if spec["strategy"].endswith("2") else "auto_wrap_policy"] = {torch.nn.Linear}
+    if spec.get("sampled"):  # (groups_per_round, seed) of sampled participation
+        groups_per_round, seed = spec["sampled"]
+        kwargs["outer_topology"] = lightning_fedshard.Sampled(groups_per_round, seed=seed, outer_step=True)
     cls = cls or STRATEGIES[spec["strategy"]]
     return cls(num_groups=spec["num_groups"], elastic=elastic, **kwargs)
 
