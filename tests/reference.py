@@ -138,7 +138,7 @@ def federate(
         order.
     """
     parts = _check_fragments(list(initial), fragments)
-    streaming = len(parts) > 1 or sync_delay or merge_alpha
+    streaming = len(parts) > 1 or sync_delay or merge_alpha or eager
     if hierarchical is not None and streaming:
         sync_every = max(hierarchical)
     every = _check_schedule(sync_every, len(parts), sync_delay, merge_alpha, final_landing)
@@ -149,7 +149,7 @@ def federate(
     if eager:
         if sync_delay or merge_alpha:
             raise ValueError("eager updates take no `sync_delay` or `merge_alpha`.")
-        return _federate_eager(initial, groups, parts, every, outer, max_steps)
+        return _federate_eager(initial, groups, parts, every, outer, max_steps, hierarchical, sites)
     anchor = {k: v.clone() for k, v in initial.items()}
     outers = [Outer(**OUTERS[outer]) for _ in parts]
     anchors: dict[int, dict[str, Tensor]] = {0: _copy(anchor)}
@@ -211,9 +211,17 @@ def _everyone_meets(
     anchors[step] = _copy(anchor)
 
 
-def _site_means(groups: Sequence[Group], levels: dict[int, int], sites: list[list[int]] | None, done: int) -> None:
+def _site_means(
+    groups: Sequence[Group],
+    levels: dict[int, int],
+    sites: list[list[int]] | None,
+    done: int,
+    starts: list[dict[str, Tensor]] | None = None,
+    start_keys: Sequence[str] = (),
+) -> None:
     """After step ``done``: if the largest period of ``levels`` dividing it averages fewer than all groups, every block
-    of that many groups (consecutive in the order ``sites`` lists them) takes its plain mean."""
+    of that many groups (consecutive in the order ``sites`` lists them) takes its plain mean, and so do the blocks'
+    ``starts`` (eager updates' round starts) under ``start_keys``."""
     due = [period for period in levels if done % period == 0]
     if not due or levels[max(due)] >= len(groups):
         return
@@ -224,6 +232,11 @@ def _site_means(groups: Sequence[Group], levels: dict[int, int], sites: list[lis
         mean = {k: torch.stack([g.weights()[k] for g in block]).mean(0) for k in block[0].weights()}
         for g in block:
             g.load({k: v.clone() for k, v in mean.items()})
+        if starts is not None and start_keys:
+            members = [starts[g] for g in order[start : start + size]]
+            start_mean = {k: torch.stack([m[k] for m in members]).mean(0) for k in start_keys}
+            for m in members:
+                m.update({k: v.clone() for k, v in start_mean.items()})
 
 
 def _federate_hierarchical(
@@ -309,7 +322,14 @@ def _federate_mixing(
 
 
 def _federate_eager(
-    initial: dict[str, Tensor], groups: Sequence[Group], parts: list[list[str]], every: int, outer: str, max_steps: int
+    initial: dict[str, Tensor],
+    groups: Sequence[Group],
+    parts: list[list[str]],
+    every: int,
+    outer: str,
+    max_steps: int,
+    hierarchical: dict[int, int] | None = None,
+    sites: list[list[int]] | None = None,
 ) -> dict[str, object]:
     """Eager updates: fragment ``f`` syncs after every step ``s`` with ``(s / K - 1) % P == f``; group g keeps the
     weights ``start_g`` it began the fragment's round from, and at the sync
@@ -321,6 +341,10 @@ def _federate_eager(
 
     At the end every fragment lands what it has in flight and, if it trained since its last sync, takes one more
     synchronous outer step on the mean of ``d_g``; every group then holds the anchor.
+
+    With ``hierarchical`` levels, after every step (and its sync, if any) the sites of the level that decides the step,
+    if below the whole federation, take the plain mean of their weights and of the ``start_g`` of the fragments that
+    synced at least once (where each group began its round).
     """
     anchor = {k: v.clone() for k, v in initial.items()}
     outers = [Outer(**OUTERS[outer]) for _ in parts]
@@ -336,20 +360,22 @@ def _federate_eager(
         for group in groups:
             group.train_step(step)
         done = step + 1
-        if done % every:
-            continue
-        f = _landing_fragment(done, every, len(parts))
-        deltas = [{k: start[k] - g.weights()[k] for k in parts[f]} for start, g in zip(starts, groups)]
-        if f in in_flight:
-            mean = in_flight.pop(f)
-            outers[f].step(anchor, mean)
-            syncs.append(Sync(done, f, "landing", mean))
-        in_flight[f] = {k: torch.stack([d[k] for d in deltas]).mean(0) for k in parts[f]}
-        for start, group, delta in zip(starts, groups, deltas):
-            start.update({k: anchor[k] - lr * delta[k] / len(groups) for k in parts[f]})
-            group.load(_slice(start, parts[f], clone=True))
-        last_sync[f] = done
-        anchors[done] = _copy(anchor)
+        if done % every == 0:
+            f = _landing_fragment(done, every, len(parts))
+            deltas = [{k: start[k] - g.weights()[k] for k in parts[f]} for start, g in zip(starts, groups)]
+            if f in in_flight:
+                mean = in_flight.pop(f)
+                outers[f].step(anchor, mean)
+                syncs.append(Sync(done, f, "landing", mean))
+            in_flight[f] = {k: torch.stack([d[k] for d in deltas]).mean(0) for k in parts[f]}
+            for start, group, delta in zip(starts, groups, deltas):
+                start.update({k: anchor[k] - lr * delta[k] / len(groups) for k in parts[f]})
+                group.load(_slice(start, parts[f], clone=True))
+            last_sync[f] = done
+            anchors[done] = _copy(anchor)
+        if hierarchical is not None:
+            synced = [k for f, keys in enumerate(parts) if last_sync[f] for k in keys]
+            _site_means(groups, hierarchical, sites, done, starts, synced)
     for f, keys in enumerate(parts):
         deltas = [{k: start[k] - g.weights()[k] for k in keys} for start, g in zip(starts, groups)]
         if f in in_flight:

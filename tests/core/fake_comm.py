@@ -18,8 +18,10 @@ class ThreadGroups:
         self.site_blocks = site_blocks or {}  # by block size, the blocks of a hierarchical topology (else consecutive)
         self._barrier = threading.Barrier(num_groups)
         self._slots: list[Tensor | None] = [None] * num_groups
-        # The statistics meet at a barrier of their own, as they do on a process group of their own.
+        # The statistics meet at a barrier of their own, as they do on a process group of their own; so do the site
+        # sums (the sites' process groups), which may run while a background sum is on the fed ring.
         self.stats = ThreadGroups(num_groups, "stats") if _channel == "sums" else self
+        self.sites = ThreadGroups(num_groups, "sites", self.site_blocks) if _channel == "sums" else self
 
     def run(self, fn: Callable[[int, Any], Any]) -> list[Any]:
         results: list[Any] = [None] * self.num_groups
@@ -32,6 +34,7 @@ class ThreadGroups:
                 errors.append(e)
                 self._barrier.abort()
                 self.stats._barrier.abort()
+                self.sites._barrier.abort()
 
         threads = [threading.Thread(target=target, args=(g,)) for g in range(self.num_groups)]
         for t in threads:
@@ -113,7 +116,7 @@ class _ThreadCommunicator:
 
     def sum_over_site(self, tensor: Tensor, size: int) -> None:
         """Every group calls it; each gets the sum over its block of ``size`` groups."""
-        self._groups._site_sum(self._g, tensor, size)
+        self._groups.sites._site_sum(self._g, tensor, size)
 
     def sum_in_group(self, tensor: Tensor) -> None:
         pass  # one rank per group

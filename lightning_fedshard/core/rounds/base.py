@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, ClassVar, Protocol
 
+from torch import Tensor
+
 from lightning_fedshard.core.comm import Communicator
 from lightning_fedshard.core.outer import OuterStep
 from lightning_fedshard.core.pending import PendingSync
@@ -118,6 +120,10 @@ class Round:
         """Await every sum in flight and drop it; collective (every rank started them)."""
         for pending in self.in_flight():
             pending.result()
+
+    def site_state(self) -> list[Tensor]:
+        """What this group keeps per group that a site sync averages along with the weights (e.g. eager offsets)."""
+        return []
 
     def restart_from_anchor(self) -> None:
         """Every group's shards were just set to the anchor (a heal): forget what the round kept per group."""

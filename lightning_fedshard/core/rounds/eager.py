@@ -221,6 +221,11 @@ class EagerRound(Round):
         return self._sums
 
     @override
+    def site_state(self) -> list[Tensor]:
+        """The offsets of the fragments that synced: a site sync averages where its groups started their rounds."""
+        return [o for o in self.offsets if o is not None]
+
+    @override
     def restart_from_anchor(self) -> None:
         self.offsets = [None] * len(self.offsets)
 

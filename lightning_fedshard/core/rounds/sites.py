@@ -3,8 +3,10 @@
 At a step the largest period of ``Hierarchical(levels)`` that divides it decides: a level below the whole federation
 replaces every group's weights by the plain float32 mean over its site (no outer step: the anchor and the outer
 optimizer are the federation's), and the level that spans every group is the federation's own round, run by the
-round inside (plain: fragments, ``sync_delay``, ``merge_alpha``) with the largest period as its period. When both
-fall on one step the federation's landing comes first.
+round inside (plain: fragments, ``sync_delay``, ``merge_alpha``; or eager updates) with the largest period as its
+period. When both fall on one step the federation's landing comes first. With eager updates a site sync also averages
+where its groups started their rounds (their offsets below the anchor), so that each group's next pseudo-gradient is
+its share of what the site trained.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 from typing_extensions import override
 
 from lightning_fedshard.core.nonfinite import NonFiniteOuterGradientError
@@ -43,7 +46,6 @@ class HierarchicalRound(Round):
     """
 
     refuses = {
-        "eager_updates": Refusal("a site sync would have to average each group's share of the sum in flight too"),
         "error_feedback_weights": Refusal("a site sync would average away the residuals each group keeps"),
     }
 
@@ -67,7 +69,8 @@ class HierarchicalRound(Round):
         size = self._site_size(step)
         if size is not None:
             groups = len(self.federation.communicator.participants())
-            stats.append(average_in_site(self.outer, size, self.topology.blocks(size, groups), step=step))
+            blocks = self.topology.blocks(size, groups)
+            stats.append(average_in_site(self.outer, size, blocks, step=step, extra=self.inner.site_state()))
             self.federation.written()
         return combined(stats, self.config.fragments) if len(stats) > 1 else (stats[0] if stats else None)
 
@@ -115,7 +118,11 @@ class HierarchicalRound(Round):
 
 @torch.no_grad()
 def average_in_site(
-    outer: OuterStep, size: int, blocks: Sequence[Sequence[int]] | None = None, step: int | None = None
+    outer: OuterStep,
+    size: int,
+    blocks: Sequence[Sequence[int]] | None = None,
+    step: int | None = None,
+    extra: Sequence[Tensor] = (),
 ) -> SyncStats:
     """Replace every shard by its plain mean over this group's block of ``size`` groups; collective.
 
@@ -129,6 +136,8 @@ def average_in_site(
         size: Groups per block.
         blocks: Every block of ``size`` groups (the communicator's sites); default: consecutive groups.
         step: The optimizer step this sync follows (for messages).
+        extra: Per-group tensors the round keeps that the site averages too, in place (e.g. eager updates' offsets:
+            where each group started its round).
 
     Raises:
         NonFiniteOuterGradientError: If a group's weights hold NaN/Inf and ``on_nonfinite="raise"``, or every group of
@@ -148,8 +157,25 @@ def average_in_site(
     if communicator.group_index in broken:
         flat.zero_()  # adds nothing to its site's sum
     communicator.sum_over_site(flat, size)
-    flat.div_(sum(1 for g in site if g not in broken))
+    healthy = sum(1 for g in site if g not in broken)
+    flat.div_(healthy)
+    if extra:
+        _average_extra(communicator, extra, size, healthy, communicator.group_index in broken, flat.device)
     norm, drift = apply_weights(outer, flat, broken, len(groups))
     seconds = time.perf_counter() - start
     sent = mean_bytes(flat.numel(), size)
     return weights_sync_stats(outer, norm, drift, sent, seconds, broken, kind="site sync", site_size=size)
+
+
+@torch.no_grad()
+def _average_extra(
+    communicator: Any, extra: Sequence[Tensor], size: int, healthy: int, broken: bool, device: torch.device
+) -> None:
+    """Replace each of ``extra`` by its mean over the site's healthy groups (one float32 sum over the site)."""
+    flat = torch.cat([t.reshape(-1).to(device, torch.float32) for t in extra])
+    if broken:
+        flat.zero_()
+    communicator.sum_over_site(flat, size)
+    flat.div_(healthy)
+    for tensor, part in zip(extra, flat.split([t.numel() for t in extra])):
+        tensor.copy_(part.view_as(tensor))
