@@ -107,7 +107,7 @@ class OuterStep(OuterState):
         self.reduce_dtype = self.reducers[0].input_dtype  # the pseudo-gradient buffer's dtype
         self._executor: ThreadPoolExecutor | None = None
         #: ``(fragment, step)`` while :meth:`begin` waits for the groups of that sync (elastic: a peer may then read
-        #: this rank's state to heal), else ``None``.
+        #: this rank's state to heal), else ``None``; a site sync waits as fragment ``-1`` (``rounds.sites.SITE_SYNC``).
         self.syncing: tuple[int, int | None] | None = None
 
     @property
@@ -244,11 +244,17 @@ class OuterStep(OuterState):
         Raises:
             NonFiniteOuterGradientError: If there is one and ``on_nonfinite="raise"``.
         """
+        return self.absent_groups(flat, groups, step, sync, joined=False)[0]
+
+    def absent_groups(
+        self, flat: Tensor, groups: tuple[int, ...], step: int | None, sync: str, joined: bool
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """:meth:`nonfinite_groups`, and those that joined at the sync (``joined``: this group did), in one exchange."""
         finite = bool(torch.isfinite(flat).all())
-        broken, _ = self._absent_groups(finite, False, flat.device, groups)
+        broken, joining = self._absent_groups(finite, joined, flat.device, groups)
         if broken and self.on_nonfinite == "raise":
             raise NonFiniteOuterGradientError(broken, self.num_syncs, step, sync)
-        return tuple(broken)
+        return tuple(broken), tuple(joining)
 
     def _stats(self, pending: PendingSync, start: float, **measured: Any) -> SyncStats:
         """The statistics of ``pending``'s sync, whose completion started at ``start``."""

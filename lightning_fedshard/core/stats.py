@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -41,18 +42,15 @@ class SyncStats:
             eager updates, which keep everything). Set by the federation.
         effective_utilization: ``compute_utilization * (1 - discarded_fraction)``: the share of the round's time
             spent on compute whose progress survives. Set by the runtime.
-        site_size: With a hierarchical outer topology, the number of consecutive groups that averaged their weights
-            at this sync (no outer step); 0 when the whole federation took the outer step.
-        mixing_partners: With a mixing topology, the groups this group sent its weights to at this sync (no outer
-            step); 0 otherwise.
         joined_groups: Groups that took the federation's state from a peer at this sync (an elastic federation's
             joining or lagging groups); they added nothing to the mean.
-        groups: With an elastic federation, the groups that took part in this sync (0 otherwise).
-        heal_seconds: With an elastic federation, the seconds this group spent receiving and loading a peer's state
-            at this sync (``None`` if it healed nothing).
         site_syncs: Syncs done so far, including this one, that averaged or mixed the groups' weights without an
             outer step: a hierarchical topology's site syncs and a mixing topology's mixes.
         kind: ``"outer step"``, ``"site sync"`` (a hierarchical topology's level below the federation) or ``"mix"``.
+        extra: What only one sync mode measures, by name (logged as ``fedshard/<name>``): a site sync's
+            ``site_size`` (the groups that averaged), a mix's ``mixing_partners`` (the groups this one sent its
+            weights to), an elastic sync's ``groups`` (that took part) and ``heal_seconds`` (spent receiving and
+            loading a peer's state, when it healed).
     """
 
     outer_grad_norm: float
@@ -69,13 +67,10 @@ class SyncStats:
     syncs_lost: int = 0
     discarded_fraction: float = 0.0
     effective_utilization: float | None = None
-    site_size: int = 0
-    mixing_partners: int = 0
     joined_groups: tuple[int, ...] = ()
-    groups: int = 0
-    heal_seconds: float | None = None
     site_syncs: int = 0
     kind: str = "outer step"
+    extra: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def total_syncs(self) -> int:
@@ -102,16 +97,9 @@ class SyncStats:
             stats[f"{prefix}skipped_groups"] = float(len(self.skipped_groups))
         if self.syncs_lost:
             stats[f"{prefix}syncs_lost"] = float(self.syncs_lost)
-        if self.site_size:
-            stats[f"{prefix}site_size"] = float(self.site_size)
-        if self.mixing_partners:
-            stats[f"{prefix}mixing_partners"] = float(self.mixing_partners)
-        if self.groups:
-            stats[f"{prefix}groups"] = float(self.groups)
         if self.joined_groups:
             stats[f"{prefix}joined_groups"] = float(len(self.joined_groups))
-        if self.heal_seconds is not None:
-            stats[f"{prefix}heal_seconds"] = self.heal_seconds
+        stats.update({f"{prefix}{name}": float(value) for name, value in self.extra.items()})
         if self.site_syncs:
             stats[f"{prefix}site_syncs"] = float(self.site_syncs)
         return stats

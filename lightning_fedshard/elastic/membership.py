@@ -85,7 +85,10 @@ class ElasticMembership:
 
     def annotate(self, stats: SyncStats) -> SyncStats:
         """``stats`` with the groups of the sync and the time spent healing."""
-        return replace(stats, groups=len(self.members), heal_seconds=self.communicator.last_heal_seconds)
+        extra = {**stats.extra, "groups": float(len(self.members))}
+        if self.communicator.last_heal_seconds is not None:
+            extra["heal_seconds"] = self.communicator.last_heal_seconds
+        return replace(stats, extra=extra)
 
     def _heal_state(self) -> dict[str, Any]:
         """What a joining or lagging peer receives from this rank (torchft's thread; this rank waits in a quorum)."""

@@ -507,7 +507,7 @@ class EventLog(Callback):
                 "members": members,
                 "joined": list(stats.joined_groups),
                 "lost": stats.lost,
-                "heal_seconds": stats.heal_seconds,
+                "heal_seconds": stats.extra.get("heal_seconds"),
                 "seconds": stats.seconds,
                 "exposed_seconds": stats.exposed_seconds,
                 "num_syncs": stats.num_syncs,

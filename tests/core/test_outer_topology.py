@@ -126,7 +126,7 @@ def test_sites_average_their_weights_and_the_federation_takes_the_outer_step():
         shard, anchor, stats = r[2]
         site = (1 + 2) * 3 / 2 if g < 2 else (3 + 4) * 3 / 2
         assert torch.equal(shard, torch.full((3,), site)) and torch.equal(anchor, torch.zeros(3))
-        assert stats.site_size == 2 and stats.num_syncs == 0
+        assert stats.extra["site_size"] == 2 and stats.num_syncs == 0
         assert torch.equal(r["consensus"], torch.full((3,), (4.5 + 10.5) / 2))  # the exact mean over all groups
         assert r["distance"] == pytest.approx(3 * 3**0.5)  # every group 3 away in each of 3 values
         assert r[1][2] is None and r[3][2] is None
@@ -135,7 +135,7 @@ def test_sites_average_their_weights_and_the_federation_takes_the_outer_step():
     for r in results:
         shard, anchor, stats = r[4]
         assert_close(shard, torch.full((3,), expected)) and torch.equal(shard, anchor)
-        assert stats.site_size == 0 and stats.num_syncs == 1
+        assert "site_size" not in stats.extra and stats.num_syncs == 1
 
 
 # ---------------------------------------------------------------------- against torch's HierarchicalModelAverager
@@ -423,7 +423,7 @@ def test_a_site_sync_logs_its_drift_and_norm_and_counts_in_the_syncs():
         first = seen[1]  # weights 1, 2 | 3, 4 (each of 3 values) become 1.5 | 3.5; the anchor is 0
         assert first.drift == pytest.approx(0.5 * 3**0.5)  # every group 0.5 from its site mean in each value
         assert first.outer_grad_norm == pytest.approx((3 * (1.5**2 + 3.5**2) / 2) ** 0.5)  # RMS of |anchor - mean|
-        assert first.kind == "site sync" and first.site_size == 2
+        assert first.kind == "site sync" and first.extra["site_size"] == 2
         assert [seen[s].num_syncs for s in range(1, 5)] == [0, 0, 0, 1]  # outer steps
         assert [seen[s].site_syncs for s in range(1, 5)] == [1, 2, 3, 3]
         assert [seen[s].total_syncs for s in range(1, 5)] == [1, 2, 3, 4]  # the progress bar's `syncs`

@@ -66,7 +66,7 @@ def test_the_membership_names_the_groups_of_each_sync_and_keeps_them_in_checkpoi
     assert resets == [1]
     communicator.last_heal_seconds = 0.25
     stats = federation.annotate_stats(SyncStats(0.0, 0.0, 0, 0.0, 1)) if federation.annotate_stats else None
-    assert stats is not None and (stats.groups, stats.heal_seconds) == (2, 0.25)
+    assert stats is not None and (stats.extra["groups"], stats.extra["heal_seconds"]) == (2, 0.25)
 
     saved = federation.state_dict()
     assert saved["members"] == [0, 2] and saved["membership"] == {"step": 0, "batches_committed": 0}

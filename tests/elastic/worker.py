@@ -138,12 +138,12 @@ class Recorder(L.Callback):
         self.syncs.append(
             {
                 "step": step,
-                "groups": stats.groups,
+                "groups": stats.extra.get("groups", 0),
                 "members": list(trainer.strategy.runtime.membership.members),
                 "joined": list(stats.joined_groups),
                 "lost": stats.lost,
                 "num_syncs": stats.num_syncs,
-                "heal_seconds": stats.heal_seconds,
+                "heal_seconds": stats.extra.get("heal_seconds"),
             }
         )
         if not stats.lost:

@@ -48,6 +48,16 @@ HIERARCHICAL_STREAM = dict(
     reduce_dtype="int8",
     error_feedback=True,
 )
+# ... and around eager updates: fragment 0 syncs after 4, fragment 1 after 8, the sites average after 2, 4 and 6: after
+# step 5 fragment 0's sum is in flight and the two sites hold different weights
+HIERARCHICAL_EAGER = dict(
+    HIERARCHICAL,
+    outer_topology=topology_record(Hierarchical({2: 2, 8: 4})),
+    fragments=2,
+    eager_updates=True,
+    reduce_dtype="int4",
+    error_feedback=True,
+)
 # mixings of 4 one-rank groups every 2 steps, plain averaging: the groups differ after every sync
 MIXING = dict(num_groups=4, sync_every=2, outer_optimizer="fedavg", reduce_dtype="float32")
 RING = [[0.5, 0.25, 0, 0.25], [0.25, 0.5, 0.25, 0], [0, 0.25, 0.5, 0.25], [0.25, 0, 0.25, 0.5]]
@@ -113,6 +123,8 @@ SCENARIOS_4 = [
     dict(FSDP, **HIERARCHICAL, name="hierarchical_apart", resume_from="hierarchical/ckpts/step=3.ckpt"),
     dict(FSDP, **HIERARCHICAL_STREAM, name="hstream", ckpt=True),
     dict(FSDP, **HIERARCHICAL_STREAM, name="hstream_inflight", resume_from="hstream/ckpts/step=3.ckpt"),
+    dict(FSDP, **HIERARCHICAL_EAGER, name="heager_sites", ckpt=True),
+    dict(FSDP, **HIERARCHICAL_EAGER, name="heager_sites_inflight", resume_from="heager_sites/ckpts/step=5.ckpt"),
     *(
         run
         for name, mixing in MIXINGS.items()
@@ -420,19 +432,22 @@ def test_resume_with_fragments_and_a_sum_in_flight_is_exact(four, eight, world, 
 # -- a hierarchical outer topology -----------------------------------------------------------------------------
 
 
-def test_resume_of_sites_around_a_streaming_federation_with_a_sum_in_flight_is_exact(four):
-    """After step 3 the groups differ (the sites averaged after step 2) and fragment 0's sum is in flight."""
-    got, want = _ranks(four, "hstream_inflight"), _ranks(four, "hstream")
-    assert all(r["pending_at_save"][3] for r in want), "no sum was in flight when the checkpoint was written"
-    assert not torch.equal(want[0]["shards_at"][3], want[2]["shards_at"][3])  # two sites hold different weights
-    assert got[0]["num_syncs"] == want[0]["num_syncs"] == 3  # landings after 4 and 8, then fragment 0 at the end
+@pytest.mark.parametrize(
+    ("resumed", "straight", "step"), [("hstream_inflight", "hstream", 3), ("heager_sites_inflight", "heager_sites", 5)]
+)
+def test_resume_of_sites_around_the_federations_round_with_a_sum_in_flight_is_exact(four, resumed, straight, step):
+    """Mid-round the sites hold different weights and a sum is in flight (a delayed landing, or an eager sum)."""
+    got, want = _ranks(four, resumed), _ranks(four, straight)
+    assert all(r["pending_at_save"][step] for r in want), "no sum was in flight when the checkpoint was written"
+    assert not torch.equal(want[0]["shards_at"][step], want[2]["shards_at"][step])  # two sites differ
+    assert got[0]["num_syncs"] == want[0]["num_syncs"]
     for g, w in zip(got, want):
-        assert torch.equal(g["initial"], w["shards_at"][3])
-        for s in range(3, 8):
+        assert torch.equal(g["initial"], w["shards_at"][step])
+        for s in range(step, 8):
             assert torch.equal(g["shards_at"][s], w["shards_at"][s]), f"diverged at step {s}"
         assert torch.equal(g["final_shards"], w["final_shards"])
         assert torch.equal(g["final_optimizer"], w["final_optimizer"])
-        assert (w["final_shards"] - w["shards_at"][3]).abs().max() > 1e-3
+        assert (w["final_shards"] - w["shards_at"][step]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize(

@@ -177,6 +177,21 @@ SCENARIOS_4 = [
         wrap_linear=True,
         max_steps=11,
     ),
+    # ... and around eager updates: each fragment's sum in flight for a whole 8-step round, the sites averaging their
+    # groups' weights and round starts every 2 steps
+    dict(
+        BASE,
+        name="hierarchical_eager",
+        strategy="fl_fsdp",
+        num_groups=4,
+        sync_every=2,
+        outer_topology=topology_record(Hierarchical({2: 2, 8: 4})),
+        fragments=2,
+        eager_updates=True,
+        outer_optimizer="nesterov",
+        wrap_linear=True,
+        max_steps=11,
+    ),
     # the same with sites that are not consecutive groups: {0, 3} and {1, 2}
     dict(
         BASE,
@@ -642,6 +657,7 @@ def test_streaming_syncs_match_the_reference(four, name, groups, shard):
         *both(("hierarchical", 4, 4, 1)),
         ("hierarchical_sites", 4, 4, 1),
         *both(("hierarchical_stream", 4, 4, 1)),
+        ("hierarchical_eager", 4, 4, 1),
         *both(("gossip", 4, 4, 1)),
         ("sampled", 4, 4, 1),
         ("mixing_hsdp", 8, 2, 2),

@@ -143,6 +143,7 @@ class EagerRound(Round):
         return stats
 
     @override
+    @torch.no_grad()
     def load_consensus(self) -> None:
         """Each fragment's anchor as it will be once its sum in flight has landed.
 

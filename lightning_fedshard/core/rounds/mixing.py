@@ -19,6 +19,7 @@ from lightning_fedshard.core.fragments import landing_fragment
 from lightning_fedshard.core.nonfinite import NonFiniteOuterGradientError, healthy_mix
 from lightning_fedshard.core.outer_topology import Mixing
 from lightning_fedshard.core.rounds.averaging import (
+    FLOAT32_SUM,
     apply_weights,
     flat_weights,
     load_mean_over_groups,
@@ -113,5 +114,7 @@ def mix(outer: OuterStep, matrix: Tensor, step: int | None = None) -> SyncStats:
     seconds = time.perf_counter() - start
     i = communicator.group_index
     partners = sum(1 for j in range(matrix.shape[0]) if j != i and matrix[j, i] > 0)
-    sent = partners * flat.numel() * flat.element_size()
-    return weights_sync_stats(outer, norm, drift, sent, seconds, broken, kind="mix", mixing_partners=partners)
+    sent = partners * FLOAT32_SUM.encoded_bytes(flat.numel(), len(groups))  # the whole vector to each partner
+    return weights_sync_stats(
+        outer, norm, drift, sent, seconds, broken, kind="mix", extra={"mixing_partners": partners}
+    )

@@ -58,19 +58,40 @@ class HierarchicalRound(Round):
     def is_due(self, step: int) -> bool:
         return self._site_size(step) is not None or self.inner.is_due(step)
 
+    @property
+    def num_groups(self) -> int:
+        """The groups the federation is planned for: the level of the largest period spans them all."""
+        return self.topology.levels[max(self.topology.levels)]
+
     def _site_size(self, step: int) -> int | None:
         size = self.topology.block_size(step)
-        groups = len(self.federation.communicator.participants())
-        return size if size is not None and size < groups else None
+        return size if size is not None and size < self.num_groups else None
 
     @override
     def after_step(self, step: int) -> SyncStats | None:
         stats = [s for s in (self.inner.after_step(step),) if s is not None]
+        return self._with_site_sync(stats, step)
+
+    @override
+    def take_part(self, fragment: int, step: int) -> SyncStats | None:
+        """Take part in the peers' sync at ``step``: their site sync, or the federation's round and a site sync after.
+
+        A group that heals while its site syncs holds the anchor: it adds nothing and takes its site's mean (the
+        anchor if no group of its site adds).
+        """
+        if fragment == SITE_SYNC:
+            return self._with_site_sync([], step)
+        return self._with_site_sync([s for s in (self.inner.take_part(fragment, step),) if s is not None], step)
+
+    def _with_site_sync(self, stats: list[SyncStats], step: int) -> SyncStats | None:
+        """``stats`` of the syncs after ``step`` so far, and the site sync due then, if any."""
         size = self._site_size(step)
         if size is not None:
-            groups = len(self.federation.communicator.participants())
-            blocks = self.topology.blocks(size, groups)
-            stats.append(average_in_site(self.outer, size, blocks, step=step, extra=self.inner.site_state()))
+            blocks = self.topology.blocks(size, self.num_groups)
+            site = average_in_site(self.outer, size, blocks, step=step, extra=self.inner.site_state())
+            if site.lost:  # every shard went back to the anchor
+                self.inner.restart_from_anchor()
+            stats.append(site)
             self.federation.written()
         return combined(stats, self.config.fragments) if len(stats) > 1 else (stats[0] if stats else None)
 
@@ -80,7 +101,16 @@ class HierarchicalRound(Round):
 
     @override
     def load_consensus(self) -> None:
-        """The exact mean over all groups of their current weights, which a site sync does not change."""
+        """The exact mean over all groups of their current weights, which a site sync does not change.
+
+        The mean travels on the fed ring, where the sums in flight run: they are awaited first. In an elastic
+        federation the consensus is the anchor: a mean over the live groups would need a quorum of its own.
+        """
+        if self.federation.groups_may_join:
+            self.outer.copy_anchor_to_shards()
+            return
+        for pending in self.inner.in_flight():
+            pending.result()
         load_mean_over_groups(self.federation)
 
     @override
@@ -164,7 +194,9 @@ def average_in_site(
     norm, drift = apply_weights(outer, flat, broken, len(groups))
     seconds = time.perf_counter() - start
     sent = mean_bytes(flat.numel(), size)
-    return weights_sync_stats(outer, norm, drift, sent, seconds, broken, kind="site sync", site_size=size)
+    return weights_sync_stats(
+        outer, norm, drift, sent, seconds, broken, kind="site sync", extra={"site_size": float(size)}
+    )
 
 
 @torch.no_grad()
