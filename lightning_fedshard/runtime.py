@@ -184,7 +184,8 @@ class FederatedRuntime:
             communicator = self._make_communicator(self.mesh)
         else:
             group = elastic.group_index(self.num_groups)
-            communicator = ElasticCommunicator(elastic, group, self.mesh.communicator(), self._description)
+            sites = self.config.site_blocks(self.num_groups)
+            communicator = ElasticCommunicator(elastic, group, self.mesh.communicator(), self._description, sites)
             communicator.on_membership = self._log_membership
         federation = Federation(self.config, communicator)
         self._membership = None

@@ -263,6 +263,8 @@ class FederationConfig:
                     f" planned for {self.num_groups} group(s), so it would wait for groups that never come (and fail"
                     f" after `quorum_timeout={self.elastic.quorum_timeout:g}` s). Set `{name}` <= `num_groups`."
                 )
+        if self.hierarchical is not None and isinstance(self.num_groups, int):
+            self.hierarchical.check_groups(self.num_groups)  # the sites hold planned groups, whichever are running
 
     def _check_streaming(self) -> None:
         check_positive_int("fragments", self.fragments)

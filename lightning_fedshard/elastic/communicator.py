@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -70,7 +70,13 @@ class ElasticCommunicator:
         local: The job's own communicator (one group: the in-group collectives).
         describe: This rank's description for the admission check: a JSON-able dict of what must be equal in every
             group at this in-group position (model layout, sync options); called once per new quorum.
+        site_blocks: By block size, the sites of a hierarchical outer topology: the planned groups of each (see
+            :meth:`~lightning_fedshard.core.outer_topology.Hierarchical.site_blocks`); empty without one.
     """
+
+    #: Sites sum over the whole fed ring, a row per site (see :meth:`sum_over_site`), not over process groups of their
+    #: own: the statistics count their bytes so.
+    sums_sites_on_fed_ring = True
 
     def __init__(
         self,
@@ -78,8 +84,10 @@ class ElasticCommunicator:
         group: int,
         local: ProcessGroupCommunicator,
         describe: Callable[[], Mapping[str, Any]],
+        site_blocks: Mapping[int, Sequence[Sequence[int]]] | None = None,
     ) -> None:
         self.options = options
+        self.site_blocks = {size: tuple(tuple(b) for b in blocks) for size, blocks in (site_blocks or {}).items()}
         self._group = group
         self._local = local
         self._describe = describe
@@ -172,8 +180,23 @@ class ElasticCommunicator:
         self._collective(work, output)
 
     def sum_over_site(self, tensor: Tensor, size: int) -> None:
-        """Not in an elastic federation: its groups change, so it has no fixed sites."""
-        raise NotImplementedError("An elastic federation averages all its groups; it has no sites.")
+        """Sum over this group's site of ``size`` planned groups, on the fed ring; zeros after a failure.
+
+        The fed ring changes with every quorum, so sites have no process groups of their own: each group writes its
+        tensor into its site's row of a ``[sites, numel]`` zero tensor, one all-reduce over the ring adds every row,
+        and the group keeps its site's. A group that is gone adds nothing to its row.
+
+        Raises:
+            ValueError: If the outer topology has no sites of ``size`` groups.
+        """
+        blocks = self.site_blocks.get(size)
+        if blocks is None:
+            raise ValueError(f"The elastic federation has no sites of {size} groups (it has {sorted(self.site_blocks)}).")
+        (row,) = [i for i, block in enumerate(blocks) if self._group in block]
+        rows = torch.zeros(len(blocks), tensor.numel(), dtype=tensor.dtype, device=tensor.device)  # (sites, numel)
+        rows[row].copy_(tensor.reshape(-1))
+        self.sum_over_groups(rows.view(-1))
+        tensor.copy_(rows[row].view_as(tensor))
 
     def mix_over_groups(self, tensor: Tensor, matrix: Tensor) -> None:
         """Not in an elastic federation: a mixing matrix needs a fixed set of groups."""

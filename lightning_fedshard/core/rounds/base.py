@@ -48,6 +48,7 @@ class Host(Protocol):
     """What a round drives: the federation's outer step, collectives and schedule (a ``Federation``)."""
 
     communicator: Communicator
+    groups_may_join: bool
     last_synced_step: int
     landed_at: list[int]
     consensus_distance: float | None

@@ -36,6 +36,11 @@ if TYPE_CHECKING:
     from lightning_fedshard.core.outer import OuterStep
 
 
+#: The fragment a site sync marks itself with in ``OuterStep.syncing`` while it waits for its groups: a group that
+#: heals then takes part in the peers' site sync (:meth:`HierarchicalRound.take_part`).
+SITE_SYNC = -1
+
+
 class HierarchicalRound(Round):
     """Site syncs at the smaller periods around the federation's round at the largest (see the module).
 
@@ -156,58 +161,103 @@ def average_in_site(
 ) -> SyncStats:
     """Replace every shard by its plain mean over this group's block of ``size`` groups; collective.
 
-    Float32, one all-reduce over the block, no outer step. Before anything is written every group learns which groups
+    Float32, one sum over the block, no outer step. Before anything is written every group learns which groups
     hold NaN/Inf weights, over the fed ring as the outer step does: ``on_nonfinite="raise"`` then raises in every
     group; ``"skip_group"`` leaves a broken group out of its site's mean (the site divides by its healthy groups), and
     the broken group takes that mean too.
 
+    In an elastic federation a site is its groups that take part in the sync (the communicator's participants): a
+    group that is gone adds nothing, and a site none of whose groups is left adds nothing to the others. A group that
+    joined at this sync adds nothing either and takes its site's mean; if no group of its site adds, it keeps its
+    weights (the anchor it healed). A sync the communicator does not commit writes nothing: every shard goes back to
+    the anchor, as after a lost outer step.
+
     Args:
         outer: The outer step whose shards average.
         size: Groups per block.
-        blocks: Every block of ``size`` groups (the communicator's sites); default: consecutive groups.
+        blocks: Every block of ``size`` groups (the planned sites); default: consecutive groups.
         step: The optimizer step this sync follows (for messages).
         extra: Per-group tensors the round keeps that the site averages too, in place (e.g. eager updates' offsets:
             where each group started its round).
 
     Raises:
         NonFiniteOuterGradientError: If a group's weights hold NaN/Inf and ``on_nonfinite="raise"``, or every group of
-            a site's do. No group's weights were changed then.
+            a site's that adds would. No group's weights were changed then.
     """
     start = time.perf_counter()
     communicator = outer.communicator
-    groups = communicator.participants()
+    outer.syncing = (SITE_SYNC, step)  # a peer that heals meanwhile takes part in this site sync
+    try:
+        groups = communicator.participants()
+    finally:
+        outer.syncing = None
     if blocks is None:
         blocks = [groups[i : i + size] for i in range(0, len(groups), size)]
     flat = flat_weights(outer.shards)
-    broken = outer.nonfinite_groups(flat, groups, step, "site sync")
-    stranded = [g for block in blocks if set(block) <= set(broken) for g in block]
+    broken, joined = outer.absent_groups(flat, groups, step, "site sync", communicator.joined())
+    adding = {g for g in groups if g not in broken and g not in joined}
+    stranded = [g for b in blocks if set(b) & set(broken) and not adding & set(b) for g in b if g in groups]
     if stranded:
         raise NonFiniteOuterGradientError(stranded, outer.num_syncs, step, "site sync", outer.on_nonfinite)
     (site,) = [block for block in blocks if communicator.group_index in block]
-    if communicator.group_index in broken:
+    adds = communicator.group_index in adding
+    if not adds:
         flat.zero_()  # adds nothing to its site's sum
     communicator.sum_over_site(flat, size)
-    healthy = sum(1 for g in site if g not in broken)
-    flat.div_(healthy)
+    count = len(adding & set(site))
+    if count:
+        flat.div_(count)
+    else:  # no group of this site adds: its joiners keep the anchor they healed
+        flat = flat_weights(outer.shards)
     if extra:
-        _average_extra(communicator, extra, size, healthy, communicator.group_index in broken, flat.device)
-    norm, drift = apply_weights(outer, flat, broken, len(groups))
+        _average_extra(communicator, extra, size, count, not adds, flat.device)
+    norm, drift = apply_weights(outer, flat, tuple({*broken, *joined}) if adding else broken, len(groups))
+    committed = communicator.should_commit()
+    if not committed:
+        outer.copy_anchor_to_shards()
+        outer.syncs_lost += 1
     seconds = time.perf_counter() - start
-    sent = mean_bytes(flat.numel(), size)
+    sent = site_sum_bytes(communicator, flat.numel(), size, len(blocks), len(groups))
     return weights_sync_stats(
-        outer, norm, drift, sent, seconds, broken, kind="site sync", extra={"site_size": float(size)}
+        outer,
+        norm,
+        drift,
+        sent,
+        seconds,
+        broken,
+        kind="site sync",
+        joined_groups=joined,
+        lost=not committed,
+        syncs_lost=outer.syncs_lost,
+        extra={"site_size": float(size)},
     )
+
+
+def site_sum_bytes(communicator: Any, numel: int, size: int, sites: int, groups: int) -> int:
+    """Bytes one rank sends to sum ``numel`` float32 values over its site of ``size`` groups (a ring all-reduce).
+
+    Over the site's own process group; or, on a communicator that sums sites over the whole fed ring (an elastic one,
+    whose ring changes with every quorum), a ``[sites, numel]`` tensor over the ring of the sync's ``groups``.
+    """
+    if getattr(communicator, "sums_sites_on_fed_ring", False):
+        return mean_bytes(sites * numel, groups)
+    return mean_bytes(numel, size)
 
 
 @torch.no_grad()
 def _average_extra(
     communicator: Any, extra: Sequence[Tensor], size: int, healthy: int, broken: bool, device: torch.device
 ) -> None:
-    """Replace each of ``extra`` by its mean over the site's healthy groups (one float32 sum over the site)."""
+    """Replace each of ``extra`` by its mean over the site's healthy groups (one float32 sum over the site).
+
+    With no healthy group in the site each group keeps its own (a joiner's, restarted from the anchor).
+    """
     flat = torch.cat([t.reshape(-1).to(device, torch.float32) for t in extra])
     if broken:
         flat.zero_()
     communicator.sum_over_site(flat, size)
+    if healthy == 0:
+        return
     flat.div_(healthy)
     for tensor, part in zip(extra, flat.split([t.numel() for t in extra])):
         tensor.copy_(part.view_as(tensor))
