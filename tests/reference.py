@@ -149,7 +149,8 @@ def federate(
     if eager:
         if sync_delay or merge_alpha:
             raise ValueError("eager updates take no `sync_delay` or `merge_alpha`.")
-        return _federate_eager(initial, groups, parts, every, outer, max_steps, hierarchical, sites)
+        rounds = None if participants is None else (lambda done: participants((done - 1) // sync_every))
+        return _federate_eager(initial, groups, parts, every, outer, max_steps, hierarchical, sites, rounds)
     anchor = {k: v.clone() for k, v in initial.items()}
     outers = [Outer(**OUTERS[outer]) for _ in parts]
     anchors: dict[int, dict[str, Tensor]] = {0: _copy(anchor)}
@@ -330,6 +331,7 @@ def _federate_eager(
     max_steps: int,
     hierarchical: dict[int, int] | None = None,
     sites: list[list[int]] | None = None,
+    sampled: Callable[[int], list[int]] | None = None,
 ) -> dict[str, object]:
     """Eager updates: fragment ``f`` syncs after every step ``s`` with ``(s / K - 1) % P == f``; group g keeps the
     weights ``start_g`` it began the fragment's round from, and at the sync
@@ -341,6 +343,10 @@ def _federate_eager(
 
     At the end every fragment lands what it has in flight and, if it trained since its last sync, takes one more
     synchronous outer step on the mean of ``d_g``; every group then holds the anchor.
+
+    With ``sampled`` (``step -> group indices``) a sync's mean in flight runs over the groups sampled at that sync, of
+    which there are ``k``: they start from ``anchor - lr * d_g / k``, the others from the anchor. The end takes every
+    group.
 
     With ``hierarchical`` levels, after every step (and its sync, if any) the sites of the level that decides the step,
     if below the whole federation, take the plain mean of their weights and of the ``start_g`` of the fragments that
@@ -367,9 +373,13 @@ def _federate_eager(
                 mean = in_flight.pop(f)
                 outers[f].step(anchor, mean)
                 syncs.append(Sync(done, f, "landing", mean))
-            in_flight[f] = {k: torch.stack([d[k] for d in deltas]).mean(0) for k in parts[f]}
-            for start, group, delta in zip(starts, groups, deltas):
-                start.update({k: anchor[k] - lr * delta[k] / len(groups) for k in parts[f]})
+            chosen = sampled(done) if sampled is not None else list(range(len(groups)))
+            in_flight[f] = {k: torch.stack([deltas[g][k] for g in chosen]).mean(0) for k in parts[f]}
+            for g, (start, group, delta) in enumerate(zip(starts, groups, deltas)):
+                if g in chosen:
+                    start.update({k: anchor[k] - lr * delta[k] / len(chosen) for k in parts[f]})
+                else:  # left out of the sample: no share of the mean in flight
+                    start.update({k: anchor[k].clone() for k in parts[f]})
                 group.load(_slice(start, parts[f], clone=True))
             last_sync[f] = done
             anchors[done] = _copy(anchor)

@@ -63,7 +63,6 @@ class Elastic:
         "gossip": Refusal("a mix needs a matrix over the live groups, rebuilt at every quorum"),
         "sampled": Refusal("a sample must be drawn among the live groups at every quorum"),
         "mixing": Refusal("a fixed matrix names groups that may not be alive"),
-        "eager_updates": Refusal("a sum in flight must be carried across a change of members"),
         "error_feedback_weights": Refusal("a joining group would heal onto the anchor without the residuals"),
     }
 

@@ -145,9 +145,9 @@ class Federation:
         return stats if stats is None or self.annotate_stats is None else self.annotate_stats(stats)
 
     def heal_state(self) -> dict[str, Any]:
-        """This rank's federation state for a group that joins or fell behind: outer state, schedule, sync in flight.
+        """This rank's federation state for a group that joins or fell behind: outer state, schedule, sync, round.
 
-        Safe to call from another thread while this rank waits for the other groups (no collective); the tensors are
+        The round's state holds e.g. the sums in flight with eager updates (completed before the quorum). Safe to call from another thread while this rank waits for the other groups (no collective); the tensors are
         the federation's own: copy them before sending.
         """
         outer = self.outer
@@ -159,13 +159,14 @@ class Federation:
                 "landed_at": list(self.landed_at),
             },  # fmt: skip
             "sync": outer.syncing,
+            "round": self.round.state_dict(),
         }
 
     @torch.no_grad()
     def load_heal_state(self, state: dict[str, Any]) -> tuple[int, int] | None:
         """Take a peer's :meth:`heal_state`: its anchor, outer state and schedule; every shard becomes the anchor.
 
-        This group's error-feedback residuals are left as they are.
+        The round takes the peer's state (e.g. its sums in flight) and starts from the anchor. This group's error-feedback residuals are left as they are.
 
         Returns:
             The sync the peer was in (``(fragment, step)``), if any: :meth:`take_part` joins it.
@@ -175,6 +176,7 @@ class Federation:
         schedule = state["schedule"]
         self.last_synced_step, self.last_step = int(schedule["last_synced_step"]), int(schedule["last_step"])
         self.landed_at = [int(s) for s in schedule["landed_at"]]
+        self.round.load_state_dict(state.get("round", {}))
         outer.copy_anchor_to_shards()
         self.round.restart_from_anchor()
         self._on_write()

@@ -191,7 +191,9 @@ class ElasticCommunicator:
         """
         blocks = self.site_blocks.get(size)
         if blocks is None:
-            raise ValueError(f"The elastic federation has no sites of {size} groups (it has {sorted(self.site_blocks)}).")
+            raise ValueError(
+                f"The elastic federation has no sites of {size} groups (it has {sorted(self.site_blocks)})."
+            )
         (row,) = [i for i, block in enumerate(blocks) if self._group in block]
         rows = torch.zeros(len(blocks), tensor.numel(), dtype=tensor.dtype, device=tensor.device)  # (sites, numel)
         rows[row].copy_(tensor.reshape(-1))

@@ -37,9 +37,12 @@ def build_round(federation: Host) -> Round:
     config = federation.config
     topology = resolve_outer_topology(config.outer_topology)
     period = config.outer_period
-    if isinstance(topology, Sampled) and topology.outer_step:
-        return SampledRound(federation, topology, period)
-    inner: Round = EagerRound(federation, period) if config.eager_rule is not None else PlainRound(federation, period)
+    sampled = topology if isinstance(topology, Sampled) and topology.outer_step else None
+    if config.eager_rule is not None:
+        return EagerRound(federation, period, sampled)
+    if sampled is not None:
+        return SampledRound(federation, sampled, period)
+    inner: Round = PlainRound(federation, period)
     if isinstance(topology, Hierarchical):
         return HierarchicalRound(federation, topology, inner)
     if isinstance(topology, Mixing):

@@ -11,6 +11,13 @@ learning rate, a fragment's sync is::
 (``start = anchor - lr * d_g`` with ``eager_rule="local"``), and the mean of the ``d_g`` is summed in the background
 until the fragment's next sync. At the end of training every fragment lands its sum in flight and syncs what it
 trained since, at once; every group ends on the anchor. Nothing a group trains is thrown away.
+
+In an elastic federation a sum starts over the groups of its sync's quorum, divides by those of them that add, and
+lands at the fragment's next sync on every group of that sync, a group that joined meanwhile included: it receives the
+sums in flight (completed) when it heals, starts its rounds from the anchor and adds nothing to the sum of the sync it
+joins. Each sync there completes every sum in flight before its vote and its quorum, so a sum overlaps with
+``period / fragments`` steps rather than a whole round; a vote that fails (a group died) loses the landing and every
+sum in flight (see :meth:`EagerRound.land`).
 """
 
 from __future__ import annotations
@@ -26,8 +33,10 @@ from typing_extensions import override
 
 from lightning_fedshard.core.fragments import landing_fragment
 from lightning_fedshard.core.norms import nbytes
+from lightning_fedshard.core.outer_topology import Sampled
 from lightning_fedshard.core.pending import PendingSync
 from lightning_fedshard.core.rounds.base import Host, Refusal, Round, drop
+from lightning_fedshard.core.rounds.sampled import not_sampled
 from lightning_fedshard.core.stats import SyncStats
 
 
@@ -37,6 +46,9 @@ class EagerRound(Round):
     Args:
         federation: The federation this round syncs.
         period: Optimizer steps between two syncs of one fragment.
+        sampled: Sampled participation (``Sampled(..., outer_step=True)``): a sum started at a sync adds the
+            pseudo-gradients of the groups the sync's round samples only, and divides by them; a group left out
+            restarts from the anchor (no share of the sum). The end of training takes every group.
     """
 
     refuses = {
@@ -45,9 +57,10 @@ class EagerRound(Round):
         "error_feedback_weights": Refusal("each group's start already differs from the anchor by its own share"),
     }
 
-    def __init__(self, federation: Host, period: int) -> None:
+    def __init__(self, federation: Host, period: int, sampled: Sampled | None = None) -> None:
         super().__init__(federation)
         self.period = period
+        self.sampled = sampled
         self.rule = federation.config.eager_rule or "share"
         self._sums: dict[int, PendingSync] = {}  # each fragment's sum in flight until its next sync
         #: Per fragment, how far this group's start of the round lies below the anchor (flat, float32).
@@ -72,9 +85,28 @@ class EagerRound(Round):
         self.federation.last_synced_step = self.federation.landed_at[fragment] = step
         return None if stats is None else replace(stats, num_fragments=self.config.fragments)
 
+    @override
+    def take_part(self, fragment: int, step: int) -> SyncStats | None:
+        """Take part in the peers' sync of ``fragment`` at ``step``, adding nothing (a group that just healed).
+
+        The group holds the anchor (no offset) and the peers' sums in flight (from :meth:`state_dict`), which land at
+        their fragments' next syncs as the peers' do. It casts no vote here: the peers voted before this quorum.
+        """
+        _, started = self.step(fragment, None, step, vote=False)
+        assert started is not None
+        self._sums[fragment] = started
+        self.federation.written()
+        self.federation.last_synced_step = self.federation.landed_at[fragment] = step
+        return None
+
     @torch.no_grad()
     def step(
-        self, fragment: int, pending: PendingSync | None, step: int | None = None, final: bool = False
+        self,
+        fragment: int,
+        pending: PendingSync | None,
+        step: int | None = None,
+        final: bool = False,
+        vote: bool = True,
     ) -> tuple[SyncStats | None, PendingSync | None]:
         """One eager update of a fragment: land the previous round's sum, start this round's; collective.
 
@@ -83,6 +115,8 @@ class EagerRound(Round):
             pending: The fragment's sum started at its previous sync (``None`` at its first).
             step: The optimizer step after which this runs.
             final: Land everything now (no sum left in flight): every group ends on the anchor.
+            vote: In an elastic federation, vote on the sums in flight when none lands (see :meth:`land`); a group
+                that joins the peers' sync does not.
 
         Returns:
             The statistics of the sum that landed (``None`` if none did) and the sum now in flight (``None`` when
@@ -96,10 +130,14 @@ class EagerRound(Round):
         clock = time.perf_counter()
         if pending is not None:
             self._detach_result(pending)  # the fragment's buffer is free again
+        if self.federation.groups_may_join:
+            self._complete_in_flight()
         taken = outer.pseudogradient(fragment, self.offsets[fragment])
         own = None if final else self._own_copy(fragment, taken[0])  # before a sum in place overwrites the buffer
-        landed = outer.complete(pending, step=step, write=False) if pending is not None else None
-        started = outer.begin(fragment, step, background=not final, taken=taken)
+        landed = self.land(pending, step, vote)
+        sampling = self.sampled is not None and step is not None and not final
+        idle = not_sampled(self.sampled, self.period, step) if sampling else ()  # type: ignore[arg-type]
+        started = outer.begin(fragment, step, background=not final, taken=taken, idle=idle)
         if own is None:
             final_stats = outer.complete(started, step=step)
             self.offsets[fragment] = None
@@ -137,7 +175,7 @@ class EagerRound(Round):
 
     def _settle(self, fragment: int, pending: PendingSync | None, step: int) -> SyncStats | None:
         """Land a sum in flight and put every group on the anchor, with nothing trained since it started."""
-        stats = self.outer.complete(pending, step=step, write=False) if pending is not None else None
+        stats = self.land(pending, step)
         self.outer.copy_anchor_to_shards(fragment)
         self.offsets[fragment] = None
         return stats
@@ -176,6 +214,41 @@ class EagerRound(Round):
             offset += anchor.numel()
         trial.step()
         return [a.detach() for a in anchors]
+
+    def land(self, pending: PendingSync | None, step: int | None, vote: bool = True) -> SyncStats | None:
+        """Land ``pending``'s sum on the anchor (the shards are the caller's); ``None`` if nothing lands.
+
+        In an elastic federation each sync ends the period of the quorum before it with torchft's vote: the vote of a
+        landing, or one of its own when a sum is in flight and none lands (with ``vote``). Every sum in flight was
+        completed before the vote, so it covers each of them. A vote that fails (a group died or a sum between groups
+        failed) loses the landing (the anchor stays) and every sum in flight: none of them lands, their fragments'
+        error-feedback residuals are reset, and each of those fragments' next round starts from the anchor as it is.
+        Every group that failed the vote drops the same sums; one that committed keeps them, and a group behind it
+        heals from it at the next quorum.
+        """
+        outer = self.outer
+        stats = outer.complete(pending, step=step, write=False) if pending is not None else None
+        if stats is not None:
+            committed = not stats.lost
+        else:
+            ask = self.federation.groups_may_join and vote and bool(self._sums)
+            committed = not ask or outer.communicator.should_commit()
+        if not committed and self.federation.groups_may_join:
+            for fragment in sorted(self._sums):
+                del self._sums[fragment]  # completed before the vote: nothing runs on in the background
+                outer.reducers[fragment].reset_residual()
+                outer.syncs_lost += 1
+        return stats
+
+    def _complete_in_flight(self) -> None:
+        """Complete every sum in flight in this thread, before this sync's vote and quorum (elastic).
+
+        A sum then never runs while the quorum rebuilds the ring between groups, its failure is known to this sync's
+        vote, and a peer that heals from this group receives each sum completed: torchft's thread serializes them
+        without waiting for the background thread or running a collective inside the group.
+        """
+        for pending in self.in_flight():
+            pending.result()
 
     def _detach_result(self, pending: PendingSync) -> None:
         """Wait for ``pending``'s sum and make sure it does not live in the fragment's buffer (summed in place)."""

@@ -41,28 +41,16 @@ class SampledRound(PlainRound):
         period: Optimizer steps between two landings of one fragment (``sync_every``): the length of a round.
     """
 
-    refuses: ClassVar[dict[str, Refusal]] = {
-        "eager_updates": Refusal("eager updates share each group's part of a mean that a sample would leave out"),
-    }
+    refuses: ClassVar[dict[str, Refusal]] = {}
 
     def __init__(self, federation: Host, topology: Sampled, period: int) -> None:
         super().__init__(federation, period)
         self.topology = topology
 
-    def round_of(self, landing: int) -> int:
-        """The round of the landing after optimizer step ``landing``: ``(landing - 1) // period``."""
-        return (landing - 1) // self.period
-
     @override
     def idle(self, landing: int) -> Callable[[tuple[int, ...]], tuple[int, ...]]:
         """The participants that the landing's round did not sample (drawn by position among them)."""
-        number = self.round_of(landing)
-
-        def not_sampled(participants: tuple[int, ...]) -> tuple[int, ...]:
-            chosen = set(self.topology.sample(number, len(participants)))
-            return tuple(g for position, g in enumerate(participants) if position not in chosen)
-
-        return not_sampled
+        return not_sampled(self.topology, self.period, landing)
 
     @override
     def _complete(self, pending: PendingSync, step: int, merge_alpha: float) -> SyncStats:
@@ -72,3 +60,18 @@ class SampledRound(PlainRound):
             self.outer.copy_anchor_to_shards(pending.fragment)
             self.federation.written()
         return stats
+
+
+def not_sampled(topology: Sampled, period: int, landing: int) -> Callable[[tuple[int, ...]], tuple[int, ...]]:
+    """The participants that the round of the landing after step ``landing`` (``(landing - 1) // period``) leaves out.
+
+    The sample is drawn by position among the sync's participants, which
+    :meth:`~lightning_fedshard.core.outer.OuterStep.begin` passes in once it asked for them.
+    """
+    number = (landing - 1) // period
+
+    def idle(participants: tuple[int, ...]) -> tuple[int, ...]:
+        chosen = set(topology.sample(number, len(participants)))
+        return tuple(g for position, g in enumerate(participants) if position not in chosen)
+
+    return idle

@@ -15,7 +15,7 @@ from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fragments import cut_fragments
 from lightning_fedshard.core.pending import PendingSync
-from lightning_fedshard.core.rounds import SampledRound, build_round
+from lightning_fedshard.core.rounds import EagerRound, SampledRound, build_round
 from tests.core.fake_comm import ThreadGroups
 from tests.reference import federate
 
@@ -49,20 +49,10 @@ class _Group:
 
 
 def _federation(comm: Any, topology: Sampled, **options: Any) -> Federation:
-    """A federation running ``topology``'s sampled round with ``options``.
-
-    Where the configuration does not take the topology with these options (fragments, a stateful outer optimizer), the
-    round is built on a federation configured without it: the round runs the same either way.
-    """
-    try:
-        config = FederationConfig(outer_topology=topology, **options)
-    except ValueError:
-        config = FederationConfig(**options)
-        fed = Federation(config, comm)
-        fed.round = SampledRound(fed, topology, config.outer_period)
-        return fed
-    fed = Federation(config, comm)
-    assert isinstance(fed.round, SampledRound)
+    """A federation running ``topology``'s sampled participation with ``options`` (eager updates or the plain round)."""
+    fed = Federation(FederationConfig(outer_topology=topology, **options), comm)
+    expected = EagerRound if options.get("eager_updates") else SampledRound
+    assert type(fed.round) is expected and (expected is SampledRound or fed.round.sampled is topology)
     return fed
 
 
@@ -120,13 +110,17 @@ def _reference(topology: Sampled, groups: int, steps: int, outer: str, fragments
 
 @pytest.mark.parametrize(
     ("outer", "fragments", "sync_delay"),
-    [("fedavg", 1, 0), ("nesterov", 1, 0), ("fedavg", 2, 0), ("nesterov", 2, 0), ("nesterov", 2, 1)],
+    [("fedavg", 1, 0), ("nesterov", 1, 0), ("fedavg", 2, 0), ("nesterov", 2, 0), ("nesterov", 2, 1)]
+    + [("nesterov", 1, "eager"), ("nesterov", 2, "eager"), ("fedavg", 2, "eager")],
 )
 def test_sampled_outer_step_matches_the_reference(outer, fragments, sync_delay):
+    """Also with eager updates: each sum in flight is the mean over its sync's sample, whose groups take their share."""
     topology = Sampled(groups_per_round=2, seed=3, outer_step=True)
-    options = dict(sync_every=4, outer_optimizer=outer, fragments=fragments, sync_delay=sync_delay)
+    eager = sync_delay == "eager"
+    delay = 0 if eager else sync_delay
+    options = dict(sync_every=4, outer_optimizer=outer, fragments=fragments, sync_delay=delay, eager_updates=eager)
     results = _run(topology, groups=4, steps=14, **options)  # ends mid-round: a final step over every group
-    want = _reference(topology, 4, 14, outer, fragments, sync_delay=sync_delay)
+    want = _reference(topology, 4, 14, outer, fragments, sync_delay=delay, eager=eager)
     assert len({tuple(topology.sample(r, 4)) for r in range(3)}) > 1  # the sample changes between rounds
     for g, result in enumerate(results):
         for step in range(1, 14):  # the reference records each group's weights before the next (0-based) step
@@ -178,15 +172,19 @@ def test_the_drift_and_norm_leave_idle_groups_out():
 
 @pytest.mark.parametrize(
     ("outer", "fragments", "sync_delay", "stop_at"),
-    [("fedavg", 1, 0, 6), ("nesterov", 2, 1, 7), ("nesterov", 2, 0, 5)],
+    [("fedavg", 1, 0, 6), ("nesterov", 2, 1, 7), ("nesterov", 2, 0, 5), ("nesterov", 2, "eager", 7)],
 )
 def test_resume_mid_round_is_exact(outer, fragments, sync_delay, stop_at):
     topology = Sampled(groups_per_round=2, seed=3, outer_step=True)
-    options = dict(sync_every=4, outer_optimizer=outer, fragments=fragments, sync_delay=sync_delay)
+    eager = sync_delay == "eager"
+    sync_delay = 0 if eager else sync_delay
+    options = dict(sync_every=4, outer_optimizer=outer, fragments=fragments, sync_delay=sync_delay, eager_updates=eager)
     straight = _run(topology, groups=4, steps=13, **options)
     saved = _run(topology, groups=4, steps=13, stop_at=stop_at, **options)
     if sync_delay:
         assert all(s["state"]["pending"]["idle"] for s in saved)  # a sum in flight that leaves groups out
+    if eager:
+        assert all(any(p["idle"] for p in s["state"]["eager"].values()) for s in saved)  # eager sums leave groups out
     resumed = _run(topology, groups=4, steps=13, resume=saved, **options)
     for a, b in zip(straight, resumed):
         for step in range(stop_at + 1, 14):
