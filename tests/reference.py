@@ -145,7 +145,7 @@ def federate(
     if hierarchical is not None and not streaming:
         return _federate_hierarchical(initial, groups, hierarchical, outer, max_steps, sites)
     if mixing is not None:
-        return _federate_mixing(initial, groups, mixing, every, outer, max_steps)
+        return _federate_mixing(initial, groups, mixing, parts, every, sync_every, outer, max_steps)
     if eager:
         if sync_delay or merge_alpha:
             raise ValueError("eager updates take no `sync_delay` or `merge_alpha`.")
@@ -284,20 +284,23 @@ def _federate_mixing(
     initial: dict[str, Tensor],
     groups: Sequence[Group],
     mixing: Callable[[int], Tensor],
+    parts: list[list[str]],
     every: int,
+    sync_every: int,
     outer: str,
     max_steps: int,
 ) -> dict[str, object]:
-    """After step ``s = (r + 1) H`` group ``i`` takes ``sum_j W_ij theta_j`` for ``W = mixing(r)``, computed here in
-    float64; a uniform ``W`` is the plain outer step (everyone restarts from the mean). At the end, unless the last step
-    was such a step, every group takes the plain mean of all groups."""
+    """After step ``s`` with ``s % K == 0`` (``K = H / P``) fragment ``(s / K - 1) % P`` mixes: group ``i`` takes
+    ``sum_j W_ij theta_j`` of it for ``W = mixing((s - 1) // H)``, computed here in float64; a uniform ``W`` is the
+    plain outer step of that fragment (everyone restarts from the mean). At the end every fragment that did not just take
+    such a step takes one: every group holds the plain mean of all groups."""
     if outer != "fedavg":
         raise ValueError("a mixing topology takes plain means: outer='fedavg'.")
     anchor = {k: v.clone() for k, v in initial.items()}
     opt = Outer(**OUTERS[outer])
     anchors: dict[int, dict[str, Tensor]] = {0: _copy(anchor)}
     syncs: list[Sync] = []
-    last_global = 0
+    met_at = [0] * len(parts)
     groups_before: dict[int, list[Tensor]] = {}
     for step in range(max_steps):
         groups_before[step] = [torch.cat([v.reshape(-1) for v in g.weights().values()]) for g in groups]
@@ -306,20 +309,42 @@ def _federate_mixing(
         done = step + 1
         if done % every:
             continue
-        matrix = mixing(done // every - 1).double()
+        f = _landing_fragment(done, every, len(parts))
+        keys = parts[f]
+        matrix = mixing((done - 1) // sync_every).double()
         if torch.equal(matrix, torch.full_like(matrix, 1.0 / len(groups))):
-            _everyone_meets(anchor, opt, groups, done, "landing", syncs, anchors)
-            last_global = done
+            _fragment_meets(anchor, opt, groups, keys, done, f, "landing", syncs)
+            anchors[done] = _copy(anchor)
+            met_at[f] = done
             continue
         weights = [_copy(g.weights()) for g in groups]  # copies: the groups are overwritten one by one below
         for i, g in enumerate(groups):
             g.load({
-                k: sum(float(matrix[i, j]) * w[k].double() for j, w in enumerate(weights)).to(v.dtype)
-                for k, v in anchor.items()
+                k: sum(float(matrix[i, j]) * w[k].double() for j, w in enumerate(weights)).to(anchor[k].dtype)
+                for k in keys
             })  # fmt: skip
-    if max_steps > 0 and last_global != max_steps:
-        _everyone_meets(anchor, opt, groups, max_steps, "final", syncs, anchors)
+    if max_steps > 0:
+        for f, keys in enumerate(parts):
+            if met_at[f] != max_steps:
+                _fragment_meets(anchor, opt, groups, keys, max_steps, f, "final", syncs)
+        anchors[max_steps] = _copy(anchor)
     return {"anchors": anchors, "final": anchor, "groups_before": groups_before, "syncs": syncs}
+
+
+def _fragment_meets(
+    anchor: dict[str, Tensor],
+    opt: Outer,
+    groups: Sequence[Group],
+    keys: list[str],
+    step: int,
+    fragment: int,
+    kind: str,
+    syncs: list[Sync],
+) -> None:
+    """Every group meets on one fragment: plain averaging of ``anchor - weights``, every group restarts from it."""
+    syncs.append(Sync(step, fragment, kind, _outer_step(anchor, opt, [g.weights() for g in groups], keys)))
+    for g in groups:
+        g.load(_slice(anchor, keys, clone=True))
 
 
 def _federate_eager(

@@ -147,8 +147,9 @@ class Federation:
     def heal_state(self) -> dict[str, Any]:
         """This rank's federation state for a group that joins or fell behind: outer state, schedule, sync, round.
 
-        The round's state holds e.g. the sums in flight with eager updates (completed before the quorum). Safe to call from another thread while this rank waits for the other groups (no collective); the tensors are
-        the federation's own: copy them before sending.
+        The round's state holds e.g. the sums in flight with eager updates (completed before the quorum). Safe to call
+        from another thread while this rank waits for the other groups (no collective); the tensors are the
+        federation's own: copy them before sending.
         """
         outer = self.outer
         return {
@@ -166,7 +167,8 @@ class Federation:
     def load_heal_state(self, state: dict[str, Any]) -> tuple[int, int] | None:
         """Take a peer's :meth:`heal_state`: its anchor, outer state and schedule; every shard becomes the anchor.
 
-        The round takes the peer's state (e.g. its sums in flight) and starts from the anchor. This group's error-feedback residuals are left as they are.
+        The round takes the peer's state (e.g. its sums in flight) and starts from the anchor. This group's
+        error-feedback residuals are left as they are.
 
         Returns:
             The sync the peer was in (``(fragment, step)``), if any: :meth:`take_part` joins it.

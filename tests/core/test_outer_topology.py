@@ -332,8 +332,8 @@ def test_distance_from_the_mean_shrinks_like_the_second_eigenvalue():
             r"and `outer_optimizer='nesterov'` cannot be combined: a mix moves no shared anchor",
         ),
         (
-            lambda: FederationConfig(outer_topology=Gossip(peers=1), sync_every=4, fragments=2),
-            r"and `fragments=2` are not built to run together yet",
+            lambda: FederationConfig(outer_topology=Gossip(peers=1), sync_every=4, sync_delay=1),
+            r"and `sync_delay=1` are not built to run together yet",
         ),
     ],
 )

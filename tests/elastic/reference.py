@@ -14,6 +14,18 @@ of each sync (who took part, who joined, whether it was lost) is replayed with h
 - with sampled participation (``groups_per_round``, ``seed``) only the groups at the round's sampled positions among
   the sync's groups (in ring order) add: ``randperm`` of ``torch.Generator`` seeded ``seed * 1_000_003 + round``, the
   first ``groups_per_round`` positions, where the sync after step ``s`` is of round ``(s - 1) // sync_every``.
+
+With eager updates (one fragment, the share rule; :func:`replay_eager`) a group's round starts from its own start: the
+sum that starts at a sync adds ``start - weights`` over its contributors (its groups less those that joined then) and
+divides by them, each contributor starts the next round at ``anchor - own / contributors`` and a group that joined at
+the anchor; the sum lands a sync later unless that sync is lost (the anchor then stays, and the new sum starts all the
+same). The consensus after a sync is the anchor once the sum in flight has landed.
+
+With sites (:func:`replay_sites`, one rank per group) a group's round starts from what it held after the previous sync;
+at a site sync (the largest period of ``levels`` dividing the step averages fewer groups than planned) each site's
+groups that took part and did not join take the plain mean of their weights, a joining group takes its site's mean (or
+keeps the anchor it healed when no group of its site adds), and the anchor stays; the outer step is FedAvg as above,
+after which every group holds the anchor.
 """
 
 from __future__ import annotations
@@ -124,8 +136,100 @@ def replay(
     return anchors
 
 
+def replay_eager(
+    syncs: dict[int, dict[str, Any]], num_groups: int, ranks: int, total: int, initial: dict[str, Tensor]
+) -> dict[int, dict[str, Tensor]]:
+    """The consensus after every sync of the timeline ``syncs`` with eager updates and FedAvg (see the module).
+
+    ``syncs[step]``: ``members`` and ``joined`` of the sum that started then, ``lost``: whether the sum that landed then
+    was lost. Every group starts at 0 from ``initial``; a group trains from the sync it is a member of to the next.
+    """
+    anchor = _copy(initial)
+    batches = {g: group_batches(g, num_groups, ranks, total) for g in range(num_groups)}
+    lrs = [cosine_lr(t, total) for t in range(total)]
+    starts = {g: _copy(anchor) for g in syncs[min(syncs)]["members"]}
+    consensus: dict[int, dict[str, Tensor]] = {}
+    in_flight: dict[str, Tensor] | None = None
+    previous = 0
+    for step in sorted(syncs):
+        sync = syncs[step]
+        own = {}
+        for g in sync["members"]:
+            if g not in sync["joined"]:
+                weights = _train_round(starts[g], batches[g][previous:step], lrs[previous:step])
+                own[g] = {k: starts[g][k] - weights[k] for k in anchor}
+        if in_flight is not None and not sync["lost"]:
+            anchor = {k: anchor[k] - in_flight[k] for k in anchor}
+        in_flight = {k: sum(d[k] for d in own.values()) / len(own) for k in anchor}
+        starts = {g: _copy(anchor) for g in sync["members"]}
+        for g, d in own.items():
+            starts[g] = {k: anchor[k] - d[k] / len(own) for k in anchor}
+        consensus[step] = {k: anchor[k] - in_flight[k] for k in anchor}
+        previous = step
+    return consensus
+
+
+def replay_sites(
+    syncs: dict[int, dict[str, Any]],
+    num_groups: int,
+    total: int,
+    initial: dict[str, Tensor],
+    levels: dict[int, int],
+    sites: list[list[int]],
+) -> dict[int, dict[str, Tensor]]:
+    """The anchor after every committed outer step of ``syncs``, with site syncs between them.
+
+    ``levels``: ``{period: groups}``; ``sites``: the planned groups of each site of the level below the federation.
+    """
+    anchor = _copy(initial)
+    held = {g: _copy(initial) for g in range(num_groups)}  # what each group holds after the last sync
+    batches = {g: group_batches(g, num_groups, 1, total) for g in range(num_groups)}
+    lrs = [cosine_lr(t, total) for t in range(total)]
+    anchors: dict[int, dict[str, Tensor]] = {0: _copy(anchor)}
+    previous = 0
+    for step in sorted(s for s in syncs if s > 0):
+        sync = syncs[step]
+        members, joined = sync["members"], sync["joined"]
+        if sync["lost"]:  # every group goes back to the anchor
+            held = {g: _copy(anchor) for g in range(num_groups)}
+            previous = step
+            continue
+        trained = {
+            g: _copy(anchor) if g in joined else _train_round(held[g], batches[g][previous:step], lrs[previous:step])
+            for g in members
+        }
+        size = levels[max(p for p in levels if step % p == 0)]
+        if size < num_groups:  # a site sync
+            for site in sites:
+                adding = [g for g in site if g in members and g not in joined]
+                for g in site:
+                    if g in members:
+                        held[g] = _mean([trained[a] for a in adding]) if adding else trained[g]
+        else:
+            adding = [g for g in members if g not in joined]
+            if adding:
+                anchor = {k: anchor[k] - sum(anchor[k] - trained[g][k] for g in adding) / len(adding) for k in anchor}
+            held = {g: _copy(anchor) for g in range(num_groups)}
+            anchors[step] = _copy(anchor)
+        previous = step
+    return anchors
+
+
+def _mean(weights: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    return {k: sum(w[k] for w in weights) / len(weights) for k in weights[0]}
+
+
 def _copy(weights: dict[str, Tensor]) -> dict[str, Tensor]:
     return {k: v.clone() for k, v in weights.items()}
 
 
-__all__ = ["cosine_lr", "group_batches", "initial_weights", "replay", "sampled_positions", "timeline"]
+__all__ = [
+    "cosine_lr",
+    "group_batches",
+    "initial_weights",
+    "replay",
+    "replay_eager",
+    "replay_sites",
+    "sampled_positions",
+    "timeline",
+]

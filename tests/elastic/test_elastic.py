@@ -19,7 +19,15 @@ import pytest
 import torch
 
 from tests.elastic.cluster import Cluster, Job, wait_for
-from tests.elastic.reference import cosine_lr, group_batches, initial_weights, replay, sampled_positions, timeline
+from tests.elastic.reference import (
+    cosine_lr,
+    group_batches,
+    initial_weights,
+    replay,
+    replay_eager,
+    sampled_positions,
+    timeline,
+)
 
 pytest.importorskip("torchft")
 
@@ -165,6 +173,34 @@ def test_sampled_participation_draws_among_the_live_groups_and_equals_the_refere
         assert _max_error(record["final"], reference[24]) < 1e-6
     # Some round sampled position 1 among the live [0, 2], i.e. group 2 (not the gone group 1).
     assert any(sampled_positions(1, 3, (step - 1) // 4, 2) == [1] for step in syncs if step >= 8)
+
+
+def test_eager_updates_lose_the_sum_in_flight_of_a_group_that_died_and_equal_the_reference(root):
+    # Group 1 is killed mid-round: the sum that started with it at step 4 was to land at step 8; the survivors' vote
+    # there fails, the anchor stays, and the sum they start at step 8 (without group 1) lands at step 12.
+    cluster = Cluster(root / "eager", min_groups=1)
+    spec = {**BASE, "num_groups": 3, "start_groups": 3, "eager_updates": True}
+    try:
+        jobs = {g: cluster.start(g, {**spec, **_fault(("kill", 6) if g == 1 else None)}) for g in range(3)}
+        assert [jobs[g].wait(240) for g in (0, 2)] == [[0], [0]]
+    finally:
+        cluster.close()
+    survivors = [jobs[g].result() for g in (0, 2)]
+    landed = timeline([r["syncs"] for r in survivors])
+    started = survivors[0]["started"]
+    assert all(r["started"] == started for r in survivors)
+    assert sorted(started[4]["members"]) == [0, 1, 2] and sorted(started[8]["members"]) == [0, 2]
+    assert landed[8]["lost"] and not any(s["lost"] for step, s in landed.items() if step != 8)
+    syncs = {step: {**sum_, "lost": landed.get(step, {"lost": False})["lost"]} for step, sum_ in started.items()}
+    reference = replay_eager(syncs, 3, 1, 24, initial_weights())
+    for record in survivors:
+        assert record["error"] is None and record["global_step"] == 24
+        assert 8 not in record["consensus"] and 12 in record["consensus"]
+        for step, consensus in record["consensus"].items():
+            assert _max_error(consensus, reference[step]) < 1e-6, (record["group"], step)
+            assert _equal(consensus, survivors[0]["consensus"][step]), (record["group"], step)
+        assert _max_error(record["final"], reference[24]) < 1e-6
+    assert _equal(survivors[0]["final"], survivors[1]["final"])
 
 
 # -- a group that joins ------------------------------------------------------------------------------------------

@@ -105,6 +105,7 @@ class Recorder(L.Callback):
         self.consensus: dict[int, dict[str, torch.Tensor]] = {}
         self.initial: dict[str, torch.Tensor] | None = None
         self.joined_at: int | None = None
+        self.started: dict[int, dict[str, Any]] = {}
         self._seen: Any = None
 
     def on_train_start(self, trainer, pl_module):
@@ -130,6 +131,10 @@ class Recorder(L.Callback):
         self._record(trainer)
 
     def _record(self, trainer) -> None:
+        for pending in getattr(trainer.strategy.runtime.federation.round, "sums", {}).values():
+            if pending.started_at == trainer.global_step:  # eager updates: the sum that started at this sync
+                self.started[trainer.global_step] = {"members": list(pending.participants),
+                                                     "joined": list(pending.joined)}  # fmt: skip
         stats = trainer.strategy.runtime.last_sync_stats
         if stats is None or stats is self._seen:
             return
@@ -168,13 +173,17 @@ def _strategy(spec: dict[str, Any], cls: Any = None) -> Any:
         start_groups=spec.get("start_groups"),
         min_groups=spec.get("min_groups", 1),
     )
-    keys = ("shard_size", "sync_every", "outer_optimizer", "fragments", "sync_delay", "reduce_dtype", "merge_alpha")
+    keys = ("shard_size", "sync_every", "outer_optimizer", "fragments", "sync_delay", "reduce_dtype", "merge_alpha",
+            "eager_updates")  # fmt: skip
     kwargs = {k: spec[k] for k in keys if k in spec}
     if spec.get("fragments", 1) > 1:
         kwargs["fsdp_modules" if spec["strategy"].endswith("2") else "auto_wrap_policy"] = {torch.nn.Linear}
     if spec.get("sampled"):  # (groups_per_round, seed) of sampled participation
         groups_per_round, seed = spec["sampled"]
         kwargs["outer_topology"] = lightning_fedshard.Sampled(groups_per_round, seed=seed, outer_step=True)
+    if spec.get("hierarchical"):  # ([[period, groups], ...], sites) of a hierarchical outer topology
+        levels, sites = spec["hierarchical"]
+        kwargs["outer_topology"] = lightning_fedshard.Hierarchical(dict(levels), sites=sites)
     cls = cls or STRATEGIES[spec["strategy"]]
     return cls(num_groups=spec["num_groups"], elastic=elastic, **kwargs)
 
@@ -281,6 +290,7 @@ def _save(out: Path, error: str | None, recorder: Recorder, module: Module, fina
         "joined_at": recorder.joined_at,
         "initial": recorder.initial,
         "syncs": recorder.syncs,
+        "started": recorder.started,
         "consensus": recorder.consensus,
         "batches": module.batches,
         "lrs": module.lrs,

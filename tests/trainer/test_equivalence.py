@@ -203,6 +203,19 @@ SCENARIOS_4 = [
         outer_optimizer="nesterov",
         max_steps=7,
     ),
+    # gossip by fragments: the two fragments mix in turn, every 2 steps, each with its 4-step round's matrix
+    dict(
+        BASE,
+        name="gossip_f2",
+        strategy="fl_fsdp",
+        num_groups=4,
+        sync_every=4,
+        fragments=2,
+        outer_topology=topology_record(Gossip(peers=1, seed=3)),
+        outer_optimizer="fedavg",
+        wrap_linear=True,
+        max_steps=11,
+    ),
     # mixings: one-rank groups, plain averaging, stopping between two syncs (the end averages every group)
     dict(
         BASE,
@@ -659,6 +672,7 @@ def test_streaming_syncs_match_the_reference(four, name, groups, shard):
         *both(("hierarchical_stream", 4, 4, 1)),
         ("hierarchical_eager", 4, 4, 1),
         *both(("gossip", 4, 4, 1)),
+        ("gossip_f2", 4, 4, 1),
         ("sampled", 4, 4, 1),
         ("mixing_hsdp", 8, 2, 2),
     ],

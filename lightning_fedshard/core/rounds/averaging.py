@@ -66,23 +66,27 @@ def load_mean_over_groups(federation: Host) -> None:
 
 
 @torch.no_grad()
-def apply_weights(outer: OuterStep, flat: Tensor, broken: tuple[int, ...], num_groups: int) -> tuple[float, float]:
+def apply_weights(
+    outer: OuterStep, flat: Tensor, broken: tuple[int, ...], num_groups: int, indices: Sequence[int] | None = None
+) -> tuple[float, float]:
     """Write the weights a site sync or a mix gave this group; returns its ``outer_grad_norm`` and ``drift``.
 
     ``drift``: the RMS over the healthy groups of ``|theta_g - theta_g'|`` (before and after); the norm: the RMS
     over all groups of ``|anchor - theta_g'|`` (see :class:`~lightning_fedshard.core.stats.SyncStats`). One tiny sum
-    over the model.
+    over the model. ``indices``: the shards ``flat`` covers (default: all; a fragment's when only it syncs).
     """
+    indices = range(len(outer.shards)) if indices is None else indices
+    shards, anchors = [outer.shards[i] for i in indices], [outer.anchor[i] for i in indices]
     sums = torch.zeros(2, dtype=torch.float64)
     offset = 0
-    for shard, anchor in zip(outer.shards, outer.anchor):
+    for shard, anchor in zip(shards, anchors):
         new = flat[offset : offset + shard.numel()].view_as(shard)
         sums[0] += squared_norm(shard.float() - new)
         sums[1] += squared_norm(anchor.to(new.device, non_blocking=True) - new)
         offset += shard.numel()
     if outer.communicator.group_index in broken:
         sums[0] = 0.0  # its NaN distance is not a drift
-    write_weights(outer.shards, flat)
+    write_weights(shards, flat)
     sums = sums.to(flat.device)
     sum_over_model(outer.communicator, sums)
     drift_sq, away_sq = sums.tolist()

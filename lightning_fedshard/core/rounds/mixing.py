@@ -3,12 +3,14 @@
 Row ``i`` of the round's matrix ``W`` (``Gossip``, ``Sampled``, ``Mixing``) says what group ``i`` takes:
 ``theta_i' = sum_j W_ij theta_j``, in float32, with no outer step (the anchor and the outer optimizer do not move). A
 round whose matrix is uniform is the federation's plain outer step, and so is the end of training: both average the
-pseudo-gradient of everything trained since the last one.
+pseudo-gradient of everything trained since the last one. With ``fragments = P`` the fragments mix in turn, one every
+``sync_every / P`` steps, each with the matrix of its ``sync_every``-step round.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,7 +47,6 @@ class MixingRound(Round):
     """
 
     refuses = {
-        "fragments": Refusal(f"{_NO_SHARED_ANCHOR} to land in parts"),
         "sync_delay": Refusal("a mix takes the weights themselves, not a snapshot's pseudo-gradient"),
         "merge_alpha": Refusal(f"{_NO_SHARED_ANCHOR} to merge towards", impossible=True),
         "eager_updates": Refusal(f"{_NO_SHARED_ANCHOR} to share in advance", impossible=True),
@@ -61,20 +62,28 @@ class MixingRound(Round):
 
     @override
     def is_due(self, step: int) -> bool:
-        due = landing_fragment(step, self.config.sync_every, 1) is not None
+        due = landing_fragment(step, self.config.sync_every, self.config.fragments) is not None
         return due and step > self.federation.last_synced_step
 
     @override
     def after_step(self, step: int) -> SyncStats | None:
+        """Mix the fragment due after ``step`` (the whole model with one fragment) with its round's matrix.
+
+        The landing after step ``s`` belongs to round ``(s - 1) // sync_every``: with ``P`` fragments the ``P`` landings
+        of one ``sync_every``-step period mix their fragments with that round's matrix.
+        """
         if not self.is_due(step):
             return None
+        fragments = self.config.fragments
+        fragment = landing_fragment(step, self.config.sync_every, fragments)
+        assert fragment is not None
         groups = len(self.federation.communicator.participants())
-        matrix = self.topology.weights(step // self.config.sync_every - 1, groups)
+        matrix = self.topology.weights((step - 1) // self.config.sync_every, groups)
         if torch.allclose(matrix, torch.full_like(matrix, 1.0 / groups), rtol=0.0, atol=1e-12):
-            return self.inner.sync(step)
-        stats = mix(self.outer, matrix, step=step)
+            return replace(self.inner.sync(step, fragment), num_fragments=fragments)
+        stats = mix(self.outer, matrix, step=step, fragment=None if fragments == 1 else fragment)
         self.federation.written()
-        return stats
+        return replace(stats, fragment=fragment, num_fragments=fragments)
 
     @override
     def finish(self, step: int) -> list[SyncStats]:
@@ -87,8 +96,10 @@ class MixingRound(Round):
 
 
 @torch.no_grad()
-def mix(outer: OuterStep, matrix: Tensor, step: int | None = None) -> SyncStats:
+def mix(outer: OuterStep, matrix: Tensor, step: int | None = None, fragment: int | None = None) -> SyncStats:
     """Replace every shard by ``sum_j W_ij theta_j`` (this group ``i``, float32); collective over the fed ring.
+
+    With ``fragment``, only that fragment's shards.
 
     Broken groups (NaN/Inf weights) are found before anything is written, as for a site sync. With
     ``on_nonfinite="skip_group"`` they send nothing, and every row's weights are renormalized over the healthy groups:
@@ -101,7 +112,8 @@ def mix(outer: OuterStep, matrix: Tensor, step: int | None = None) -> SyncStats:
     start = time.perf_counter()
     communicator = outer.communicator
     groups = communicator.participants()  # asked once per sync
-    flat = flat_weights(outer.shards)
+    indices = range(len(outer.shards)) if fragment is None else outer.fragments[fragment]
+    flat = flat_weights([outer.shards[i] for i in indices])
     broken = outer.nonfinite_groups(flat, groups, step, "mix")
     if broken:
         matrix, stranded = healthy_mix(matrix, broken)
@@ -110,7 +122,7 @@ def mix(outer: OuterStep, matrix: Tensor, step: int | None = None) -> SyncStats:
         if communicator.group_index in broken:
             flat.zero_()  # its column is zero: nobody takes from it, and its own NaN must not meet a 0 weight
     communicator.mix_over_groups(flat, matrix)
-    norm, drift = apply_weights(outer, flat, broken, len(groups))
+    norm, drift = apply_weights(outer, flat, broken, len(groups), indices)
     seconds = time.perf_counter() - start
     i = communicator.group_index
     partners = sum(1 for j in range(matrix.shape[0]) if j != i and matrix[j, i] > 0)

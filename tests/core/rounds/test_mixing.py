@@ -1,0 +1,104 @@
+"""Mixings by fragment: each fragment mixes in turn with its round's matrix; against the reference, and resume."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+from torch.testing import assert_close
+
+from lightning_fedshard import Gossip, Mixing, Sampled
+from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.core.federation import Federation
+from lightning_fedshard.core.fragments import cut_fragments
+from tests.core.fake_comm import ThreadGroups
+from tests.reference import federate
+
+GROUPS, UNITS, SYNC_EVERY = 4, 3, 4
+NAMES = [f"u{u}" for u in range(UNITS)]
+TOPOLOGIES = {
+    "gossip": Gossip(peers=1, seed=2),
+    "sampled": Sampled(groups_per_round=2, seed=1),
+    "ring, then uniform": Mixing(
+        lambda r: (
+            [[0.25] * 4] * 4
+            if r % 2
+            else [[0.5, 0.25, 0, 0.25], [0.25, 0.5, 0.25, 0], [0, 0.25, 0.5, 0.25], [0.25, 0, 0.25, 0.5]]
+        )
+    ),
+}
+
+
+def _update(g: int, step: int, w: list[Tensor]) -> list[Tensor]:
+    return [x - (0.2 + 0.1 * g) * (x - (g + 1) * (u + 1)) + 0.05 * torch.sin(x + step) for u, x in enumerate(w)]
+
+
+def _initial() -> list[Tensor]:
+    return [torch.full((2,), float(u)) for u in range(UNITS)]
+
+
+class _Group:
+    def __init__(self, g: int) -> None:
+        self.g, self.w = g, dict(zip(NAMES, _initial()))
+
+    def train_step(self, step: int) -> None:
+        self.w = dict(zip(NAMES, _update(self.g, step, list(self.w.values()))))
+
+    def weights(self) -> dict[str, Tensor]:
+        return self.w
+
+    def load(self, weights: dict[str, Tensor]) -> None:
+        self.w.update({k: v.clone() for k, v in weights.items()})
+
+
+def _run(topology: Any, steps: int, stop_at: int | None = None, resume: list | None = None) -> list[Any]:
+    config = FederationConfig(num_groups=GROUPS, sync_every=SYNC_EVERY, fragments=2, outer_topology=topology)
+
+    def work(g: int, comm: Any) -> dict[str, Any]:
+        shards = _initial()
+        fed = Federation(config, comm)
+        fed.start(shards, step=0)
+        first = 1
+        if resume is not None:
+            for shard, saved in zip(shards, resume[g]["shards"]):
+                shard.copy_(saved)
+            fed.load_state_dict(resume[g]["state"])
+            first = resume[g]["step"] + 1
+        for step in range(first, steps + 1):
+            for shard, new in zip(shards, _update(g, step - 1, shards)):
+                shard.copy_(new)
+            fed.maybe_sync(step)
+            if step == stop_at:
+                return {"state": fed.state_dict(), "shards": [s.clone() for s in shards], "step": step}
+        fed.finish(steps)
+        return {"final": [s.clone() for s in shards]}
+
+    return ThreadGroups(GROUPS).run(work)
+
+
+@pytest.mark.parametrize("name", list(TOPOLOGIES))
+@pytest.mark.parametrize("steps", [13, 16])
+def test_fragments_mix_in_turn_and_equal_the_reference(name, steps):
+    topology = TOPOLOGIES[name]
+    ref = federate(
+        dict(zip(NAMES, _initial())),
+        [_Group(g) for g in range(GROUPS)],
+        sync_every=SYNC_EVERY,
+        outer="fedavg",
+        max_steps=steps,
+        fragments=[[NAMES[u] for u in part] for part in cut_fragments([2] * UNITS, 2)],
+        mixing=lambda r: topology.weights(r, GROUPS),
+    )
+    for result in _run(topology, steps):
+        assert_close(torch.cat(result["final"]), torch.cat([ref["final"][n] for n in NAMES]), rtol=0, atol=1e-5)
+
+
+def test_resume_between_two_fragments_mixes_is_exact():
+    topology = TOPOLOGIES["gossip"]
+    straight = _run(topology, 13)
+    saved = _run(topology, 13, stop_at=6)  # fragment 0 mixed after 2 and 6, fragment 1 after 4: the groups differ
+    assert not torch.equal(saved[0]["shards"][1], saved[1]["shards"][1])
+    for got, want in zip(_run(topology, 13, resume=saved), straight):
+        assert all(torch.equal(a, b) for a, b in zip(got["final"], want["final"]))
