@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 #: What error feedback in the weights (a landing policy of the plain round) does not run.
 FEEDBACK_IN_WEIGHTS_REFUSES = {
     "merge_alpha": Refusal("the merged weights and the residual kept in them are not defined together"),
+    "sampled_outer_step": Refusal("a group left out of a round would keep the residual of a sum it added nothing to"),
 }
 
 

@@ -83,6 +83,7 @@ class _Group:
         self._taken = self._joined = self._failed = False
         self._save: Any = None
         self._load: Any = None
+        self._fed: Any = None  # the group's federation, whose sums the test checks at a heal
 
     def set_heal(self, save: Any, load: Any) -> None:
         self._save, self._load = save, load
@@ -94,7 +95,7 @@ class _Group:
         if joining:
             assert world.healed[step].wait(60)
             self._load(world.heals[step])
-        elif step in world.quorums and any(g not in world.members(step - 1) for g in ring):
+        elif step > 0 and step in world.quorums and any(g not in world.members(step - 1) for g in ring):
             if self.group_index == min(g for g in ring if g in world.members(step - 1)):  # the heal source
                 world.waited_in_heal.append(any(not p.done for p in self._fed.round.in_flight()))
                 source = threading.Thread(target=lambda: world.heals.__setitem__(step, self._save()))
@@ -177,7 +178,7 @@ def _run(
         view = _Group(world, g)
         shards = [torch.full((2,), float(u)) for u in range(3)]
         fed = Federation(config, view)  # type: ignore[arg-type]
-        view._fed = fed  # type: ignore[attr-defined]
+        view._fed = fed
         membership = ElasticMembership(fed, view)  # type: ignore[arg-type]
         fed.start(shards, step=0)
         first = starts[g] + 1
@@ -187,6 +188,7 @@ def _run(
             fed.load_state_dict(resume[g]["state"])
             fed.load_group_state_dict(resume[g]["group"])
             first = resume[g]["step"] + 1
+            view._ring = world.members(first)  # the quorum the groups restarted with
         elif starts[g] > 0:
             view.step = starts[g]
             step, _ = membership.join(starts[g])
@@ -244,43 +246,22 @@ def _equal(a: list[Tensor], b: list[Tensor]) -> bool:
 def test_a_joining_group_lands_the_sums_in_flight_as_its_peers(fragments):
     # Groups 0 and 1 from the start; group 2 heals at the peers' sync after step 6 (fragment 0's with two fragments,
     # while fragment 1's sum, started at step 4, is in flight) and adds nothing to the sum that starts there.
-    world = _World({0: (0, 1), 6: (0, 1, 2)})
-    config = _config(fragments, outer_optimizer="nesterov")
-    if fragments == 1:
-        world = _World({0: (0, 1), 8: (0, 1, 2)})
-    join = min(s for s in world.quorums if s > 0)
-    runs = _run(world, config, 16, {0: 0, 1: 0, 2: join})
+    join = 6 if fragments == 2 else 8
+    world = _World({0: (0, 1), join: (0, 1, 2)})
+    runs = _run(world, _config(fragments, outer_optimizer="nesterov"), 16, {0: 0, 1: 0, 2: join})
     assert world.waited_in_heal == [False]  # every sum was complete before the quorum
     healed = world.heals[join]["round"]["eager"]
     assert sorted(healed) == ([1] if fragments == 2 else [])  # fragment 1's sum in flight, completed
     peers, joiner = runs[0], runs[2]
     for step, anchors in joiner["anchors"].items():
         assert _equal(anchors, peers["anchors"][step]) and _equal(anchors, runs[1]["anchors"][step]), step
-    assert min(joiner["anchors"]) == join
+    assert len(joiner["anchors"]) == (16 - join) * fragments // 4
     assert _equal(joiner["final"], peers["final"]) and _equal(joiner["anchor"], peers["anchor"])
     assert _equal(peers["final"], peers["anchor"])  # the end of training puts every group on the anchor
     assert all(run["lost"] == 0 for run in runs.values())
 
 
-def test_a_joining_group_without_its_peers_sums_in_flight_would_differ():
-    # The same federation, the joiner forgetting the sum in flight it received: its anchor parts from its peers'.
-    world = _World({0: (0, 1), 6: (0, 1, 2)})
-    original = Federation.load_heal_state
-
-    def forgetful(self: Federation, state: dict[str, Any]) -> Any:
-        return original(self, {**state, "round": {}})
-
-    Federation.load_heal_state = forgetful  # type: ignore[method-assign]
-    try:
-        runs = _run(world, _config(2), 12, {0: 0, 1: 0, 2: 6})
-    finally:
-        Federation.load_heal_state = original  # type: ignore[method-assign]
-    assert not _equal(runs[2]["anchors"][8], runs[0]["anchors"][8])
-
-
-def _reference(
-    quorums: dict[int, tuple[int, ...]], lost: set[int], dies: dict[int, int], steps: int
-) -> dict[int, list[Tensor]]:
+def _reference(quorums: dict[int, tuple[int, ...]], lost: set[int], steps: int) -> dict[int, list[Tensor]]:
     """One fragment, FedAvg, the share rule, by hand: the anchor after each sync (syncs every 4 steps)."""
     anchor = [torch.full((2,), float(u)) for u in range(3)]
     starts = {g: [a.clone() for a in anchor] for g in quorums[0]}
@@ -307,7 +288,7 @@ def test_the_survivors_lose_the_landing_whose_sum_a_dead_group_was_in_and_go_on(
     # sum that lands then holds it), the anchor stays, and the sum they start at step 8 lands at step 12 without it.
     world = _World({0: (0, 1, 2), 8: (0, 1)})
     runs = _run(world, _config(1), 16, {0: 0, 1: 0, 2: 0}, dies={2: 6})
-    expected = _reference({0: (0, 1, 2), 8: (0, 1)}, lost={8}, dies={2: 6}, steps=16)
+    expected = _reference({0: (0, 1, 2), 8: (0, 1)}, lost={8}, steps=16)
     for g in (0, 1):
         assert runs[g]["lost"] == 1
         assert _equal(runs[g]["anchors"][8], runs[g]["anchors"][4])  # nothing landed at step 8
