@@ -290,10 +290,10 @@ def _federate_mixing(
     outer: str,
     max_steps: int,
 ) -> dict[str, object]:
-    """After step ``s`` with ``s % K == 0`` (``K = H / P``) fragment ``(s / K - 1) % P`` mixes: group ``i`` takes
-    ``sum_j W_ij theta_j`` of it for ``W = mixing((s - 1) // H)``, computed here in float64; a uniform ``W`` is the
-    plain outer step of that fragment (everyone restarts from the mean). At the end every fragment that did not just take
-    such a step takes one: every group holds the plain mean of all groups."""
+    """After step ``s`` with ``s % K == 0`` (``K = H / P``) fragment ``(s / K - 1) % P`` mixes: group ``i``
+    takes ``sum_j W_ij theta_j`` of it for ``W = mixing((s - 1) // H)``, computed here in float64; a uniform ``W``
+    is the plain outer step of that fragment (everyone restarts from the mean). At the end every fragment that did not
+    just take such a step takes one: every group holds the plain mean of all groups."""
     if outer != "fedavg":
         raise ValueError("a mixing topology takes plain means: outer='fedavg'.")
     anchor = {k: v.clone() for k, v in initial.items()}
