@@ -82,10 +82,13 @@ def test_elastic_federation_options_that_cannot_work_are_refused():
     with pytest.raises(ValueError, match=r"An elastic federation needs `num_groups`"):
         FederationConfig(elastic=Elastic())
     # the message names the two options at fault, not the whole 13-field options record
-    with pytest.raises(ValueError, match=r"^`elastic=Elastic\(\.\.\.\)` and `eager_updates=True` are not built to run"):
-        FederationConfig(num_groups=2, elastic=Elastic(), eager_updates=True)
-    with pytest.raises(ValueError, match=r"averages 4 groups; it must span all 6 groups"):
-        FederationConfig(num_groups=6, elastic=Elastic(), outer_topology=Hierarchical({8: 2, 16: 4}))
+    with pytest.raises(
+        ValueError, match=r"^`elastic=Elastic\(\.\.\.\)` and `error_feedback='weights'` are not built to run"
+    ):
+        FederationConfig(num_groups=2, elastic=Elastic(), error_feedback="weights")
+    FederationConfig(num_groups=2, elastic=Elastic(), eager_updates=True, fragments=2)  # sums in flight are healed
+    with pytest.raises(ValueError, match=r"averages 4 groups; it must span all 8 groups"):  # the planned groups
+        FederationConfig(num_groups=8, elastic=Elastic(), outer_topology=Hierarchical({8: 2, 16: 4}))
     with pytest.raises(ValueError, match=r"`elastic` must be a `lightning_fedshard.Elastic` or None, got True"):
         FederationConfig(num_groups=2, elastic=True)  # type: ignore[arg-type]
 

@@ -148,7 +148,7 @@ def replay_eager(
     batches = {g: group_batches(g, num_groups, ranks, total) for g in range(num_groups)}
     lrs = [cosine_lr(t, total) for t in range(total)]
     starts = {g: _copy(anchor) for g in syncs[min(syncs)]["members"]}
-    consensus: dict[int, dict[str, Tensor]] = {}
+    consensus: dict[int, dict[str, Tensor]] = {0: _copy(anchor)}
     in_flight: dict[str, Tensor] | None = None
     previous = 0
     for step in sorted(syncs):

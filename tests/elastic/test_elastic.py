@@ -25,6 +25,7 @@ from tests.elastic.reference import (
     initial_weights,
     replay,
     replay_eager,
+    replay_sites,
     sampled_positions,
     timeline,
 )
@@ -201,6 +202,31 @@ def test_eager_updates_lose_the_sum_in_flight_of_a_group_that_died_and_equal_the
             assert _equal(consensus, survivors[0]["consensus"][step]), (record["group"], step)
         assert _max_error(record["final"], reference[24]) < 1e-6
     assert _equal(survivors[0]["final"], survivors[1]["final"])
+
+
+def test_sites_leave_out_a_gone_group_and_equal_the_reference(root):
+    # Sites [0, 2] and [1, 3] average every 2 steps, the federation every 4; group 1 is killed mid-round, so from the
+    # site sync after step 6 on, site [1, 3] is group 3 alone. The consensus of an elastic federation is the anchor.
+    cluster = Cluster(root / "sites", min_groups=1)
+    levels, sites = {2: 2, 4: 4}, [[0, 2], [1, 3]]
+    spec = {**BASE, "num_groups": 4, "start_groups": 4, "sync_every": 2, "hierarchical": [list(levels.items()), sites]}
+    try:
+        jobs = {g: cluster.start(g, {**spec, **_fault(("kill", 5) if g == 1 else None)}) for g in range(4)}
+        assert [jobs[g].wait(240) for g in (0, 2, 3)] == [[0], [0], [0]]
+    finally:
+        cluster.close()
+    survivors = [jobs[g].result() for g in (0, 2, 3)]
+    syncs = timeline([r["syncs"] for r in survivors])
+    assert sorted(syncs[2]["members"]) == [0, 1, 2, 3] and sorted(syncs[6]["members"]) == [0, 2, 3]
+    assert not any(s["lost"] or s["joined"] for step, s in syncs.items() if step > 0)
+    reference = replay_sites(syncs, 4, 24, initial_weights(), levels, sites)
+    for record in survivors:
+        assert record["error"] is None and record["global_step"] == 24
+        for step, consensus in record["consensus"].items():
+            outer = max(s for s in reference if s <= step)  # after a site sync: the anchor of the last outer step
+            assert _max_error(consensus, reference[outer]) < 1e-6, (record["group"], step)
+            assert _equal(consensus, survivors[0]["consensus"][step]), (record["group"], step)
+        assert _max_error(record["final"], reference[24]) < 1e-6
 
 
 # -- a group that joins ------------------------------------------------------------------------------------------

@@ -38,11 +38,15 @@ def build_round(federation: Host) -> Round:
     topology = resolve_outer_topology(config.outer_topology)
     period = config.outer_period
     sampled = topology if isinstance(topology, Sampled) and topology.outer_step else None
+    inner: Round
     if config.eager_rule is not None:
-        return EagerRound(federation, period, sampled)
+        inner = EagerRound(federation, period, sampled)
+    elif sampled is not None:
+        inner = SampledRound(federation, sampled, period)
+    else:
+        inner = PlainRound(federation, period)
     if sampled is not None:
-        return SampledRound(federation, sampled, period)
-    inner: Round = PlainRound(federation, period)
+        return inner
     if isinstance(topology, Hierarchical):
         return HierarchicalRound(federation, topology, inner)
     if isinstance(topology, Mixing):

@@ -92,6 +92,9 @@ class HierarchicalRound(Round):
         """``stats`` of the syncs after ``step`` so far, and the site sync due then, if any."""
         size = self._site_size(step)
         if size is not None:
+            if self.federation.groups_may_join:  # no sum may run on the ring while a quorum rebuilds it
+                for pending in self.inner.in_flight():
+                    pending.result()
             blocks = self.topology.blocks(size, self.num_groups)
             site = average_in_site(self.outer, size, blocks, step=step, extra=self.inner.site_state())
             if site.lost:  # every shard went back to the anchor
