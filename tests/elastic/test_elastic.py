@@ -151,17 +151,25 @@ def _partial(job: Job) -> dict[str, Any] | None:
     return job.result() if (job.out / "rank0.pt").exists() else None
 
 
+def _group_1_killed(root: Path, name: str, spec: dict[str, Any], at: int) -> list[dict[str, Any]]:
+    """``spec['num_groups']`` single-rank group jobs started together, group 1 killed at step ``at``: the survivors'
+    records, once every survivor ended cleanly."""
+    groups = spec["num_groups"]
+    cluster = Cluster(root / name, min_groups=1)
+    spec = {**BASE, "start_groups": groups, **spec}
+    survivors = [g for g in range(groups) if g != 1]
+    try:
+        jobs = {g: cluster.start(g, {**spec, **_fault(("kill", at) if g == 1 else None)}) for g in range(groups)}
+        assert [jobs[g].wait(240) for g in survivors] == [[0]] * len(survivors)
+    finally:
+        cluster.close()
+    return [jobs[g].result() for g in survivors]
+
+
 def test_sampled_participation_draws_among_the_live_groups_and_equals_the_reference(root):
     # One group of the live ones per round (FedAvg's client sampling); group 1 is killed mid-round, so from step 8 on
     # the sample is drawn among groups [0, 2], and its position 1 is group 2.
-    cluster = Cluster(root / "sampled", min_groups=1)
-    spec = {**BASE, "num_groups": 3, "start_groups": 3, "sampled": [1, 3]}
-    try:
-        jobs = {g: cluster.start(g, {**spec, **_fault(("kill", 6) if g == 1 else None)}) for g in range(3)}
-        assert [jobs[g].wait(240) for g in (0, 2)] == [[0], [0]]
-    finally:
-        cluster.close()
-    survivors = [jobs[g].result() for g in (0, 2)]
+    survivors = _group_1_killed(root, "sampled", {"num_groups": 3, "sampled": [1, 3]}, at=6)
     syncs = timeline([r["syncs"] for r in survivors])
     assert sorted(syncs[4]["members"]) == [0, 1, 2] and sorted(syncs[8]["members"]) == [0, 2]
     assert not any(s["lost"] or s["joined"] for step, s in syncs.items() if step > 0)
@@ -179,14 +187,7 @@ def test_sampled_participation_draws_among_the_live_groups_and_equals_the_refere
 def test_eager_updates_lose_the_sum_in_flight_of_a_group_that_died_and_equal_the_reference(root):
     # Group 1 is killed mid-round: the sum that started with it at step 4 was to land at step 8; the survivors' vote
     # there fails, the anchor stays, and the sum they start at step 8 (without group 1) lands at step 12.
-    cluster = Cluster(root / "eager", min_groups=1)
-    spec = {**BASE, "num_groups": 3, "start_groups": 3, "eager_updates": True}
-    try:
-        jobs = {g: cluster.start(g, {**spec, **_fault(("kill", 6) if g == 1 else None)}) for g in range(3)}
-        assert [jobs[g].wait(240) for g in (0, 2)] == [[0], [0]]
-    finally:
-        cluster.close()
-    survivors = [jobs[g].result() for g in (0, 2)]
+    survivors = _group_1_killed(root, "eager", {"num_groups": 3, "eager_updates": True}, at=6)
     landed = timeline([r["syncs"] for r in survivors])
     started = survivors[0]["started"]
     assert all(r["started"] == started for r in survivors)
@@ -207,15 +208,9 @@ def test_eager_updates_lose_the_sum_in_flight_of_a_group_that_died_and_equal_the
 def test_sites_leave_out_a_gone_group_and_equal_the_reference(root):
     # Sites [0, 2] and [1, 3] average every 2 steps, the federation every 4; group 1 is killed mid-round, so from the
     # site sync after step 6 on, site [1, 3] is group 3 alone. The consensus of an elastic federation is the anchor.
-    cluster = Cluster(root / "sites", min_groups=1)
     levels, sites = {2: 2, 4: 4}, [[0, 2], [1, 3]]
-    spec = {**BASE, "num_groups": 4, "start_groups": 4, "sync_every": 2, "hierarchical": [list(levels.items()), sites]}
-    try:
-        jobs = {g: cluster.start(g, {**spec, **_fault(("kill", 5) if g == 1 else None)}) for g in range(4)}
-        assert [jobs[g].wait(240) for g in (0, 2, 3)] == [[0], [0], [0]]
-    finally:
-        cluster.close()
-    survivors = [jobs[g].result() for g in (0, 2, 3)]
+    spec = {"num_groups": 4, "sync_every": 2, "hierarchical": [list(levels.items()), sites]}
+    survivors = _group_1_killed(root, "sites", spec, at=5)
     syncs = timeline([r["syncs"] for r in survivors])
     assert sorted(syncs[2]["members"]) == [0, 1, 2, 3] and sorted(syncs[6]["members"]) == [0, 2, 3]
     assert not any(s["lost"] or s["joined"] for step, s in syncs.items() if step > 0)

@@ -14,6 +14,7 @@ from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fragments import cut_fragments
 from tests.core.fake_comm import ThreadGroups
+from tests.core.rounds.toy import ReferenceGroup, initial
 from tests.reference import federate
 
 GROUPS, UNITS, SYNC_EVERY = 4, 3, 4
@@ -36,21 +37,7 @@ def _update(g: int, step: int, w: list[Tensor]) -> list[Tensor]:
 
 
 def _initial() -> list[Tensor]:
-    return [torch.full((2,), float(u)) for u in range(UNITS)]
-
-
-class _Group:
-    def __init__(self, g: int) -> None:
-        self.g, self.w = g, dict(zip(NAMES, _initial()))
-
-    def train_step(self, step: int) -> None:
-        self.w = dict(zip(NAMES, _update(self.g, step, list(self.w.values()))))
-
-    def weights(self) -> dict[str, Tensor]:
-        return self.w
-
-    def load(self, weights: dict[str, Tensor]) -> None:
-        self.w.update({k: v.clone() for k, v in weights.items()})
+    return initial(UNITS)
 
 
 def _run(topology: Any, steps: int, stop_at: int | None = None, resume: list | None = None) -> list[Any]:
@@ -84,7 +71,7 @@ def test_fragments_mix_in_turn_and_equal_the_reference(name, steps):
     topology = TOPOLOGIES[name]
     ref = federate(
         dict(zip(NAMES, _initial())),
-        [_Group(g) for g in range(GROUPS)],
+        [ReferenceGroup(g, _update, NAMES) for g in range(GROUPS)],
         sync_every=SYNC_EVERY,
         outer="fedavg",
         max_steps=steps,

@@ -17,6 +17,7 @@ from lightning_fedshard.core.fragments import cut_fragments
 from lightning_fedshard.core.pending import PendingSync
 from lightning_fedshard.core.rounds import EagerRound, SampledRound, build_round
 from tests.core.fake_comm import ThreadGroups
+from tests.core.rounds.toy import ReferenceGroup, initial
 from tests.reference import federate
 
 UNITS = 3  # shards per rank, two values each
@@ -29,23 +30,7 @@ def _update(g: int, step: int, w: list[Tensor]) -> list[Tensor]:
 
 
 def _initial() -> list[Tensor]:
-    return [torch.full((2,), float(u)) for u in range(UNITS)]
-
-
-class _Group:
-    """The reference's view of a group that trains by `_update`."""
-
-    def __init__(self, g: int) -> None:
-        self.g, self.w = g, dict(zip(NAMES, _initial()))
-
-    def train_step(self, step: int) -> None:
-        self.w = dict(zip(NAMES, _update(self.g, step, list(self.w.values()))))
-
-    def weights(self) -> dict[str, Tensor]:
-        return self.w
-
-    def load(self, weights: dict[str, Tensor]) -> None:
-        self.w.update({k: v.clone() for k, v in weights.items()})
+    return initial(UNITS)
 
 
 def _federation(comm: Any, topology: Sampled, **options: Any) -> Federation:
@@ -98,7 +83,7 @@ def _reference(topology: Sampled, groups: int, steps: int, outer: str, fragments
     parts = [[NAMES[u] for u in part] for part in cut_fragments([2] * UNITS, fragments)]
     return federate(
         dict(zip(NAMES, _initial())),
-        [_Group(g) for g in range(groups)],
+        [ReferenceGroup(g, _update, NAMES) for g in range(groups)],
         sync_every=4,
         outer=outer,
         max_steps=steps,

@@ -16,43 +16,9 @@ from lightning_fedshard import Elastic, Sampled
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
 from tests.core.fake_comm import ThreadGroups
+from tests.core.rounds.live import Live, assert_resumed_exactly, run_live
 
 PLANNED = 4
-
-
-class _Live:
-    """One thread's communicator as an elastic federation shows it: live groups that change at optimizer steps.
-
-    Args:
-        inner: The thread's communicator (the sums meet over every thread).
-        thread: The thread's index.
-        labels: ``(first step, live groups in ring order)`` pairs, ascending: from that step on, thread ``t`` runs
-            group ``live[t]``; a thread whose group changes took the federation's state (the anchor) and joined.
-        joins_at: The optimizer step after which the sync that a relabelled thread joins begins.
-    """
-
-    def __init__(self, inner: Any, thread: int, labels: list[tuple[int, tuple[int, ...]]], joins_at: int = -1) -> None:
-        self.inner, self.thread, self.labels, self.joins_at = inner, thread, labels, joins_at
-        self.step = 0
-        self.asked: dict[int, int] = {}  # optimizer step -> times the participants were asked
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def live(self, step: int | None = None) -> tuple[int, ...]:
-        step = self.step if step is None else step
-        return [live for first, live in self.labels if first <= step][-1]
-
-    @property
-    def group_index(self) -> int:
-        return self.live()[self.thread]
-
-    def participants(self) -> tuple[int, ...]:
-        self.asked[self.step] = self.asked.get(self.step, 0) + 1
-        return self.live()
-
-    def joined(self) -> bool:
-        return self.step == self.joins_at and self.live(0)[self.thread] != self.group_index
 
 
 def _config(topology: Sampled, **options: Any) -> FederationConfig:
@@ -77,7 +43,7 @@ def test_the_sample_is_drawn_by_position_among_the_live_groups(live, per_round):
     rounds = 4
 
     def work(t: int, comm: Any) -> tuple[list[Tensor], list[Tensor], dict[int, int]]:
-        view = _Live(comm, t, [(0, live)])
+        view = Live(comm, t, [(0, live)])
         fed = Federation(config, view)
         shard = torch.zeros(3)
         fed.start([shard], step=0)
@@ -110,7 +76,7 @@ def test_a_sample_of_only_a_joining_group_moves_no_anchor_and_every_group_restar
     config = _config(topology, sync_every=2)
 
     def work(t: int, comm: Any) -> list[tuple[int, Tensor, Tensor]]:
-        view = _Live(comm, t, [(0, (0, 1)), (2, (0, 3))], joins_at=2)  # group 3 replaces group 1 before step 2
+        view = Live(comm, t, [(0, (0, 1)), (2, (0, 3))], {3: 2})  # group 3 replaces group 1 before step 2
         fed = Federation(config, view)
         shard = torch.zeros(2)
         fed.start([shard], step=0)
@@ -132,52 +98,16 @@ def test_a_sample_of_only_a_joining_group_moves_no_anchor_and_every_group_restar
         assert torch.equal(second[2], second[1])
 
 
-def _update(g: int, step: int, shards: list[Tensor]) -> None:
-    for u, shard in enumerate(shards):
-        shard.sub_(0.3 * (shard - (g + 1) * (u + 1)) - 0.05 * float(torch.tensor(step + g).sin()))
-
-
 def _run(
     sync_delay: int, stop_at: int | None = None, resume: list[dict[str, Any]] | None = None
 ) -> list[dict[str, Any]]:
     """Three live groups of four, Nesterov: groups (0, 1, 2) until group 1 is gone before step 6 and group 3 takes its
     thread (healed: the anchor), joining the sync that lands at step 8. Every group's weights after every step."""
-    topology = Sampled(2, seed=2, outer_step=True)
-    config = _config(topology, sync_every=4, outer_optimizer="nesterov", sync_delay=sync_delay)
+    config = _config(
+        Sampled(2, seed=2, outer_step=True), sync_every=4, outer_optimizer="nesterov", sync_delay=sync_delay
+    )
     labels = [(0, (0, 1, 2)), (6, (0, 3, 2))]
-    steps, first = 14, 1 if resume is None else resume[0]["step"] + 1
-
-    def work(t: int, comm: Any) -> dict[str, Any]:
-        view = _Live(comm, t, labels, joins_at=8 - sync_delay)
-        shards = [torch.full((2,), float(u)) for u in range(3)]
-        fed = Federation(config, view)
-        fed.start(shards, step=0)
-        if resume is not None:
-            for shard, saved in zip(shards, resume[t]["shards"]):
-                shard.copy_(saved)
-            fed.load_state_dict(resume[t]["state"])
-            fed.load_group_state_dict(resume[t]["group"])
-        history, landed = {}, {}
-        for step in range(first, steps + 1):
-            view.step = step
-            if step == 6 and t == 1:  # the new group took the federation's state
-                fed.outer.copy_anchor_to_shards()
-            _update(view.group_index, step, shards)
-            stats = fed.maybe_sync(step)
-            if stats is not None:
-                landed[step] = stats
-            history[step] = [s.clone() for s in shards]
-            if step == stop_at:
-                return {
-                    "state": fed.state_dict(),
-                    "group": fed.group_state_dict(),
-                    "shards": history[step],
-                    "step": step,
-                }
-        fed.finish(steps)
-        return {"history": history, "landed": landed, "final": [s.clone() for s in shards], "anchor": fed.outer.anchor}
-
-    return ThreadGroups(3).run(work)
+    return run_live(config, labels, {3: 8 - sync_delay}, 14, stop_at=stop_at, resume=resume)
 
 
 @pytest.mark.parametrize(("sync_delay", "stop_at"), [(0, 6), (1, 7), (1, 10)])
@@ -187,10 +117,4 @@ def test_a_federation_whose_live_groups_changed_resumes_exactly(sync_delay, stop
     saved = _run(sync_delay, stop_at=stop_at)
     if stop_at == 7:
         assert all(s["state"]["pending"]["participants"] == [0, 3, 2] for s in saved)  # a sum in flight
-    resumed = _run(sync_delay, resume=saved)
-    for a, b in zip(straight, resumed):
-        for step in range(stop_at + 1, 15):
-            assert all(torch.equal(x, y) for x, y in zip(a["history"][step], b["history"][step])), step
-        assert all(torch.equal(x, y) for x, y in zip(a["final"], b["final"]))
-        assert all(torch.equal(x, y) for x, y in zip(a["anchor"], b["anchor"]))
-    assert all(torch.equal(x, y) for x, y in zip(straight[0]["final"], straight[1]["final"]))  # the consensus
+    assert_resumed_exactly(straight, _run(sync_delay, resume=saved), stop_at)

@@ -15,6 +15,7 @@ from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fragments import cut_fragments
 from lightning_fedshard.core.rounds import EagerRound, HierarchicalRound, PlainRound
 from tests.core.fake_comm import ThreadGroups
+from tests.core.rounds.toy import ReferenceGroup, initial
 from tests.reference import federate
 
 GROUPS, UNITS = 4, 3
@@ -28,21 +29,7 @@ def _update(g: int, step: int, w: list[Tensor]) -> list[Tensor]:
 
 
 def _initial() -> list[Tensor]:
-    return [torch.full((2,), float(u)) for u in range(UNITS)]
-
-
-class _Group:
-    def __init__(self, g: int) -> None:
-        self.g, self.w = g, dict(zip(NAMES, _initial()))
-
-    def train_step(self, step: int) -> None:
-        self.w = dict(zip(NAMES, _update(self.g, step, list(self.w.values()))))
-
-    def weights(self) -> dict[str, Tensor]:
-        return self.w
-
-    def load(self, weights: dict[str, Tensor]) -> None:
-        self.w.update({k: v.clone() for k, v in weights.items()})
+    return initial(UNITS)
 
 
 CASES = {
@@ -90,7 +77,7 @@ def _reference(options: dict[str, Any], steps: int) -> dict[str, Any]:
     fragments = options.get("fragments", 1)
     return federate(
         dict(zip(NAMES, _initial())),
-        [_Group(g) for g in range(GROUPS)],
+        [ReferenceGroup(g, _update, NAMES) for g in range(GROUPS)],
         sync_every=max(LEVELS),
         outer=options.get("outer_optimizer", "fedavg"),
         max_steps=steps,

@@ -7,7 +7,6 @@ site sums over the whole ring, one row per planned site, as an elastic communica
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,59 +19,10 @@ from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.rounds.averaging import mean_bytes
 from lightning_fedshard.core.rounds.sites import SITE_SYNC
 from tests.core.fake_comm import ThreadGroups
+from tests.core.rounds.live import Live, assert_resumed_exactly, run_live
 
 PLANNED = 4
 SITES = [[0, 2], [1, 3]]
-
-
-class _Live:
-    """One thread's communicator as an elastic federation shows it (see the module).
-
-    Args:
-        inner: The thread's communicator (the sums meet over every thread).
-        thread: The thread's index.
-        labels: ``(first step, live groups in ring order)`` pairs, ascending: from that step on, thread ``t`` runs
-            group ``live[t]``.
-        joined_at: By group, the optimizer step after which the sync it joins (adding nothing) begins.
-    """
-
-    sums_sites_on_fed_ring = True
-
-    def __init__(
-        self, inner: Any, thread: int, labels: list[tuple[int, tuple[int, ...]]], joined_at: dict[int, int]
-    ) -> None:
-        self.inner, self.thread, self.labels, self.joined_at = inner, thread, labels, joined_at
-        self.step = 0
-        self.asked: dict[int, int] = {}  # optimizer step -> times the participants were asked
-        self.on_participants: Callable[[], None] | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def live(self) -> tuple[int, ...]:
-        return [live for first, live in self.labels if first <= self.step][-1]
-
-    @property
-    def group_index(self) -> int:
-        return self.live()[self.thread]
-
-    def participants(self) -> tuple[int, ...]:
-        self.asked[self.step] = self.asked.get(self.step, 0) + 1
-        if self.on_participants is not None:
-            self.on_participants()
-        return self.live()
-
-    def joined(self) -> bool:
-        return self.joined_at.get(self.group_index) == self.step
-
-    def sum_over_site(self, tensor: Tensor, size: int) -> None:
-        """A row per planned site of ``size`` groups, summed over the whole ring; this group keeps its site's."""
-        blocks = Hierarchical({1: size, 2: PLANNED}, sites=SITES if size == 2 else None).blocks(size, PLANNED)
-        (row,) = [i for i, block in enumerate(blocks) if self.group_index in block]
-        rows = torch.zeros(len(blocks), tensor.numel())
-        rows[row] = tensor.reshape(-1)
-        self.inner.sum_over_groups(rows.view(-1))
-        tensor.copy_(rows[row].view_as(tensor))
 
 
 def _config(**options: Any) -> FederationConfig:
@@ -85,7 +35,7 @@ def _one_site_sync(live: tuple[int, ...], joined: tuple[int, ...] = ()) -> list[
     config = _config(sync_every=1, elastic=Elastic(group=0))
 
     def work(t: int, comm: Any) -> tuple[Tensor, Any]:
-        view = _Live(comm, t, [(0, live)], {g: 1 for g in joined})
+        view = Live(comm, t, [(0, live)], {g: 1 for g in joined}, sites=SITES)
         fed = Federation(config, view)
         fed.groups_may_join = True
         shard = torch.zeros(3)
@@ -129,7 +79,7 @@ def test_a_site_whose_groups_are_all_gone_leaves_the_federations_outer_step():
     config = _config(sync_every=1, elastic=Elastic(group=0))
 
     def work(t: int, comm: Any) -> tuple[Tensor, Tensor, dict[int, int]]:
-        view = _Live(comm, t, [(0, (0, 2))], {})
+        view = Live(comm, t, [(0, (0, 2))], {}, sites=SITES)
         fed = Federation(config, view)
         shard = torch.zeros(2)
         fed.start([shard], step=0)
@@ -151,7 +101,7 @@ def test_a_group_that_heals_while_the_peers_are_in_a_site_sync_takes_part_in_it(
     config = _config(levels={2: 2, 4: 4}, sync_every=2, elastic=Elastic(group=0))
 
     def work(t: int, comm: Any) -> tuple[Tensor, Any, int]:
-        view = _Live(comm, t, [(0, (0, 1, 2, 3))], {3: 2})
+        view = Live(comm, t, [(0, (0, 1, 2, 3))], {3: 2}, sites=SITES)
         fed = Federation(config, view)
         fed.groups_may_join = True
         shard = torch.zeros(2)
@@ -191,11 +141,6 @@ def test_a_lost_site_sync_sends_every_group_back_to_the_anchor():
         assert stats.lost and stats.syncs_lost == 1 and torch.equal(shard, torch.zeros(2))
 
 
-def _update(g: int, step: int, shards: list[Tensor]) -> None:
-    for u, shard in enumerate(shards):
-        shard.sub_(0.3 * (shard - (g + 1) * (u + 1)) - 0.05 * float(torch.tensor(step + g).sin()))
-
-
 def _run(
     sync_delay: int, stop_at: int | None = None, resume: list[dict[str, Any]] | None = None
 ) -> list[dict[str, Any]]:
@@ -204,36 +149,7 @@ def _run(
     steps 2, 6, 10, outer steps after 4, 8, 12. Every group's weights after every step."""
     config = _config(levels={2: 2, 4: 4}, sync_every=2, outer_optimizer="nesterov", sync_delay=sync_delay)
     labels = [(0, (0, 1, 2)), (5, (0, 3, 2))]
-    steps, first = 13, 1 if resume is None else resume[0]["step"] + 1
-
-    def work(t: int, comm: Any) -> dict[str, Any]:
-        view = _Live(comm, t, labels, {3: 6})
-        shards = [torch.full((2,), float(u)) for u in range(3)]
-        fed = Federation(config, view)
-        fed.groups_may_join = True
-        fed.start(shards, step=0)
-        if resume is not None:
-            for shard, saved in zip(shards, resume[t]["shards"]):
-                shard.copy_(saved)
-            fed.load_state_dict(resume[t]["state"])
-            fed.load_group_state_dict(resume[t]["group"])
-        history, landed = {}, {}
-        for step in range(first, steps + 1):
-            view.step = step
-            if step == 5 and t == 1:  # the new group took the federation's state
-                fed.outer.copy_anchor_to_shards()
-            _update(view.group_index, step, shards)
-            stats = fed.maybe_sync(step)
-            if stats is not None:
-                landed[step] = stats
-            history[step] = [s.clone() for s in shards]
-            if step == stop_at:
-                saved = {"state": fed.state_dict(), "group": fed.group_state_dict(), "shards": history[step]}
-                return {**saved, "step": step}
-        fed.finish(steps)
-        return {"history": history, "landed": landed, "final": [s.clone() for s in shards], "anchor": fed.outer.anchor}
-
-    return ThreadGroups(3).run(work)
+    return run_live(config, labels, {3: 6}, 13, sites=SITES, stop_at=stop_at, resume=resume)
 
 
 @pytest.mark.parametrize(("sync_delay", "stop_at"), [(0, 5), (0, 6), (1, 7)])
@@ -241,10 +157,4 @@ def test_a_federation_of_sites_whose_live_groups_changed_resumes_exactly(sync_de
     straight = _run(sync_delay)
     assert straight[0]["landed"][6].joined_groups == (3,)  # the new group joined the site sync after step 6
     saved = _run(sync_delay, stop_at=stop_at)
-    resumed = _run(sync_delay, resume=saved)
-    for a, b in zip(straight, resumed):
-        for step in range(stop_at + 1, 14):
-            assert all(torch.equal(x, y) for x, y in zip(a["history"][step], b["history"][step])), step
-        assert all(torch.equal(x, y) for x, y in zip(a["final"], b["final"]))
-        assert all(torch.equal(x, y) for x, y in zip(a["anchor"], b["anchor"]))
-    assert all(torch.equal(x, y) for x, y in zip(straight[0]["final"], straight[1]["final"]))  # the consensus
+    assert_resumed_exactly(straight, _run(sync_delay, resume=saved), stop_at)
