@@ -443,6 +443,8 @@ def test_a_mix_logs_the_distance_from_what_each_group_took_and_counts_in_the_syn
         assert seen[1].drift == pytest.approx(drift) and drift > 0
         assert seen[1].outer_grad_norm == pytest.approx(norm) and seen[1].kind == "mix"
         assert [(seen[s].num_syncs, seen[s].site_syncs, seen[s].total_syncs) for s in (1, 2)] == [(0, 1, 1), (0, 2, 2)]
+        # each group of the ring sends to its two neighbours, logged as the mode's own statistic
+        assert seen[1].as_dict()["fedshard/mixing_partners"] == 2.0
 
 
 def test_the_count_of_site_syncs_survives_a_checkpoint_of_the_outer_state():

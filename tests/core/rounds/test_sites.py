@@ -92,7 +92,7 @@ def _reference(options: dict[str, Any], steps: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("steps", [13, 16])
+@pytest.mark.parametrize("steps", [13, 16, 21])  # 21: a round after a second landing of an eager fragment
 def test_sites_around_the_federations_round_equal_the_reference(case, steps):
     options = CASES[case]
     ref = _reference(options, steps)
