@@ -271,10 +271,14 @@ class FederationConfig:
         topology = resolve_outer_topology(self.outer_topology)
         if isinstance(topology, Hierarchical):
             topology.check_sync_every(self.sync_every)
-        period, name = self.outer_period, "sync_every" if self.hierarchical is None else "the largest period"
+        period = self.outer_period
+        if self.hierarchical is None:
+            given, name = f"`sync_every={period}`", "sync_every"
+        else:  # the federation's round runs at the largest period
+            given, name = f"The largest period of `outer_topology={self.hierarchical!r}` ({period} steps)", "period"
         if period % self.fragments:
             raise ValueError(
-                f"`{name}={period}` must be divisible by `fragments={self.fragments}`: one fragment lands every"
+                f"{given} must be divisible by `fragments={self.fragments}`: one fragment lands every"
                 f" `{name} / fragments` optimizer steps."
             )
         interval = period // self.fragments

@@ -32,8 +32,15 @@ def test_the_largest_period_that_divides_the_step_decides():
     [
         (dict(outer_topology=Hierarchical({6: 2, 12: 4})), r"periods \[6, 12\] .* not multiples of `sync_every=8`"),
         (dict(outer_topology="ring"), r"Unknown `outer_topology='ring'`"),
-        (dict(outer_topology=Hierarchical({8: 2, 16: 4}), fragments=3), r"`the largest period=16` must be divisible"),
-        (dict(outer_topology=Hierarchical({8: 2, 16: 4}), fragments=2, sync_delay=8), r"\[0, the largest period / "),
+        (
+            dict(outer_topology=Hierarchical({8: 2, 16: 4}), fragments=3),
+            r"The largest period of `outer_topology=Hierarchical\(levels=\{8: 2, 16: 4\}\)` \(16 steps\) must be"
+            r" divisible by `fragments=3`",
+        ),
+        (
+            dict(outer_topology=Hierarchical({8: 2, 16: 4}), fragments=2, sync_delay=8),
+            r"\[0, period / fragments\) = \[0, 8\), got 8",
+        ),
         (
             dict(outer_topology=Hierarchical({8: 2, 16: 4}), reduce_dtype="int8", error_feedback="weights"),
             r"are not built to run together yet",
