@@ -275,8 +275,7 @@ class Federation:
 
         Sums in flight update the residuals from the background thread, so they are completed first.
         """
-        for pending in self.round.in_flight():
-            pending.result()
+        self.round.await_in_flight()
         if self._outer is None:
             return {}
         return {

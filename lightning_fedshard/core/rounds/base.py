@@ -117,10 +117,14 @@ class Round:
         """Every sum started and not landed, in the order every rank started them."""
         return []
 
-    def forget_in_flight(self) -> None:
-        """Await every sum in flight and drop it; collective (every rank started them)."""
+    def await_in_flight(self) -> None:
+        """Wait for every sum in flight, in the order every rank started them; they stay in flight (landed later)."""
         for pending in self.in_flight():
             pending.result()
+
+    def forget_in_flight(self) -> None:
+        """Await every sum in flight and drop it; collective (every rank started them)."""
+        self.await_in_flight()
 
     def site_state(self) -> list[Tensor]:
         """What this group keeps per group that a site sync averages along with the weights (e.g. eager offsets)."""

@@ -157,8 +157,7 @@ class EagerRound(Round):
         The final sums run in this thread over the ring the background sums use, so every sum in flight is awaited
         first.
         """
-        for in_flight in self.in_flight():
-            in_flight.result()
+        self.await_in_flight()
         synced = []
         for fragment in range(self.config.fragments):
             pending = self._sums.pop(fragment, None)
@@ -190,8 +189,7 @@ class EagerRound(Round):
         """
         outer = self.outer
         outer.copy_anchor_to_shards()
-        for pending in self.in_flight():
-            pending.result()
+        self.await_in_flight()
         for fragment in sorted(self._sums):
             for i, anchor in zip(outer.fragments[fragment], self.projected_anchor(self._sums[fragment])):
                 outer.shards[i].copy_(anchor)
@@ -247,8 +245,7 @@ class EagerRound(Round):
         vote, and a peer that heals from this group receives each sum completed: torchft's thread serializes them
         without waiting for the background thread or running a collective inside the group.
         """
-        for pending in self.in_flight():
-            pending.result()
+        self.await_in_flight()
 
     def _detach_result(self, pending: PendingSync) -> None:
         """Wait for ``pending``'s sum and make sure it does not live in the fragment's buffer (summed in place)."""

@@ -129,8 +129,7 @@ class PlainRound(Round):
     def load_consensus(self) -> None:
         """The anchor; with ``error_feedback="weights"`` the exact mean of the groups' weights (they differ)."""
         if self.config.feedback_in_weights:
-            for pending in self.in_flight():  # the mean travels on the fed ring, where the sum in flight runs
-                pending.result()
+            self.await_in_flight()  # the mean travels on the fed ring, where the sum in flight runs
             load_mean_over_groups(self.federation)
         else:
             self.outer.copy_anchor_to_shards()

@@ -93,8 +93,7 @@ class HierarchicalRound(Round):
         size = self._site_size(step)
         if size is not None:
             if self.federation.groups_may_join:  # no sum may run on the ring while a quorum rebuilds it
-                for pending in self.inner.in_flight():
-                    pending.result()
+                self.inner.await_in_flight()
             blocks = self.topology.blocks(size, self.num_groups)
             site = average_in_site(self.outer, size, blocks, step=step, extra=self.inner.site_state())
             if site.lost:  # every shard went back to the anchor
@@ -117,8 +116,7 @@ class HierarchicalRound(Round):
         if self.federation.groups_may_join:
             self.outer.copy_anchor_to_shards()
             return
-        for pending in self.inner.in_flight():
-            pending.result()
+        self.inner.await_in_flight()
         load_mean_over_groups(self.federation)
 
     @override
