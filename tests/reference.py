@@ -103,6 +103,7 @@ def federate(
     sites: list[list[int]] | None = None,
     mixing: Callable[[int], Tensor] | None = None,
     participants: Callable[[int], list[int]] | None = None,
+    roundtrip: Callable[[Tensor], Tensor] | None = None,
 ) -> dict[str, object]:
     """Train ``groups`` (all holding ``initial``) for ``max_steps`` optimizer steps under the outer schedule above.
 
@@ -127,6 +128,7 @@ def federate(
             mean (see `_site_means`).
         sites: with ``hierarchical``, the groups of each site, when they are not consecutive.
         mixing: ``round -> G x G`` matrix: a mixing outer topology instead (see `_federate_mixing`; ``"fedavg"``).
+        roundtrip: with ``mixing``, a lossy codec's encode-then-decode of a flat float32 vector (the messages').
         participants: ``round -> group indices``: sampled participation. The landing after step ``s`` belongs to round
             ``(s - 1) // sync_every``, and its mean runs over the snapshots of that round's groups only; every group
             still loads the merged anchor. The final steps at the end average every group.
@@ -145,6 +147,9 @@ def federate(
     if hierarchical is not None and not streaming:
         return _federate_hierarchical(initial, groups, hierarchical, outer, max_steps, sites)
     if mixing is not None:
+        if sync_delay or roundtrip is not None:
+            schedule = (parts, every, sync_every, max_steps, sync_delay)
+            return _federate_messages(initial, groups, mixing, *schedule, roundtrip)
         return _federate_mixing(initial, groups, mixing, parts, every, sync_every, outer, max_steps)
     if eager:
         if sync_delay or merge_alpha:
@@ -329,6 +334,85 @@ def _federate_mixing(
                 _fragment_meets(anchor, opt, groups, keys, max_steps, f, "final", syncs)
         anchors[max_steps] = _copy(anchor)
     return {"anchors": anchors, "final": anchor, "groups_before": groups_before, "syncs": syncs}
+
+
+def _federate_messages(
+    initial: dict[str, Tensor],
+    groups: Sequence[Group],
+    mixing: Callable[[int], Tensor],
+    parts: list[list[str]],
+    every: int,
+    sync_every: int,
+    max_steps: int,
+    sync_delay: int,
+    roundtrip: Callable[[Tensor], Tensor] | None,
+) -> dict[str, object]:
+    """Message mixes: the landing after step ``s`` (fragment ``f``, ``W = mixing((s - 1) // H)``) uses each group's
+    message ``m_j``, taken after step ``s - sync_delay``: its weights of ``f`` (flattened in float32), or with
+    ``roundtrip`` the round trip of its weights less the anchor. Each group adds ``sum_j W_ij m_j - m_i`` (float64)
+    to its weights of ``f`` after step ``s``; a uniform ``W`` also sets the anchor of ``f`` to the mean of the messages
+    (plus the anchor with ``roundtrip``). Messages whose landing lies beyond ``T`` are dropped. At the end every
+    fragment takes one plain outer step (fedavg: every group holds the plain mean)."""
+    anchor = {k: v.clone() for k, v in initial.items()}
+    opt = Outer(**OUTERS["fedavg"])
+    anchors: dict[int, dict[str, Tensor]] = {0: _copy(anchor)}
+    syncs: list[Sync] = []
+    groups_before: dict[int, list[Tensor]] = {}
+    in_flight: dict[int, list[Tensor]] = {}  # landing step -> every group's message
+    flat = _flattener(initial)
+
+    def messages(keys: list[str]) -> list[Tensor]:
+        sent = [flat(g.weights(), keys) for g in groups]
+        if roundtrip is None:
+            return sent
+        reference = flat(anchor, keys)
+        return [roundtrip(m - reference) for m in sent]
+
+    for step in range(max_steps):
+        groups_before[step] = [torch.cat([v.reshape(-1) for v in g.weights().values()]) for g in groups]
+        for group in groups:
+            group.train_step(step)
+        done = step + 1
+        if done % every == 0:
+            keys = parts[_landing_fragment(done, every, len(parts))]
+            sent = in_flight.pop(done) if sync_delay else messages(keys)
+            matrix = mixing((done - 1) // sync_every).double()
+            for i, g in enumerate(groups):
+                mixed = sum(float(matrix[i, j]) * m.double() for j, m in enumerate(sent))
+                g.load(_unflat(g.weights(), keys, flat(g.weights(), keys).double() + mixed - sent[i].double()))
+            if torch.equal(matrix, torch.full_like(matrix, 1.0 / len(groups))):
+                mean = sum(m.double() for m in sent) / len(groups)
+                base = torch.zeros_like(mean) if roundtrip is None else flat(anchor, keys).double()
+                anchor.update(_unflat(anchor, keys, base + mean))
+                anchors[done] = _copy(anchor)
+        if sync_delay and (done + sync_delay) % every == 0 and done + sync_delay <= max_steps:
+            in_flight[done + sync_delay] = messages(parts[_landing_fragment(done + sync_delay, every, len(parts))])
+    if max_steps > 0:
+        for f, keys in enumerate(parts):
+            _fragment_meets(anchor, opt, groups, keys, max_steps, f, "final", syncs)
+        anchors[max_steps] = _copy(anchor)
+    return {"anchors": anchors, "final": anchor, "groups_before": groups_before, "syncs": syncs}
+
+
+def _flattener(initial: dict[str, Tensor]) -> Callable[[dict[str, Tensor], list[str]], Tensor]:
+    """Flatten a fragment's tensors in float32, in the order of ``initial`` (the shards' order)."""
+    order = list(initial)
+
+    def flat(weights: dict[str, Tensor], keys: list[str]) -> Tensor:
+        return torch.cat([weights[k].detach().reshape(-1).float() for k in order if k in keys])
+
+    return flat
+
+
+def _unflat(like: dict[str, Tensor], keys: list[str], values: Tensor) -> dict[str, Tensor]:
+    """The fragment's tensors of ``values`` (laid out as `_flattener` does), in ``like``'s shapes and dtypes."""
+    out, offset = {}, 0
+    for k in like:
+        if k in keys:
+            n = like[k].numel()
+            out[k] = values[offset : offset + n].reshape(like[k].shape).to(like[k].dtype)
+            offset += n
+    return out
 
 
 def _fragment_meets(
@@ -538,6 +622,7 @@ def reference_run(
     sites: list[list[int]] | None = None,
     mixing: Callable[[int], Tensor] | None = None,
     participants: Callable[[int], list[int]] | None = None,
+    roundtrip: Callable[[Tensor], Tensor] | None = None,
 ) -> dict[str, object]:
     """``micro_batches[rank]`` lists the sample indices of every micro-batch that rank trained on, in order.
 
@@ -564,4 +649,5 @@ def reference_run(
         sites=sites,
         mixing=mixing,
         participants=participants,
+        roundtrip=roundtrip,
     )

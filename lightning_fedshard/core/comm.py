@@ -11,6 +11,7 @@ groups (one job). Tests use an in-process fake with threads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -55,11 +56,15 @@ class Communicator(Protocol):
     def sum_over_site(self, tensor: Tensor, size: int) -> None:
         """Replace ``tensor`` in place by its sum over this rank's block of ``size`` consecutive groups (fed ring)."""
 
-    def mix_over_groups(self, tensor: Tensor, matrix: Tensor) -> None:
-        """Replace ``tensor`` by ``sum_j matrix[i, j] tensor_j`` (``i`` this group) over the fed ring.
+    def mix_over_groups(
+        self, tensor: Tensor, matrix: Tensor, decode: Callable[[Tensor], Tensor] | None = None
+    ) -> Tensor:
+        """``sum_j matrix[i, j] decode(tensor_j)`` (``i`` this group) over the fed ring, a new float32 tensor.
 
-        Only the partners travel: this rank receives from every ``j`` with ``matrix[i, j] > 0`` and sends to every
-        ``j`` with ``matrix[j, i] > 0``. The terms are added in group order.
+        ``tensor`` is what this group sends (its wire form, e.g. int4 pieces); ``decode`` (default: as it is) turns
+        each group's into float32 values. Only the partners travel: this rank receives from every ``j`` with
+        ``matrix[i, j] > 0`` and sends to every ``j`` with ``matrix[j, i] > 0``. The terms are added in group order,
+        this group's own at its place, so groups that receive the same terms with the same weights get the same bits.
         """
 
     def all_to_all(self, output: Tensor, input: Tensor) -> None:
@@ -164,7 +169,9 @@ class ProcessGroupCommunicator:
         elif size > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.site_groups[size])
 
-    def mix_over_groups(self, tensor: Tensor, matrix: Tensor) -> None:
+    def mix_over_groups(
+        self, tensor: Tensor, matrix: Tensor, decode: Callable[[Tensor], Tensor] | None = None
+    ) -> Tensor:
         """Point-to-point exchanges with the partners over the fed ring, then the weighted sum in group order."""
         i = self.group_index
         ranks = dist.get_process_group_ranks(self.fed_group) if self.fed_group is not None else [dist.get_rank()]
@@ -176,10 +183,8 @@ class ProcessGroupCommunicator:
         if ops:
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
-        mixed = tensor * float(matrix[i, i])
-        for j in sources:
-            mixed += received[j] * float(matrix[i, j])
-        tensor.copy_(mixed)
+        received[i] = tensor
+        return weighted_sum(received, matrix[i], decode)
 
     def all_to_all(self, output: Tensor, input: Tensor) -> None:
         """``all_to_all_single`` over the fed ring."""
@@ -210,6 +215,16 @@ def _gather_into(output: Tensor, input: Tensor, group: ProcessGroup | None) -> N
     # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; both work on gloo and NCCL.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(output, input, group=group)
+
+
+def weighted_sum(terms: dict[int, Tensor], weights: Tensor, decode: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """``sum_j weights[j] decode(terms[j])`` over the groups ``j`` in ``terms``, added in group order (float32)."""
+    total: Tensor | None = None
+    for j in sorted(terms):
+        term = (decode(terms[j]) if decode is not None else terms[j]).to(torch.float32) * float(weights[j])
+        total = term if total is None else total.add_(term)
+    assert total is not None
+    return total
 
 
 def sum_over_model(communicator: Communicator, tensor: Tensor) -> None:

@@ -92,8 +92,9 @@ class FederationConfig:
             ``"sparse"`` is ``lightning_fedshard.SparseTopK()``: the largest 1/64 of each chunk of 4096 values with
             2-bit values (about 0.0073x the bytes of float32), summed like int4; see docs/configuration.md.
             Default ``None``: ``"int4"``, and ``"float32"`` with a mixing ``outer_topology`` (``Gossip``, ``Sampled``,
-            ``Mixing``), which refuses every other dtype: a mix never moves the anchor, so a uniform round and the
-            end of training average the pseudo-gradient of the whole run, which a lossy codec would round.
+            ``Mixing``). Under a mixing a lossy dtype encodes each group's mix message (its weights less the anchor),
+            keeps what the encoding dropped in the group's own weights, and the end of training averages in float32
+            (see docs/topologies.md).
         quant_block_size: Values per quantization block (one float32 scale each) for ``"int8"`` / ``"int4"`` given by
             name (default 128, measured as the smallest block that keeps int4 under 0.14x float32).
         error_feedback: With ``"int8"`` / ``"int4"`` / ``"sparse"``, carry what each rank's encoding dropped into its
@@ -143,7 +144,8 @@ class FederationConfig:
             the federation's own round (fragments, ``sync_delay``, ``merge_alpha``) runs at the largest period. Or a
             mixing (``Gossip(peers=1)``, ``Sampled(groups_per_round=k)``, ``Mixing(matrix)``): every ``sync_every``
             steps each group takes a doubly-stochastic mix of the groups' weights (plain means:
-            ``outer_optimizer="fedavg"``; float32: ``reduce_dtype`` unset or ``"float32"``).
+            ``outer_optimizer="fedavg"``; with ``sync_delay`` the mix travels while training goes on, and a lossy
+            ``reduce_dtype`` compresses it).
             ``Sampled(groups_per_round=k, outer_step=True)`` instead takes the outer step on the sampled groups' mean.
 
             Which of these options compose is declared by each sync mode and listed in
@@ -212,12 +214,20 @@ class FederationConfig:
             )
 
     def _check_outer_topology(self) -> None:
-        """Refuse error feedback under a mixing outer topology, which runs in float32 (nothing to keep)."""
+        """Refuse an error-feedback setting under a mixing outer topology, whose mixes keep what they drop."""
         topology = resolve_outer_topology(self.outer_topology)
-        if self.mixing is not None and self.codec.exact and self.error_feedback not in (None, False):
+        if self.mixing is None or self.error_feedback is None:
+            return
+        if self.codec.exact and self.error_feedback is not False:
             raise ValueError(
                 f"`outer_topology={topology!r}` runs in float32, which drops nothing for"
                 f" `error_feedback={self.error_feedback!r}` to keep. Leave `error_feedback` unset."
+            )
+        if not self.codec.exact and not self.feedback_in_weights:  # that one: refused by the compatibility table
+            raise ValueError(
+                f"`outer_topology={topology!r}` with `reduce_dtype={self.effective_reduce_dtype!r}` keeps what a mix's"
+                f" encoding dropped in each group's own weights, always; `error_feedback={self.error_feedback!r}`"
+                " cannot change that. Leave `error_feedback` unset."
             )
 
     def _check_codec_options(self) -> None:
@@ -432,6 +442,8 @@ class FederationConfig:
         Its error-feedback residuals wait with the anchor: in host memory with ``anchor_device="cpu"``.
         """
         residual_device = "cpu" if self.anchor_device == "cpu" else None
+        if self.mixing is not None:  # the mixes carry the codec; the end of training averages exactly
+            return make_reducer(MIXING_REDUCE_DTYPE, None, None, residual_device)
         block_size = None if isinstance(self.reduce_dtype, Codec) else self.quant_block_size
         feedback = self.error_feedback if isinstance(self.error_feedback, bool) else self.feedback_in_weights or None
         return make_reducer(self.effective_reduce_dtype, block_size, feedback, residual_device)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -312,6 +312,10 @@ class OuterStep(OuterState):
 
     def _sum_across_groups(self, local: Tensor, fragment: int, members: int) -> Tensor:
         return self.reducers[fragment].sum_encoded(local, self.communicator, members)
+
+    def in_background(self, fn: Callable[..., Tensor], *args: Any) -> Future[Tensor]:
+        """Run ``fn(*args)`` (a collective over the fed ring) in the thread where sums in flight run, in order."""
+        return self._background().submit(fn, *args)
 
     def _background(self) -> ThreadPoolExecutor:
         if self._executor is None:

@@ -200,7 +200,9 @@ class ElasticCommunicator:
         self.sum_over_groups(rows.view(-1))
         tensor.copy_(rows[row].view_as(tensor))
 
-    def mix_over_groups(self, tensor: Tensor, matrix: Tensor) -> None:
+    def mix_over_groups(
+        self, tensor: Tensor, matrix: Tensor, decode: Callable[[Tensor], Tensor] | None = None
+    ) -> Tensor:
         """Not in an elastic federation: a mixing matrix needs a fixed set of groups."""
         raise NotImplementedError("An elastic federation averages all its groups; it does not mix them.")
 

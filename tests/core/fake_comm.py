@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fedshard.core.comm import weighted_sum
+
 
 class ThreadGroups:
     """Runs ``fn(group_index, communicator)`` for every group in its own thread and returns the results."""
@@ -99,20 +101,19 @@ class _ThreadCommunicator:
     def sum_stats_over_groups(self, tensor: Tensor) -> None:
         self._groups.stats._all_reduce_sum(self._g, tensor)
 
-    def mix_over_groups(self, tensor: Tensor, matrix: Tensor) -> None:
-        """Every group calls it; group ``i`` gets ``sum_j matrix[i, j] tensor_j``, the terms in group order."""
+    def mix_over_groups(
+        self, tensor: Tensor, matrix: Tensor, decode: Callable[[Tensor], Tensor] | None = None
+    ) -> Tensor:
+        """Every group calls it; group ``i`` gets ``sum_j matrix[i, j] decode(tensor_j)``, the terms in group order."""
         i = self._g
         sent = [j for j in range(self.num_groups) if j != i and matrix[j, i] > 0]
         self.bytes_sent += len(sent) * tensor.numel() * tensor.element_size()
 
         def combine(posted: list[Tensor]) -> Tensor:
-            mixed = posted[i] * float(matrix[i, i])
-            for j in range(self.num_groups):
-                if j != i and matrix[i, j] > 0:
-                    mixed = mixed + posted[j] * float(matrix[i, j])
-            return mixed
+            terms = {j: posted[j] for j in range(self.num_groups) if j == i or matrix[i, j] > 0}
+            return weighted_sum(terms, matrix[i], decode)
 
-        tensor.copy_(self._groups._exchange(i, tensor, combine))
+        return self._groups._exchange(i, tensor, combine)
 
     def sum_over_site(self, tensor: Tensor, size: int) -> None:
         """Every group calls it; each gets the sum over its block of ``size`` groups."""

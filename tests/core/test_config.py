@@ -1,7 +1,6 @@
 import dataclasses
 import functools
 import inspect
-import re
 
 import pytest
 import torch
@@ -127,29 +126,29 @@ def test_reduce_dtype_left_unset_is_int4_and_float32_with_a_mixing():
 
 
 @pytest.mark.parametrize("reduce_dtype", ["int4", "int8", "sparse", "bfloat16"])
-def test_a_mixing_refuses_a_reduce_dtype_that_would_round_the_whole_runs_pseudo_gradient(reduce_dtype):
+def test_a_mixing_with_a_lossy_reduce_dtype_encodes_its_mixes_and_ends_in_float32(reduce_dtype):
     from lightning_fedshard import Gossip, Sampled
 
     for topology in (Gossip(peers=1), Sampled(groups_per_round=2)):
-        message = (
-            rf"`outer_topology={re.escape(repr(topology))}` and `reduce_dtype='{reduce_dtype}'` are not built to run"
-            r" together yet: a uniform round and the end of training average the whole run's pseudo-gradient\. Drop"
-            r" one of them \(leave `reduce_dtype` unset, or use `outer_topology='all'`\)"
-        )
-        with pytest.raises(ValueError, match=message):
-            FederationConfig(outer_topology=topology, reduce_dtype=reduce_dtype)
+        config = FederationConfig(outer_topology=topology, reduce_dtype=reduce_dtype)
+        assert not config.codec.exact  # the mixes' messages
+        reducer = config.reducer()  # the end of training: exact, with no residual to carry
+        assert isinstance(reducer, AllReduceSum) and reducer.codec.exact and reducer.take_residual() is None
 
 
-def test_a_mixing_refuses_error_feedback_and_a_codec_object():
+def test_a_mixing_refuses_an_error_feedback_setting():
     from lightning_fedshard import BlockQuantizer, Gossip
 
-    message = r"and `reduce_dtype=BlockQuantizer\(bits=8, block_size=64\)` are not built to run together yet"
-    with pytest.raises(ValueError, match=message):
-        FederationConfig(outer_topology=Gossip(peers=1), reduce_dtype=BlockQuantizer(8, 64))
     for feedback in (True, "weights"):
         with pytest.raises(ValueError, match=rf"drops nothing for `error_feedback={feedback!r}` to keep"):
             FederationConfig(outer_topology=Gossip(peers=1), error_feedback=feedback)
     assert isinstance(FederationConfig(outer_topology=Gossip(peers=1), error_feedback=False).reducer(), AllReduceSum)
+    for feedback in (True, False):
+        with pytest.raises(ValueError, match=rf"always; `error_feedback={feedback!r}` cannot change that"):
+            FederationConfig(outer_topology=Gossip(), reduce_dtype=BlockQuantizer(8, 64), error_feedback=feedback)
+    message = r"`error_feedback='weights'` cannot be combined: a mix already keeps what its encoding dropped"
+    with pytest.raises(ValueError, match=message):
+        FederationConfig(outer_topology=Gossip(peers=1), reduce_dtype="int4", error_feedback="weights")
 
 
 def test_merge_alpha_is_refused_with_a_mixing_that_has_no_anchor_to_merge_towards():

@@ -7,6 +7,7 @@ from typing import Any, ClassVar, Protocol
 
 from torch import Tensor
 
+from lightning_fedshard.core.codecs import Codec
 from lightning_fedshard.core.comm import Communicator
 from lightning_fedshard.core.outer import OuterStep
 from lightning_fedshard.core.pending import PendingSync
@@ -42,6 +43,9 @@ class Options(Protocol):
 
     @property
     def outer_period(self) -> int: ...  # noqa: D102
+
+    @property
+    def codec(self) -> Codec: ...  # noqa: D102
 
 
 class Host(Protocol):

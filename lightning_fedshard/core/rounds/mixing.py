@@ -1,44 +1,61 @@
 """A mixing round: every ``sync_every`` steps each group takes a doubly-stochastic mix of the groups' weights.
 
 Row ``i`` of the round's matrix ``W`` (``Gossip``, ``Sampled``, ``Mixing``) says what group ``i`` takes:
-``theta_i' = sum_j W_ij theta_j``, in float32, with no outer step (the anchor and the outer optimizer do not move). A
-round whose matrix is uniform is the federation's plain outer step, and so is the end of training: both average the
-pseudo-gradient of everything trained since the last one. With ``fragments = P`` the fragments mix in turn, one every
-``sync_every / P`` steps, each with the matrix of its ``sync_every``-step round.
+``theta_i' = sum_j W_ij theta_j``, with no outer step (the outer optimizer does not move). With ``fragments = P`` the
+fragments mix in turn, one every ``sync_every / P`` steps, each with the matrix of its ``sync_every``-step round. The
+end of training is the federation's plain outer step in float32: every group restarts from the exact mean.
+
+In float32 without a delay a mix writes ``sum_j W_ij theta_j``, and a round whose matrix is uniform is the
+federation's plain outer step. Otherwise every round, a uniform one included, is a *message* mix:
+
+- each group sends its message ``m_i``: its weights in float32, or with a lossy ``reduce_dtype`` the encoding of
+  ``theta_i - anchor`` (what it moved since the anchor, which every group shares); ``m^_i`` is what its partners
+  decode;
+- at the landing each group adds ``sum_j W_ij m^_j - m^_i`` to its weights. With ``sync_delay = d`` the messages are
+  taken ``d`` steps before the landing and travel meanwhile, so the ``d`` steps a group trained since are kept; the
+  mix also keeps what an encoding dropped (``theta_i - anchor - m^_i``) in each group's own weights, so the groups'
+  mean never changes (the columns of ``W`` sum to 1);
+- a uniform round also moves the anchor to the mean of the messages (every group receives all of them and adds them
+  in group order, so the anchors stay identical).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_fedshard.core.fragments import landing_fragment
+from lightning_fedshard.core.codecs import ChunkCodec, Codec, FloatCodec
+from lightning_fedshard.core.fragments import landing_fragment, starting_fragment
 from lightning_fedshard.core.nonfinite import NonFiniteOuterGradientError, healthy_mix
 from lightning_fedshard.core.outer_topology import Mixing
+from lightning_fedshard.core.pending import PendingSync
 from lightning_fedshard.core.rounds.averaging import (
     FLOAT32_SUM,
     apply_weights,
     flat_weights,
     load_mean_over_groups,
     weights_sync_stats,
+    write_weights,
 )
-from lightning_fedshard.core.rounds.base import Host, Refusal, Round
+from lightning_fedshard.core.rounds.base import Host, Refusal, Round, drop
 from lightning_fedshard.core.rounds.plain import PlainRound
 from lightning_fedshard.core.stats import SyncStats
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     from lightning_fedshard.core.outer import OuterStep
 
 _NO_SHARED_ANCHOR = "a mix moves no shared anchor, so there is no common pseudo-gradient for it"
 
 
 class MixingRound(Round):
-    """Mixes of the groups' weights, and the plain outer step for a uniform round (see the module).
+    """Mixes of the groups' weights, and the plain outer step at the end (see the module).
 
     Args:
         federation: The federation this round syncs.
@@ -47,39 +64,63 @@ class MixingRound(Round):
     """
 
     refuses = {
-        "sync_delay": Refusal("a mix takes the weights themselves, not a snapshot's pseudo-gradient"),
         "merge_alpha": Refusal(f"{_NO_SHARED_ANCHOR} to merge towards", impossible=True),
         "eager_updates": Refusal(f"{_NO_SHARED_ANCHOR} to share in advance", impossible=True),
         "outer_momentum": Refusal(f"{_NO_SHARED_ANCHOR} to keep momentum on", impossible=True),
-        "lossy_dtype": Refusal("a uniform round and the end of training average the whole run's pseudo-gradient"),
-        "error_feedback_weights": Refusal("a mix runs in float32, which drops nothing to keep", impossible=True),
+        "error_feedback_weights": Refusal(
+            "a mix already keeps what its encoding dropped in each group's own weights", impossible=True
+        ),
     }
 
     def __init__(self, federation: Host, topology: Mixing, inner: PlainRound) -> None:
         super().__init__(federation)
         self.topology = topology
         self.inner = inner
+        self._pending: PendingSync | None = None
 
     @override
     def is_due(self, step: int) -> bool:
         due = landing_fragment(step, self.config.sync_every, self.config.fragments) is not None
         return due and step > self.federation.last_synced_step
 
+    def matrix(self, landing: int) -> Tensor:
+        """The matrix of the round the landing after optimizer step ``landing`` belongs to: ``(landing - 1) // H``.
+
+        With ``P`` fragments the ``P`` landings of one ``sync_every``-step period mix with that round's matrix.
+        """
+        groups = len(self.federation.communicator.participants())
+        return self.topology.weights((landing - 1) // self.config.sync_every, groups)
+
     @override
     def after_step(self, step: int) -> SyncStats | None:
-        """Mix the fragment due after ``step`` (the whole model with one fragment) with its round's matrix.
+        """Mix the fragment due after ``step``, then take the messages of the one due ``sync_delay`` steps later."""
+        stats = self._land(step) if self.is_due(step) else None
+        config = self.config
+        starting = starting_fragment(step, config.sync_every, config.fragments, config.sync_delay)
+        if starting is not None:
+            matrix = self.matrix(step + config.sync_delay)
+            self._pending = begin_mix(self.outer, matrix, starting, step, config.codec, background=True)
+        return stats
 
-        The landing after step ``s`` belongs to round ``(s - 1) // sync_every``: with ``P`` fragments the ``P`` landings
-        of one ``sync_every``-step period mix their fragments with that round's matrix.
-        """
-        if not self.is_due(step):
-            return None
-        fragments = self.config.fragments
-        fragment = landing_fragment(step, self.config.sync_every, fragments)
+    def _land(self, step: int) -> SyncStats:
+        config = self.config
+        fragment = landing_fragment(step, config.sync_every, config.fragments)
         assert fragment is not None
-        groups = len(self.federation.communicator.participants())
-        matrix = self.topology.weights((step - 1) // self.config.sync_every, groups)
-        if torch.allclose(matrix, torch.full_like(matrix, 1.0 / groups), rtol=0.0, atol=1e-12):
+        matrix = self.matrix(step)
+        pending, self._pending = self._pending, None
+        if pending is None or pending.fragment != fragment:  # no overlap (sync_delay=0), or resumed without one
+            drop(pending)
+            if config.codec.exact:
+                return self._mix_weights(step, fragment, matrix)
+            pending = begin_mix(self.outer, matrix, fragment, step, config.codec, background=False)
+        stats = land_mix(self.outer, pending, matrix, step, config.codec)
+        self.federation.written()
+        return replace(stats, fragment=fragment, num_fragments=config.fragments)
+
+    def _mix_weights(self, step: int, fragment: int, matrix: Tensor) -> SyncStats:
+        """The float32 mix of the weights themselves, or the plain outer step for a uniform matrix."""
+        fragments = self.config.fragments
+        if _uniform(matrix):
             return replace(self.inner.sync(step, fragment), num_fragments=fragments)
         stats = mix(self.outer, matrix, step=step, fragment=None if fragments == 1 else fragment)
         self.federation.written()
@@ -87,12 +128,144 @@ class MixingRound(Round):
 
     @override
     def finish(self, step: int) -> list[SyncStats]:
+        """A mix in flight is dropped (it would not change the mean); every fragment takes the plain outer step."""
+        self.forget_in_flight()
         return self.inner.finish(step)
 
     @override
     def load_consensus(self) -> None:
         """The exact mean over all groups of their current weights, which a doubly-stochastic mix does not change."""
+        self.await_in_flight()  # the mean travels on the fed ring, where the mix in flight runs
         load_mean_over_groups(self.federation)
+
+    @override
+    def in_flight(self) -> list[PendingSync]:
+        return [self._pending] if self._pending is not None else []
+
+    @override
+    def forget_in_flight(self) -> None:
+        drop(self._pending)
+        self._pending = None
+
+    @override
+    def group_state_dict(self) -> dict[str, Any]:
+        """The mix in flight: what this group received and sent differs between groups."""
+        return {"mix": self._pending.state_dict() if self._pending is not None else None}
+
+    @override
+    def load_group_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("mix")
+        self._pending = None if saved is None else PendingSync.from_state_dict(saved, self.outer.shards[0].device)
+
+
+def _uniform(matrix: Tensor) -> bool:
+    return torch.allclose(matrix, torch.full_like(matrix, 1.0 / matrix.shape[0]), rtol=0.0, atol=1e-12)
+
+
+def wire_form(codec: Codec, values: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+    """``values`` (flat float32) as the codec writes them on the wire, and how a receiver decodes them to float32."""
+    numel = values.numel()
+    if isinstance(codec, FloatCodec):
+        return values.to(codec.torch_dtype), lambda wire: wire.to(torch.float32)
+    assert isinstance(codec, ChunkCodec), f"no wire form for {codec!r}"
+    padded = codec.padded_length(numel, 1)
+    buffer = torch.zeros(padded, dtype=torch.float32, device=values.device)
+    buffer[:numel] = values
+    return codec.encode_pieces(buffer, 1), lambda wire: codec.decode_pieces(wire, padded).reshape(-1)[:numel]
+
+
+def _reference(outer: OuterStep, indices: Sequence[int], codec: Codec, device: torch.device) -> Tensor | None:
+    """What messages are taken against: the anchor with a lossy codec, nothing (the weights themselves) in float32."""
+    return None if codec.exact else flat_weights([outer.anchor[i] for i in indices]).to(device)
+
+
+@torch.no_grad()
+def begin_mix(
+    outer: OuterStep, matrix: Tensor, fragment: int, step: int, codec: Codec, background: bool
+) -> PendingSync:
+    """Take this group's message of ``fragment`` now and start mixing the messages (see the module); collective.
+
+    Broken groups (NaN/Inf weights) are found here, before anything travels (see :func:`mix`). The pending mix's
+    result holds two rows: ``sum_j W_ij m^_j`` and this group's own ``m^_i`` (zero for a broken group).
+
+    Raises:
+        NonFiniteOuterGradientError: As for :func:`mix`; nothing was changed then.
+    """
+    start = time.perf_counter()
+    communicator = outer.communicator
+    groups = communicator.participants()  # asked once per sync
+    indices = outer.fragments[fragment]
+    flat = flat_weights([outer.shards[i] for i in indices])
+    broken = outer.nonfinite_groups(flat, groups, step, "mix")
+    matrix = _without_broken(outer, matrix, broken, step)
+    reference = _reference(outer, indices, codec, flat.device)
+    if communicator.group_index in broken:
+        flat.zero_()
+    elif reference is not None:
+        flat.sub_(reference)
+    wire, decode = wire_form(codec, flat)
+    own = decode(wire)
+
+    def run() -> Tensor:
+        return torch.stack([communicator.mix_over_groups(wire, matrix, decode), own])
+
+    i = communicator.group_index
+    partners = sum(1 for j in range(matrix.shape[0]) if j != i and matrix[j, i] > 0)
+    pending = PendingSync(
+        fragment=fragment,
+        participants=groups,
+        started_at=step,
+        broken=broken,
+        own_sq=0.0,
+        bytes_sent=partners * wire.numel() * wire.element_size(),
+        clock=start,
+    )
+    if background:
+        pending._future = outer.in_background(run)
+    else:
+        pending._part = run()
+    pending.exposed = time.perf_counter() - start
+    return pending
+
+
+@torch.no_grad()
+def land_mix(outer: OuterStep, pending: PendingSync, matrix: Tensor, step: int, codec: Codec) -> SyncStats:
+    """Add ``sum_j W_ij m^_j - m^_i`` to this group's weights of the fragment (see the module); collective.
+
+    A broken group takes ``reference + sum_j W_ij m^_j``: the mix of its healthy partners. A uniform ``matrix`` also
+    moves the anchor to ``reference + sum_j m^_j / G``.
+    """
+    start = time.perf_counter()
+    mixed, own = pending.result().unbind(0)
+    communicator = outer.communicator
+    indices = outer.fragments[pending.fragment]
+    current = flat_weights([outer.shards[i] for i in indices])
+    reference = _reference(outer, indices, codec, current.device)
+    if communicator.group_index in pending.broken:
+        new = mixed.clone() if reference is None else reference + mixed
+    else:
+        new = current.add_(mixed).sub_(own)
+    norm, drift = apply_weights(outer, new, pending.broken, len(pending.participants), indices)
+    if _uniform(matrix):
+        write_weights([outer.anchor[i] for i in indices], mixed if reference is None else reference + mixed)
+    i = communicator.group_index
+    matrix, _ = healthy_mix(matrix, pending.broken) if pending.broken else (matrix, [])
+    partners = sum(1 for j in range(matrix.shape[0]) if j != i and matrix[j, i] > 0)
+    seconds = time.perf_counter() - pending.clock
+    stats = weights_sync_stats(
+        outer, norm, drift, pending.bytes_sent, seconds, pending.broken, kind="mix", extra={"mixing_partners": partners}
+    )
+    return replace(stats, exposed_seconds=pending.exposed + time.perf_counter() - start)
+
+
+def _without_broken(outer: OuterStep, matrix: Tensor, broken: Sequence[int], step: int | None) -> Tensor:
+    """:func:`healthy_mix` of ``matrix``, raising for a broken group left with no healthy partner."""
+    if not broken:
+        return matrix
+    matrix, stranded = healthy_mix(matrix, broken)
+    if stranded:
+        raise NonFiniteOuterGradientError(stranded, outer.num_syncs, step, "mix", outer.on_nonfinite)
+    return matrix
 
 
 @torch.no_grad()
@@ -115,13 +288,10 @@ def mix(outer: OuterStep, matrix: Tensor, step: int | None = None, fragment: int
     indices = range(len(outer.shards)) if fragment is None else outer.fragments[fragment]
     flat = flat_weights([outer.shards[i] for i in indices])
     broken = outer.nonfinite_groups(flat, groups, step, "mix")
-    if broken:
-        matrix, stranded = healthy_mix(matrix, broken)
-        if stranded:
-            raise NonFiniteOuterGradientError(stranded, outer.num_syncs, step, "mix", outer.on_nonfinite)
-        if communicator.group_index in broken:
-            flat.zero_()  # its column is zero: nobody takes from it, and its own NaN must not meet a 0 weight
-    communicator.mix_over_groups(flat, matrix)
+    matrix = _without_broken(outer, matrix, broken, step)
+    if communicator.group_index in broken:
+        flat.zero_()  # its column is zero: nobody takes from it, and its own NaN must not meet a 0 weight
+    flat = communicator.mix_over_groups(flat, matrix)
     norm, drift = apply_weights(outer, flat, broken, len(groups), indices)
     seconds = time.perf_counter() - start
     i = communicator.group_index

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ from torch import Tensor
 from torch.testing import assert_close
 
 from lightning_fedshard import Gossip, Mixing, Sampled
+from lightning_fedshard.core.codecs import ChunkCodec, Codec, FloatCodec
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fragments import cut_fragments
@@ -40,8 +42,10 @@ def _initial() -> list[Tensor]:
     return initial(UNITS)
 
 
-def _run(topology: Any, steps: int, stop_at: int | None = None, resume: list | None = None) -> list[Any]:
-    config = FederationConfig(num_groups=GROUPS, sync_every=SYNC_EVERY, fragments=2, outer_topology=topology)
+def _run(
+    topology: Any, steps: int, stop_at: int | None = None, resume: list | None = None, **options: Any
+) -> list[Any]:
+    config = FederationConfig(num_groups=GROUPS, sync_every=SYNC_EVERY, fragments=2, outer_topology=topology, **options)
 
     def work(g: int, comm: Any) -> dict[str, Any]:
         shards = _initial()
@@ -52,15 +56,19 @@ def _run(topology: Any, steps: int, stop_at: int | None = None, resume: list | N
             for shard, saved in zip(shards, resume[g]["shards"]):
                 shard.copy_(saved)
             fed.load_state_dict(resume[g]["state"])
+            fed.load_group_state_dict(resume[g]["group_state"])
             first = resume[g]["step"] + 1
+        after = {}
         for step in range(first, steps + 1):
             for shard, new in zip(shards, _update(g, step - 1, shards)):
                 shard.copy_(new)
             fed.maybe_sync(step)
+            after[step] = torch.cat(shards).clone()
             if step == stop_at:
-                return {"state": fed.state_dict(), "shards": [s.clone() for s in shards], "step": step}
+                state = {"state": fed.state_dict(), "group_state": copy.deepcopy(fed.group_state_dict())}
+                return {**state, "shards": [s.clone() for s in shards], "step": step}
         fed.finish(steps)
-        return {"final": [s.clone() for s in shards]}
+        return {"final": [s.clone() for s in shards], "after": after}
 
     return ThreadGroups(GROUPS).run(work)
 
@@ -89,3 +97,73 @@ def test_resume_between_two_fragments_mixes_is_exact():
     assert not torch.equal(saved[0]["shards"][1], saved[1]["shards"][1])
     for got, want in zip(_run(topology, 13, resume=saved), straight):
         assert all(torch.equal(a, b) for a, b in zip(got["final"], want["final"]))
+
+
+def _roundtrip(codec: Codec) -> Any:
+    """The codec's encode-then-decode of a flat float32 vector (what a partner reads of a message)."""
+
+    def roundtrip(values: Tensor) -> Tensor:
+        if isinstance(codec, FloatCodec):
+            return values.to(codec.torch_dtype).float()
+        assert isinstance(codec, ChunkCodec)
+        padded = codec.padded_length(values.numel(), 1)
+        buffer = torch.cat([values, values.new_zeros(padded - values.numel())])
+        return codec.decode_pieces(codec.encode_pieces(buffer, 1), padded).reshape(-1)[: values.numel()]
+
+    return roundtrip
+
+
+#: Message mixes: taken a step before they land, encoded against the anchor, or both.
+MESSAGES = {
+    "delayed": dict(sync_delay=1),
+    "int4": dict(reduce_dtype="int4"),
+    "sparse, delayed": dict(reduce_dtype="sparse", sync_delay=1),
+}
+
+
+@pytest.mark.parametrize("name", list(TOPOLOGIES))
+@pytest.mark.parametrize("messages", list(MESSAGES))
+def test_message_mixes_equal_the_reference_after_every_step(name, messages):
+    topology, options, steps = TOPOLOGIES[name], MESSAGES[messages], 15
+    config = FederationConfig(num_groups=GROUPS, outer_topology=topology, **options)
+    ref = federate(
+        dict(zip(NAMES, _initial())),
+        [ReferenceGroup(g, _update, NAMES) for g in range(GROUPS)],
+        sync_every=SYNC_EVERY,
+        outer="fedavg",
+        max_steps=steps,
+        fragments=[[NAMES[u] for u in part] for part in cut_fragments([2] * UNITS, 2)],
+        mixing=lambda r: topology.weights(r, GROUPS),
+        sync_delay=options.get("sync_delay", 0),
+        roundtrip=None if config.codec.exact else _roundtrip(config.codec),
+    )
+    results = _run(topology, steps, **options)
+    for step in range(1, steps):
+        for g, result in enumerate(results):
+            assert_close(result["after"][step], ref["groups_before"][step][g], rtol=0, atol=1e-5)
+    for result in results:
+        assert_close(torch.cat(result["final"]), torch.cat([ref["final"][n] for n in NAMES]), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("reduce_dtype", ["int4", "sparse"])
+def test_an_encoded_mix_moves_the_groups_but_not_their_mean(reduce_dtype):
+    """Each group keeps what its encoding dropped in its own weights, so the columns' sum of 1 keeps the mean."""
+    results = _run(TOPOLOGIES["gossip"], 8, reduce_dtype=reduce_dtype)
+    for landing in (2, 4, 6, 8):
+        before = [
+            torch.cat(_update(g, landing - 1, list(r["after"][landing - 1].split(2)))) for g, r in enumerate(results)
+        ]
+        after = [r["after"][landing] for r in results]
+        assert not all(torch.equal(a, b) for a, b in zip(before, after))
+        assert_close(torch.stack(after).mean(0), torch.stack(before).mean(0), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("messages", ["delayed", "sparse, delayed"])
+def test_resume_with_a_mix_in_flight_is_exact(messages):
+    topology, options = TOPOLOGIES["gossip"], MESSAGES[messages]
+    straight = _run(topology, 13, **options)
+    saved = _run(topology, 13, stop_at=5, **options)  # fragment 0's messages, taken after step 5, land after 6
+    assert saved[0]["group_state"]["mix"] is not None
+    for got, want in zip(_run(topology, 13, resume=saved, **options), straight):
+        assert all(torch.equal(a, b) for a, b in zip(got["final"], want["final"]))
+        assert all(torch.equal(got["after"][s], want["after"][s]) for s in range(6, 14))
