@@ -651,3 +651,19 @@ def reference_run(
         participants=participants,
         roundtrip=roundtrip,
     )
+
+
+def roundtrip_of(codec: Any) -> Callable[[Tensor], Tensor]:
+    """A codec's encode-then-decode of one flat float32 vector (what a partner reads of a message), by its public API.
+
+    A float codec casts; a chunk codec pads the vector to whole blocks, writes it as one piece and reads it back.
+    """
+
+    def roundtrip(values: Tensor) -> Tensor:
+        if hasattr(codec, "torch_dtype"):
+            return values.to(codec.torch_dtype).float()
+        padded = codec.padded_length(values.numel(), 1)
+        buffer = torch.cat([values, values.new_zeros(padded - values.numel())])
+        return codec.decode_pieces(codec.encode_pieces(buffer, 1), padded).reshape(-1)[: values.numel()]
+
+    return roundtrip

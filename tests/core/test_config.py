@@ -132,6 +132,7 @@ def test_a_mixing_with_a_lossy_reduce_dtype_encodes_its_mixes_and_ends_in_float3
     for topology in (Gossip(peers=1), Sampled(groups_per_round=2)):
         config = FederationConfig(outer_topology=topology, reduce_dtype=reduce_dtype)
         assert not config.codec.exact  # the mixes' messages
+        assert "mix messages, what they drop kept in the weights" in config.describe()
         reducer = config.reducer()  # the end of training: exact, with no residual to carry
         assert isinstance(reducer, AllReduceSum) and reducer.codec.exact and reducer.take_residual() is None
 

@@ -21,7 +21,7 @@ from lightning_fedshard import Gossip, Hierarchical, Mixing, Sampled
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.topology import FederationTopology
 from tests.launch import launch
-from tests.reference import reference_run
+from tests.reference import reference_run, roundtrip_of
 
 pytestmark = pytest.mark.slow  # launches processes
 
@@ -211,6 +211,21 @@ SCENARIOS_4 = [
         num_groups=4,
         sync_every=4,
         fragments=2,
+        outer_topology=topology_record(Gossip(peers=1, seed=3)),
+        outer_optimizer="fedavg",
+        wrap_linear=True,
+        max_steps=11,
+    ),
+    # the same mixes taken a step before they land, encoded in int4 against the anchor
+    dict(
+        BASE,
+        name="gossip_f2_d1_int4",
+        strategy="fl_fsdp",
+        num_groups=4,
+        sync_every=4,
+        fragments=2,
+        sync_delay=1,
+        reduce_dtype="int4",
         outer_topology=topology_record(Gossip(peers=1, seed=3)),
         outer_optimizer="fedavg",
         wrap_linear=True,
@@ -418,7 +433,9 @@ def _topology_reference(spec: dict, num_groups: int) -> dict:
     if isinstance(topology, Hierarchical):
         sites = [list(site) for site in topology.sites] if topology.sites else None
         return {"hierarchical": topology.levels, "sites": sites}
-    return {"mixing": lambda round: topology.weights(round, num_groups)}
+    codec = FederationConfig(reduce_dtype=spec.get("reduce_dtype"), outer_topology=topology).codec
+    roundtrip = None if codec.exact else roundtrip_of(codec)  # a mix's messages travel encoded
+    return {"mixing": lambda round: topology.weights(round, num_groups), "roundtrip": roundtrip}
 
 
 def _assert_state_close(actual: dict, expected: dict, atol: float) -> float:
@@ -673,6 +690,7 @@ def test_streaming_syncs_match_the_reference(four, name, groups, shard):
         ("hierarchical_eager", 4, 4, 1),
         *both(("gossip", 4, 4, 1)),
         ("gossip_f2", 4, 4, 1),
+        ("gossip_f2_d1_int4", 4, 4, 1),
         ("sampled", 4, 4, 1),
         ("mixing_hsdp", 8, 2, 2),
     ],

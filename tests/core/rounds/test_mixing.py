@@ -11,13 +11,12 @@ from torch import Tensor
 from torch.testing import assert_close
 
 from lightning_fedshard import Gossip, Mixing, Sampled
-from lightning_fedshard.core.codecs import ChunkCodec, Codec, FloatCodec
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fragments import cut_fragments
 from tests.core.fake_comm import ThreadGroups
 from tests.core.rounds.toy import ReferenceGroup, initial
-from tests.reference import federate
+from tests.reference import federate, roundtrip_of
 
 GROUPS, UNITS, SYNC_EVERY = 4, 3, 4
 NAMES = [f"u{u}" for u in range(UNITS)]
@@ -99,20 +98,6 @@ def test_resume_between_two_fragments_mixes_is_exact():
         assert all(torch.equal(a, b) for a, b in zip(got["final"], want["final"]))
 
 
-def _roundtrip(codec: Codec) -> Any:
-    """The codec's encode-then-decode of a flat float32 vector (what a partner reads of a message)."""
-
-    def roundtrip(values: Tensor) -> Tensor:
-        if isinstance(codec, FloatCodec):
-            return values.to(codec.torch_dtype).float()
-        assert isinstance(codec, ChunkCodec)
-        padded = codec.padded_length(values.numel(), 1)
-        buffer = torch.cat([values, values.new_zeros(padded - values.numel())])
-        return codec.decode_pieces(codec.encode_pieces(buffer, 1), padded).reshape(-1)[: values.numel()]
-
-    return roundtrip
-
-
 #: Message mixes: taken a step before they land, encoded against the anchor, or both.
 MESSAGES = {
     "delayed": dict(sync_delay=1),
@@ -135,7 +120,7 @@ def test_message_mixes_equal_the_reference_after_every_step(name, messages):
         fragments=[[NAMES[u] for u in part] for part in cut_fragments([2] * UNITS, 2)],
         mixing=lambda r: topology.weights(r, GROUPS),
         sync_delay=options.get("sync_delay", 0),
-        roundtrip=None if config.codec.exact else _roundtrip(config.codec),
+        roundtrip=None if config.codec.exact else roundtrip_of(config.codec),
     )
     results = _run(topology, steps, **options)
     for step in range(1, steps):
