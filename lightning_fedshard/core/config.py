@@ -347,7 +347,7 @@ class FederationConfig:
         """The sync options in one line, e.g. for the log at the start of training."""
         outer = self.outer_optimizer if isinstance(self.outer_optimizer, str) else repr(self.outer_optimizer)
         dtype = self.codec.describe()
-        if self.compressed and self.mixing is not None:
+        if self.mixing is not None and not self.codec.exact:
             dtype += " mix messages, what they drop kept in the weights"
         elif self.compressed:
             dtype += f" {'with' if self.error_feedback is not False else 'without'} error feedback"
