@@ -1,6 +1,7 @@
 import dataclasses
 import functools
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -135,6 +136,15 @@ def test_a_mixing_with_a_lossy_reduce_dtype_encodes_its_mixes_and_ends_in_float3
         assert "mix messages, what they drop kept in the weights" in config.describe()
         reducer = config.reducer()  # the end of training: exact, with no residual to carry
         assert isinstance(reducer, AllReduceSum) and reducer.codec.exact and reducer.take_residual() is None
+
+
+@pytest.mark.filterwarnings("default")
+def test_error_feedback_in_the_weights_warns_that_it_is_deprecated_with_the_evidence():
+    with pytest.warns(FutureWarning, match=r"`error_feedback='weights'` is deprecated .* \+39% .* the buffer's \+29%"):
+        FederationConfig(reduce_dtype="int8", error_feedback="weights")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FederationConfig(reduce_dtype="int8", error_feedback=True)
 
 
 def test_a_mixing_refuses_an_error_feedback_setting():
