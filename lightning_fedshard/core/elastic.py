@@ -60,8 +60,6 @@ class Elastic:
 
     #: What an elastic federation does not run yet (see :mod:`lightning_fedshard.core.rounds.options`).
     refuses: ClassVar[dict[str, Refusal]] = {
-        "gossip": Refusal("a mix needs a matrix over the live groups, rebuilt at every quorum"),
-        "sampled": Refusal("a sample must be drawn among the live groups at every quorum"),
         "mixing": Refusal("a fixed matrix names groups that may not be alive"),
         "error_feedback_weights": Refusal("a joining group would heal onto the anchor without the residuals"),
     }

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_fedshard.core.comm import ProcessGroupCommunicator
+from lightning_fedshard.core.comm import ProcessGroupCommunicator, weighted_sum
 from lightning_fedshard.core.elastic import Elastic, FederationError
 from lightning_fedshard.elastic.heal import heal_transport
 from lightning_fedshard.elastic.lighthouse import (
@@ -77,6 +77,8 @@ class ElasticCommunicator:
     #: Sites sum over the whole fed ring, a row per site (see :meth:`sum_over_site`), not over process groups of their
     #: own: the statistics count their bytes so.
     sums_sites_on_fed_ring = True
+    #: A mix's messages travel by one all-gather over the live ring (see :meth:`mix_over_groups`), to every group.
+    mixes_by_all_gather = True
 
     def __init__(
         self,
@@ -203,8 +205,17 @@ class ElasticCommunicator:
     def mix_over_groups(
         self, tensor: Tensor, matrix: Tensor, decode: Callable[[Tensor], Tensor] | None = None
     ) -> Tensor:
-        """Not in an elastic federation: a mixing matrix needs a fixed set of groups."""
-        raise NotImplementedError("An elastic federation averages all its groups; it does not mix them.")
+        """``sum_j matrix[p, j] decode(tensor_j)`` over the live groups, ``p`` this group's position in ring order.
+
+        The ring changes with every quorum, so every group's message travels by one all-gather over it (each group
+        sends its message to every other; the terms are added in ring order). After a failure the result is garbage
+        and the sync's vote fails.
+        """
+        me = self._ring.index(self._group)
+        gathered = torch.empty((len(self._ring), *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        self.all_gather(gathered.view(-1), tensor.reshape(-1))
+        terms = {j: gathered[j] for j in range(len(self._ring)) if j == me or matrix[me, j] > 0}
+        return weighted_sum(terms, matrix[me], decode)
 
     def should_commit(self) -> bool:
         """Torchft's vote: ``False`` on every rank of this group if any of them saw an error in this sync.

@@ -215,6 +215,56 @@ def replay_sites(
     return anchors
 
 
+def replay_gossip(
+    syncs: dict[int, dict[str, Any]],
+    num_groups: int,
+    total: int,
+    initial: dict[str, Tensor],
+    matrix: Any,
+    sync_every: int = 4,
+) -> tuple[dict[int, dict[int, dict[str, Tensor]]], dict[str, Tensor]]:
+    """Every group's weights after every mix of ``syncs``, and the final consensus (one rank per group, float32).
+
+    ``matrix(round, n)``: the mixing matrix of round ``round`` over ``n`` live groups, by position in ring order. A
+    committed mix gives group at position ``p`` the weights ``sum_q W_pq theta_q`` (a group that joined then adds
+    nothing: its column is left out and every row renormalized; alone in its row it keeps the anchor it healed); a
+    lost one changes nothing. The end of training is the plain mean over the groups of the last sync.
+    """
+    held = {g: _copy(initial) for g in range(num_groups)}
+    batches = {g: group_batches(g, num_groups, 1, total) for g in range(num_groups)}
+    lrs = [cosine_lr(t, total) for t in range(total)]
+    after: dict[int, dict[int, dict[str, Tensor]]] = {}
+    previous = 0
+    members: list[int] = []
+    for step in sorted(s for s in syncs if s > 0):
+        sync = syncs[step]
+        members, joined = sync["members"], sync["joined"]
+        trained = {
+            g: _copy(initial) if g in joined else _train_round(held[g], batches[g][previous:step], lrs[previous:step])
+            for g in members
+        }
+        if sync["lost"]:
+            held.update(trained)
+        else:
+            weights = matrix((step - 1) // sync_every, len(members)).double()
+            weights[:, [p for p, g in enumerate(members) if g in joined]] = 0.0
+            for p, g in enumerate(members):
+                total_weight = float(weights[p].sum())
+                if total_weight == 0:
+                    held[g] = trained[g]
+                    continue
+                held[g] = {
+                    k: sum(float(weights[p, q]) / total_weight * trained[h][k].double() for q, h in enumerate(members))
+                    .to(initial[k].dtype)
+                    for k in initial
+                }  # fmt: skip
+        after[step] = {g: _copy(held[g]) for g in members}
+        previous = step
+    last = {g: _train_round(held[g], batches[g][previous:total], lrs[previous:total]) for g in members}
+    final = {k: sum(last[g][k].double() for g in members) / len(members) for k in initial}
+    return after, {k: v.to(initial[k].dtype) for k, v in final.items()}
+
+
 def _mean(weights: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     return {k: sum(w[k] for w in weights) / len(weights) for k in weights[0]}
 
@@ -229,6 +279,7 @@ __all__ = [
     "initial_weights",
     "replay",
     "replay_eager",
+    "replay_gossip",
     "replay_sites",
     "sampled_positions",
     "timeline",

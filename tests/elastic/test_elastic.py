@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_fedshard import Gossip
 from tests.elastic.cluster import Cluster, Job, wait_for
 from tests.elastic.reference import (
     cosine_lr,
@@ -25,6 +26,7 @@ from tests.elastic.reference import (
     initial_weights,
     replay,
     replay_eager,
+    replay_gossip,
     replay_sites,
     sampled_positions,
     timeline,
@@ -202,6 +204,24 @@ def test_eager_updates_lose_the_sum_in_flight_of_a_group_that_died_and_equal_the
             assert _max_error(consensus, reference[step]) < 1e-6, (record["group"], step)
             assert _equal(consensus, survivors[0]["consensus"][step]), (record["group"], step)
         assert _max_error(record["final"], reference[24]) < 1e-6
+    assert _equal(survivors[0]["final"], survivors[1]["final"])
+
+
+def test_a_gossip_mixes_the_live_groups_by_position_and_equals_the_reference(root):
+    # Gossip among groups [0, 1, 2] (a pair and one alone each round); group 1 is killed mid-round, so from the mix
+    # after step 8 on the two survivors pair up (a uniform round). Between syncs each group holds its own weights.
+    survivors = _group_1_killed(root, "gossip", {"num_groups": 3, "gossip": [1, 2]}, at=6)
+    syncs = timeline([r["syncs"] for r in survivors])
+    assert sorted(syncs[4]["members"]) == [0, 1, 2] and sorted(syncs[8]["members"]) == [0, 2]
+    assert not any(s["lost"] or s["joined"] for step, s in syncs.items() if step > 0)
+    after, final = replay_gossip(syncs, 3, 24, initial_weights(), Gossip(1, seed=2).weights)
+    for record in survivors:
+        assert record["error"] is None and record["global_step"] == 24
+        for step, consensus in record["consensus"].items():
+            if 0 < step < 24:
+                assert _max_error(consensus, after[step][record["group"]]) < 1e-6, (record["group"], step)
+        assert _max_error(record["final"], final) < 1e-6
+    assert not _equal(survivors[0]["consensus"][4], survivors[1]["consensus"][4])  # the groups differ between syncs
     assert _equal(survivors[0]["final"], survivors[1]["final"])
 
 

@@ -181,6 +181,9 @@ def _strategy(spec: dict[str, Any], cls: Any = None) -> Any:
     if spec.get("sampled"):  # (groups_per_round, seed) of sampled participation
         groups_per_round, seed = spec["sampled"]
         kwargs["outer_topology"] = lightning_fedshard.Sampled(groups_per_round, seed=seed, outer_step=True)
+    if spec.get("gossip"):  # (peers, seed) of a gossip mixing
+        peers, seed = spec["gossip"]
+        kwargs["outer_topology"] = lightning_fedshard.Gossip(peers, seed=seed)
     if spec.get("hierarchical"):  # ([[period, groups], ...], sites) of a hierarchical outer topology
         levels, sites = spec["hierarchical"]
         kwargs["outer_topology"] = lightning_fedshard.Hierarchical(dict(levels), sites=sites)

@@ -67,7 +67,12 @@ def load_mean_over_groups(federation: Host) -> None:
 
 @torch.no_grad()
 def apply_weights(
-    outer: OuterStep, flat: Tensor, broken: tuple[int, ...], num_groups: int, indices: Sequence[int] | None = None
+    outer: OuterStep,
+    flat: Tensor,
+    broken: tuple[int, ...],
+    num_groups: int,
+    indices: Sequence[int] | None = None,
+    write: bool = True,
 ) -> tuple[float, float]:
     """Write the weights a site sync or a mix gave this group; returns its ``outer_grad_norm`` and ``drift``.
 
@@ -86,7 +91,8 @@ def apply_weights(
         offset += shard.numel()
     if outer.communicator.group_index in broken:
         sums[0] = 0.0  # its NaN distance is not a drift
-    write_weights(shards, flat)
+    if write:  # else the caller writes them once the sync is committed
+        write_weights(shards, flat)
     sums = sums.to(flat.device)
     sum_over_model(outer.communicator, sums)
     drift_sq, away_sq = sums.tolist()

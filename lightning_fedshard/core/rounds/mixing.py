@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 
     from lightning_fedshard.core.outer import OuterStep
 
+#: Where ``OuterStep.syncing`` marks a mix of fragment ``f``: ``(MIX_SYNC - f, step)`` (outer steps are ``(f, step)``).
+MIX_SYNC = -2
+
 _NO_SHARED_ANCHOR = "a mix moves no shared anchor, so there is no common pseudo-gradient for it"
 
 
@@ -83,13 +86,15 @@ class MixingRound(Round):
         due = landing_fragment(step, self.config.sync_every, self.config.fragments) is not None
         return due and step > self.federation.last_synced_step
 
-    def matrix(self, landing: int) -> Tensor:
-        """The matrix of the round the landing after optimizer step ``landing`` belongs to: ``(landing - 1) // H``.
+    def weights(self, landing: int) -> Callable[[int], Tensor]:
+        """The matrix, by the number of groups taking part, of the round the landing after step ``landing`` is in.
 
-        With ``P`` fragments the ``P`` landings of one ``sync_every``-step period mix with that round's matrix.
+        That round is ``(landing - 1) // sync_every``: with ``P`` fragments the ``P`` landings of one
+        ``sync_every``-step period mix with that round's matrix. In an elastic federation its rows and columns are the
+        positions of the live groups in ring order.
         """
-        groups = len(self.federation.communicator.participants())
-        return self.topology.weights((landing - 1) // self.config.sync_every, groups)
+        round = (landing - 1) // self.config.sync_every
+        return lambda groups: self.topology.weights(round, groups)
 
     @override
     def after_step(self, step: int) -> SyncStats | None:
@@ -98,33 +103,54 @@ class MixingRound(Round):
         config = self.config
         starting = starting_fragment(step, config.sync_every, config.fragments, config.sync_delay)
         if starting is not None:
-            matrix = self.matrix(step + config.sync_delay)
-            self._pending = begin_mix(self.outer, matrix, starting, step, config.codec, background=True)
+            self._pending = self._begin(starting, step, background=True)
         return stats
 
-    def _land(self, step: int) -> SyncStats:
+    def _begin(self, fragment: int, step: int, background: bool) -> PendingSync:
+        landing = step + (self.config.sync_delay if background else 0)
+        return begin_mix(self.outer, self.weights(landing), fragment, step, self.config.codec, background)
+
+    def _land(self, step: int, pending: PendingSync | None = None) -> SyncStats:
         config = self.config
         fragment = landing_fragment(step, config.sync_every, config.fragments)
         assert fragment is not None
-        matrix = self.matrix(step)
-        pending, self._pending = self._pending, None
+        pending, self._pending = pending or self._pending, None
         if pending is None or pending.fragment != fragment:  # no overlap (sync_delay=0), or resumed without one
             drop(pending)
-            if config.codec.exact:
-                return self._mix_weights(step, fragment, matrix)
-            pending = begin_mix(self.outer, matrix, fragment, step, config.codec, background=False)
-        stats = land_mix(self.outer, pending, matrix, step, config.codec)
+            if config.codec.exact and not self.federation.groups_may_join:
+                return self._mix_weights(step, fragment)
+            pending = self._begin(fragment, step, background=False)
+        stats = land_mix(self.outer, pending, self.weights(step), step, config.codec)
         self.federation.written()
         return replace(stats, fragment=fragment, num_fragments=config.fragments)
 
-    def _mix_weights(self, step: int, fragment: int, matrix: Tensor) -> SyncStats:
-        """The float32 mix of the weights themselves, or the plain outer step for a uniform matrix."""
+    def _mix_weights(self, step: int, fragment: int) -> SyncStats:
+        """The float32 mix of the weights themselves, or the plain outer step for a uniform matrix (one job)."""
         fragments = self.config.fragments
+        matrix = self.weights(step)(len(self.federation.communicator.participants()))
         if _uniform(matrix):
             return replace(self.inner.sync(step, fragment), num_fragments=fragments)
         stats = mix(self.outer, matrix, step=step, fragment=None if fragments == 1 else fragment)
         self.federation.written()
         return replace(stats, fragment=fragment, num_fragments=fragments)
+
+    @override
+    def take_part(self, fragment: int, step: int) -> SyncStats | None:
+        """Take part in the peers' mix (its messages start, or land with ``sync_delay=0``), or in their outer step.
+
+        A group that healed adds nothing to a mix and takes its row's mix of the others, renormalized over them.
+        """
+        if fragment > MIX_SYNC:
+            return self.inner.take_part(fragment, step)
+        mixed = MIX_SYNC - fragment
+        if self.config.sync_delay:
+            self._pending = self._begin(mixed, step, background=True)
+            return None
+        return self._land(step, self._begin(mixed, step, background=False))
+
+    @override
+    def restart_from_anchor(self) -> None:
+        self._pending = None
 
     @override
     def finish(self, step: int) -> list[SyncStats]:
@@ -134,7 +160,12 @@ class MixingRound(Round):
 
     @override
     def load_consensus(self) -> None:
-        """The exact mean over all groups of their current weights, which a doubly-stochastic mix does not change."""
+        """The exact mean over all groups of their current weights, which a doubly-stochastic mix does not change.
+
+        In an elastic federation each group's own weights: a mean over the live groups would need a quorum of its own.
+        """
+        if self.federation.groups_may_join:
+            return
         self.await_in_flight()  # the mean travels on the fed ring, where the mix in flight runs
         load_mean_over_groups(self.federation)
 
@@ -181,25 +212,32 @@ def _reference(outer: OuterStep, indices: Sequence[int], codec: Codec, device: t
 
 @torch.no_grad()
 def begin_mix(
-    outer: OuterStep, matrix: Tensor, fragment: int, step: int, codec: Codec, background: bool
+    outer: OuterStep, weights: Callable[[int], Tensor], fragment: int, step: int, codec: Codec, background: bool
 ) -> PendingSync:
     """Take this group's message of ``fragment`` now and start mixing the messages (see the module); collective.
 
-    Broken groups (NaN/Inf weights) are found here, before anything travels (see :func:`mix`). The pending mix's
-    result holds two rows: ``sum_j W_ij m^_j`` and this group's own ``m^_i`` (zero for a broken group).
+    ``weights`` gives the round's matrix for the number of groups that take part (asked here, once). Broken groups
+    (NaN/Inf weights) and, in an elastic federation, groups that joined at this sync are found here, before anything
+    travels: they send nothing, and every row is renormalized over the others (:func:`healthy_mix`). The pending mix's
+    result holds two rows: ``sum_j W_ij m^_j`` and this group's own ``m^_i`` (zero for an absent group).
 
     Raises:
         NonFiniteOuterGradientError: As for :func:`mix`; nothing was changed then.
     """
     start = time.perf_counter()
     communicator = outer.communicator
-    groups = communicator.participants()  # asked once per sync
+    outer.syncing = (MIX_SYNC - fragment, step)  # a peer that heals meanwhile takes part in this mix
+    try:
+        groups = communicator.participants()  # asked once per sync
+    finally:
+        outer.syncing = None
     indices = outer.fragments[fragment]
     flat = flat_weights([outer.shards[i] for i in indices])
-    broken = outer.nonfinite_groups(flat, groups, step, "mix")
-    matrix = _without_broken(outer, matrix, broken, step)
+    broken, joined = outer.absent_groups(flat, groups, step, "mix", communicator.joined())
+    matrix = _present(outer, weights(len(groups)), groups, broken, joined, step)
+    me = groups.index(communicator.group_index)
     reference = _reference(outer, indices, codec, flat.device)
-    if communicator.group_index in broken:
+    if communicator.group_index in (*broken, *joined):
         flat.zero_()
     elif reference is not None:
         flat.sub_(reference)
@@ -209,15 +247,15 @@ def begin_mix(
     def run() -> Tensor:
         return torch.stack([communicator.mix_over_groups(wire, matrix, decode), own])
 
-    i = communicator.group_index
-    partners = sum(1 for j in range(matrix.shape[0]) if j != i and matrix[j, i] > 0)
+    receivers = len(groups) - 1 if getattr(communicator, "mixes_by_all_gather", False) else _partners(matrix, me)
     pending = PendingSync(
         fragment=fragment,
         participants=groups,
         started_at=step,
         broken=broken,
+        joined=joined,
         own_sq=0.0,
-        bytes_sent=partners * wire.numel() * wire.element_size(),
+        bytes_sent=receivers * wire.numel() * wire.element_size(),
         clock=start,
     )
     if background:
@@ -229,33 +267,77 @@ def begin_mix(
 
 
 @torch.no_grad()
-def land_mix(outer: OuterStep, pending: PendingSync, matrix: Tensor, step: int, codec: Codec) -> SyncStats:
+def land_mix(
+    outer: OuterStep, pending: PendingSync, weights: Callable[[int], Tensor], step: int, codec: Codec
+) -> SyncStats:
     """Add ``sum_j W_ij m^_j - m^_i`` to this group's weights of the fragment (see the module); collective.
 
-    A broken group takes ``reference + sum_j W_ij m^_j``: the mix of its healthy partners. A uniform ``matrix`` also
-    moves the anchor to ``reference + sum_j m^_j / G``.
+    An absent group (broken, or joined at this sync) takes ``reference + sum_j W_ij m^_j``, the mix of the others, or
+    keeps its weights if its row has no one else. A uniform matrix also moves the anchor to
+    ``reference + sum_j m^_j / G``. Nothing is written unless the communicator commits the sync (an elastic vote).
     """
     start = time.perf_counter()
     mixed, own = pending.result().unbind(0)
     communicator = outer.communicator
+    groups, absent = pending.participants, (*pending.broken, *pending.joined)
+    matrix = weights(len(groups))
+    uniform = _uniform(matrix)
+    matrix = _present(outer, matrix, groups, pending.broken, pending.joined, step)
+    me = groups.index(communicator.group_index)
     indices = outer.fragments[pending.fragment]
     current = flat_weights([outer.shards[i] for i in indices])
     reference = _reference(outer, indices, codec, current.device)
-    if communicator.group_index in pending.broken:
-        new = mixed.clone() if reference is None else reference + mixed
-    else:
+    if communicator.group_index not in absent:
         new = current.add_(mixed).sub_(own)
-    norm, drift = apply_weights(outer, new, pending.broken, len(pending.participants), indices)
-    if _uniform(matrix):
-        write_weights([outer.anchor[i] for i in indices], mixed if reference is None else reference + mixed)
-    i = communicator.group_index
-    matrix, _ = healthy_mix(matrix, pending.broken) if pending.broken else (matrix, [])
-    partners = sum(1 for j in range(matrix.shape[0]) if j != i and matrix[j, i] > 0)
+    elif matrix[me].sum() > 0:
+        new = mixed.clone() if reference is None else reference + mixed
+    else:  # a group that joined with no one else in its row keeps the anchor it healed
+        new = current
+    norm, drift = apply_weights(outer, new, absent, len(groups), indices, write=False)
+    committed = communicator.should_commit()
+    if committed:
+        write_weights([outer.shards[i] for i in indices], new)
+        if uniform:
+            write_weights([outer.anchor[i] for i in indices], mixed if reference is None else reference + mixed)
+    else:
+        outer.syncs_lost += 1
     seconds = time.perf_counter() - pending.clock
-    stats = weights_sync_stats(
-        outer, norm, drift, pending.bytes_sent, seconds, pending.broken, kind="mix", extra={"mixing_partners": partners}
+    extra = {"mixing_partners": _partners(matrix, me)}
+    stats = weights_sync_stats(outer, norm, drift, pending.bytes_sent, seconds, pending.broken, kind="mix", extra=extra)
+    return replace(
+        stats,
+        exposed_seconds=pending.exposed + time.perf_counter() - start,
+        joined_groups=pending.joined,
+        lost=not committed,
+        syncs_lost=outer.syncs_lost,
     )
-    return replace(stats, exposed_seconds=pending.exposed + time.perf_counter() - start)
+
+
+def _partners(matrix: Tensor, me: int) -> int:
+    """The groups that take from group (position) ``me`` under ``matrix``: whom it sends its message to."""
+    return sum(1 for j in range(matrix.shape[0]) if j != me and matrix[j, me] > 0)
+
+
+def _present(
+    outer: OuterStep,
+    matrix: Tensor,
+    groups: Sequence[int],
+    broken: Sequence[int],
+    joined: Sequence[int],
+    step: int | None,
+) -> Tensor:
+    """``matrix`` (by position among ``groups``) without the broken and joined groups' columns (:func:`healthy_mix`).
+
+    Raises:
+        NonFiniteOuterGradientError: For a broken group left with no healthy partner.
+    """
+    if not broken and not joined:
+        return matrix
+    matrix, stranded = healthy_mix(matrix, [groups.index(g) for g in (*broken, *joined)])
+    stranded_broken = [groups[p] for p in stranded if groups[p] in broken]
+    if stranded_broken:
+        raise NonFiniteOuterGradientError(stranded_broken, outer.num_syncs, step, "mix", outer.on_nonfinite)
+    return matrix
 
 
 def _without_broken(outer: OuterStep, matrix: Tensor, broken: Sequence[int], step: int | None) -> Tensor:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from lightning_fedshard import Elastic, Sampled
+from lightning_fedshard import Elastic, Gossip, Mixing, Sampled
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
 from tests.core.fake_comm import ThreadGroups
@@ -25,13 +25,11 @@ def _config(topology: Sampled, **options: Any) -> FederationConfig:
     return FederationConfig(num_groups=PLANNED, reduce_dtype="float32", outer_topology=topology, **options)
 
 
-def test_an_elastic_federation_takes_sampled_participation_and_not_a_sampled_mix():
-    config = _config(Sampled(2, outer_step=True), elastic=Elastic(group=1))
-    assert config.elastic is not None
-    with pytest.raises(
-        ValueError, match=r"`elastic=Elastic\(\.\.\.\)` and `outer_topology=Sampled\(groups_per_round=2"
-    ):
-        _config(Sampled(2), elastic=Elastic(group=1))  # a mix over a matrix of the planned groups
+def test_an_elastic_federation_takes_sampled_participation_and_sampled_mixes_but_not_a_fixed_matrix():
+    for topology in (Sampled(2, outer_step=True), Sampled(2), Gossip(peers=1)):  # drawn among the live groups
+        assert _config(topology, elastic=Elastic(group=1)).elastic is not None
+    with pytest.raises(ValueError, match=r"`elastic=Elastic\(\.\.\.\)` and `outer_topology=Mixing\("):
+        _config(Mixing([[0.5, 0.5], [0.5, 0.5]]), elastic=Elastic(group=1))  # a matrix of the planned groups
 
 
 @pytest.mark.parametrize(("live", "per_round"), [((0, 2, 3), 2), ((1, 3), 3)])
