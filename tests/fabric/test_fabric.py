@@ -11,10 +11,11 @@ import torch
 from torch.testing import assert_close
 
 import lightning_fedshard.fabric
+from lightning_fedshard import Gossip
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.topology import FederationTopology
 from tests.launch import launch
-from tests.reference import reference_run
+from tests.reference import reference_run, roundtrip_of
 
 WORKER = Path(__file__).with_name("worker.py")
 SCENARIOS = [
@@ -78,6 +79,23 @@ RESUME = [
 # FSDP2: every scenario again on fl_fsdp2 / fl_hsdp2, in the same launch, named "<name>@fsdp2"
 SCENARIOS += [dict(s, name=f"{s['name']}@fsdp2", strategy=f"{s['strategy']}2") for s in SCENARIOS]
 RESUME += [dict(s, name=f"{s['name']}@fsdp2", strategy="fl_fsdp2") for s in RESUME]
+# a compressed, overlapped gossip among 4 one-rank groups: 2 fragments, int4 messages taken a step before they land
+GOSSIP = dict(
+    name="gossip",
+    strategy="fl_fsdp",
+    num_groups=4,
+    sync_every=4,
+    fragments=2,
+    sync_delay=1,
+    reduce_dtype="int4",
+    gossip=[1, 3],
+    outer_optimizer="fedavg",
+    wrap_linear=True,
+    lr=0.01,
+    batch_size=4,
+    max_steps=11,
+)
+SCENARIOS.append(GOSSIP)
 TOPOLOGY = {
     "fsdp": FederationTopology(4, 2, 2),
     "hsdp": FederationTopology(4, 2, 1),
@@ -122,6 +140,31 @@ def test_fabric_loop_matches_reference(results, name):
     for r in ranks[1:]:
         for k in r["initial"]:
             assert torch.equal(r["initial"][k], ranks[0]["initial"][k]), "ranks started from different weights"
+    assert max((ref["final"][k] - ranks[0]["initial"][f"net.{k}"]).abs().max() for k in ref["final"]) > 1e-2
+
+
+@pytest.mark.slow
+def test_fabric_runs_a_compressed_overlapped_gossip_that_equals_the_reference(results):
+    ranks, topology = results["gossip"], FederationTopology(4, 4, 1)
+    gossip = Gossip(*GOSSIP["gossip"])
+    ref = reference_run(
+        ranks[0]["initial"],
+        [r["micro_batches"] for r in ranks],
+        [topology.group_ranks(g) for g in range(topology.num_groups)],
+        sync_every=GOSSIP["sync_every"],
+        outer="fedavg",
+        inner="adamw",
+        lr=GOSSIP["lr"],
+        accumulate=1,
+        max_steps=GOSSIP["max_steps"],
+        fragments=ranks[0]["fragment_names"],
+        sync_delay=GOSSIP["sync_delay"],
+        mixing=lambda round: gossip.weights(round, topology.num_groups),
+        roundtrip=roundtrip_of(FederationConfig(reduce_dtype="int4").codec),
+    )
+    for r in ranks:
+        for k, v in ref["final"].items():
+            assert_close(r["final"][f"net.{k}"], v, atol=1e-5, rtol=0)
     assert max((ref["final"][k] - ranks[0]["initial"][f"net.{k}"]).abs().max() for k in ref["final"]) > 1e-2
 
 

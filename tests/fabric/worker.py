@@ -48,6 +48,8 @@ def run(spec: dict[str, Any], root: Path) -> None:
     keys = ("num_groups", "shard_size", "sync_every", "outer_optimizer", "fragments", "sync_delay", "merge_alpha",
             "reduce_dtype", "eager_updates")  # fmt: skip
     kwargs = {k: spec[k] for k in keys if k in spec}
+    if spec.get("gossip"):  # (peers, seed) of a gossip mixing
+        kwargs["outer_topology"] = lightning_fedshard.Gossip(*spec["gossip"])
     if spec.get("wrap_linear"):  # one FSDP unit per Linear layer, so the model can be cut into fragments
         kwargs["fsdp_modules" if spec["strategy"].endswith("2") else "auto_wrap_policy"] = {torch.nn.Linear}
     strategy = spec["strategy"] if spec.get("by_name") else cls(**kwargs)

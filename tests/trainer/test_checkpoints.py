@@ -66,6 +66,13 @@ MIXINGS = {
     "sampled": dict(MIXING, outer_topology=topology_record(Sampled(groups_per_round=2, seed=1))),
     "ring": dict(MIXING, outer_topology=topology_record(Mixing(RING))),
     # messages taken after steps 1, 3, 5, 7 land a step later, int4-encoded: after step 3 a mix is in flight
+    # sampled participation in the outer step (Nesterov), each sum started a step before it lands
+    "sampled_outer": dict(
+        MIXING,
+        outer_topology=topology_record(Sampled(groups_per_round=2, seed=1, outer_step=True)),
+        outer_optimizer="nesterov",
+        sync_delay=1,
+    ),
     "gossip_d1_int4": dict(
         MIXING, outer_topology=topology_record(Gossip(peers=1, seed=3)), sync_delay=1, reduce_dtype="int4"
     ),
@@ -457,7 +464,7 @@ def test_resume_of_sites_around_the_federations_round_with_a_sum_in_flight_is_ex
 @pytest.mark.parametrize(
     ("world", "name", "other_group"),
     [(4, "hierarchical", 2), (4, "gossip", 1), (4, "sampled", 1), (4, "ring", 1), (8, "hmixing", 4), (8, "hsites", 2)]
-    + [(8, "hweights", 4), (4, "gossip_d1_int4", 1)],
+    + [(8, "hweights", 4), (4, "gossip_d1_int4", 1), (4, "sampled_outer", 1)],
 )
 def test_resume_while_the_groups_hold_different_weights_is_exact(four, eight, world, name, other_group):
     """Mid-round (step 3, after the syncs of step 2) the groups differ; the checkpoint keeps every group's weights."""
@@ -467,8 +474,8 @@ def test_resume_while_the_groups_hold_different_weights_is_exact(four, eight, wo
         assert got[0]["num_syncs"] == want[0]["num_syncs"] == 2  # the federation met after steps 4 and 8
     # rank 0 and the rank at the same in-group position of another group (another site) hold different weights
     assert not torch.equal(want[0]["shards_at"][3], want[other_group]["shards_at"][3])
-    if name == "gossip_d1_int4":
-        assert all(r["pending_at_save"][3] for r in want), "no mix was in flight when the checkpoint was written"
+    if name in ("gossip_d1_int4", "sampled_outer"):
+        assert all(r["pending_at_save"][3] for r in want), "nothing was in flight when the checkpoint was written"
     for g, w in zip(got, want):
         assert torch.equal(g["initial"], w["shards_at"][3])
         for s in range(3, 8):
