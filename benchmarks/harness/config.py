@@ -137,7 +137,8 @@ def topology_record(topology: Any) -> Any:
     if isinstance(topology, Gossip):
         return {"class": "Gossip", "args": {"peers": topology.peers, "seed": topology.seed}}
     if isinstance(topology, Sampled):
-        return {"class": "Sampled", "args": {"groups_per_round": topology.groups_per_round, "seed": topology.seed}}
+        args = {"groups_per_round": topology.groups_per_round, "seed": topology.seed}
+        return {"class": "Sampled", "args": {**args, "outer_step": True} if topology.outer_step else args}
     if isinstance(topology, Mixing):
         if callable(topology.matrix):
             raise ValueError("A benchmark run's mixing must be a matrix, not a callable: the ranks read it as JSON.")

@@ -15,7 +15,8 @@ from lightning_fedshard.core.config import FederationConfig
 @pytest.mark.parametrize(
     "topology",
     ["all", Hierarchical({4: 2, 16: 4}), Hierarchical({4: 2, 8: 4}, sites=[[0, 3], [1, 2]]), Gossip(peers=2, seed=5),
-     Sampled(groups_per_round=2, seed=1), Mixing([[0.5, 0.5], [0.5, 0.5]])],
+     Sampled(groups_per_round=2, seed=1), Sampled(groups_per_round=2, seed=1, outer_step=True),
+     Mixing([[0.5, 0.5], [0.5, 0.5]])],
 )  # fmt: skip
 def test_the_outer_topology_survives_the_run_config_json(topology):
     config = RunConfig(
