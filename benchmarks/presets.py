@@ -26,6 +26,10 @@ NOSYNC: dict[str, Any] = {"sync_every": 1024}  # longer than any run: no outer s
 FL_HSDP: dict[str, Any] = {"num_groups": 2}  # 2 groups of 2 nodes: shard inside a node, 2 replicas per group
 SPARSE: dict[str, Any] = {"reduce_dtype": "sparse"}  # SparseTopK's defaults, with error feedback
 EAGER: dict[str, Any] = {"eager_updates": True}
+#: torchft's DiLoCo as torchtitan drives it: float32, outer SGD at 0.7 with Nesterov momentum 0.9 (our "nesterov").
+TORCHFT_SAME: dict[str, Any] = {**FLOAT32, "outer_optimizer": "nesterov"}
+#: Streaming DiLoCo: 2 fragments, each sum started a step before it lands.
+STREAMING: dict[str, Any] = {"fragments": 2, "sync_delay": 1}
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,13 @@ CONFIGURATIONS = _catalogue(
         "fl_fsdp-sites-4-16", "fl_fsdp", {**FLOAT32, "sync_every": 4, "outer_topology": Hierarchical({4: 2, 16: 4})}
     ),
     Configuration("fl_fsdp-gossip-H4", "fl_fsdp", {**FLOAT32, "sync_every": 4, "outer_topology": Gossip(peers=1)}),
+    # Against torchft's own DiLoCo (one rank per node): its settings (torchtitan's outer Nesterov, float32 traffic)
+    # on both systems, streaming with 2 fragments and a one-step delay, and this package's defaults.
+    Configuration("torchft-diloco", "torchft", TORCHFT_SAME),
+    Configuration("fl_fsdp-torchft-same", "fl_fsdp", TORCHFT_SAME),
+    Configuration("torchft-streaming", "torchft", {**TORCHFT_SAME, **STREAMING}),
+    Configuration("fl_fsdp-torchft-streaming", "fl_fsdp", {**TORCHFT_SAME, **STREAMING}),
+    Configuration("fl_fsdp-defaults", "fl_fsdp"),
 )
 
 Cell = tuple[Configuration, float | None]
@@ -212,6 +223,22 @@ SMOKE = Configuration(
     },
 )
 
+#: The side by side with torchft: 4 nodes of one rank (torchft's DiLoCo wraps plain modules), 64 steps of 8 x 128
+#: tokens per rank, a sync every 8 (the package's default), validation at the end.
+TORCHFT_TRAINING: dict[str, Any] = {
+    "max_steps": 64, "val_every": 64, "size": "xs", "seq_len": 128, "batch_size": 8, "max_val_windows": 32,
+}  # fmt: skip
+TORCHFT_OPTIONS = (
+    "torchft-diloco", "fl_fsdp-torchft-same", "fl_fsdp-defaults", "torchft-streaming", "fl_fsdp-torchft-streaming",
+)  # fmt: skip
+TORCHFT_LINKS: tuple[float | None, ...] = (None, 50.0, 20.0, 5.0)
+TORCHFT_SMOKE = Configuration(
+    "torchft-smoke",
+    "torchft",
+    {**TORCHFT_SAME, "sync_every": 2},
+    {k: v for k, v in SMOKE.training.items()},
+)
+
 PRESETS: dict[str, Preset] = {
     preset.name: preset
     for preset in (
@@ -280,6 +307,18 @@ PRESETS: dict[str, Preset] = {
             2,
             TRAINING_4X2,
             tuple(_cells("fsdp", "fl_fsdp-int4ef", link=50.0)),
+        ),
+        Preset(
+            "torchft",
+            "torchft's own DiLoCo against this package, same model, data and links, 4 nodes x 1 rank",
+            60,
+            4,
+            1,
+            TORCHFT_TRAINING,
+            tuple(cell for link in TORCHFT_LINKS for cell in _cells(*TORCHFT_OPTIONS, link=link)),
+            repeats=3,
+            timeout=600.0,
+            seed_per_repeat=True,
         ),
         Preset(
             "smoke",

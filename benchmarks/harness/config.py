@@ -16,7 +16,9 @@ from typing import Any
 from lightning_fedshard import Gossip, Hierarchical, Mixing, Sampled
 from lightning_fedshard.core.config import FederationConfig
 
-STRATEGIES = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp")
+STRATEGIES = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp", "torchft")
+#: Runs of torchft's own DiLoCo (``benchmarks/harness/torchft_train.py``): one replica group per node.
+TORCHFT = "torchft"
 BASELINES = ("fsdp", "hsdp")
 #: The federation of a baseline: one group, plain averaging (one group averaging with itself runs no outer step).
 BASELINE_FEDERATION: dict[str, Any] = {"num_groups": 1, "outer_optimizer": "fedavg"}
@@ -97,8 +99,8 @@ class RunConfig:
 
     @property
     def federated(self) -> bool:
-        """FL+FSDP or FL+HSDP."""
-        return self.strategy.startswith("fl_")
+        """FL+FSDP, FL+HSDP, or torchft's DiLoCo (whose sync options the federation record carries)."""
+        return self.strategy.startswith("fl_") or self.strategy == TORCHFT
 
     @property
     def strategy_federation(self) -> FederationConfig:

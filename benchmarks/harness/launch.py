@@ -13,10 +13,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from benchmarks.harness.cluster import NODE_IFACE, EmulatedCluster
-from benchmarks.harness.config import RunConfig, RunIdentity
+from benchmarks.harness.config import TORCHFT, RunConfig, RunIdentity
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = REPO / "benchmarks" / "harness" / "train.py"
+#: The node script of torchft's own DiLoCo (a run of strategy ``"torchft"``), and the port of its lighthouse.
+TORCHFT_SCRIPT = REPO / "benchmarks" / "harness" / "torchft_train.py"
+LIGHTHOUSE_PORT = 29510
 LOG_TAIL_CHARS = 3000
 
 Node = tuple[subprocess.Popen[bytes], IO[bytes]]
@@ -26,9 +29,18 @@ class RunFailed(RuntimeError):
     """A benchmark run exited with an error, ran past its timeout or wrote no results."""
 
 
-def node_env(cluster: EmulatedCluster, node: int, port: int, out: Path) -> dict[str, str]:
-    """Environment of node ``node``'s launcher: Lightning's multi-node variables plus the emulated interface."""
+def node_env(cluster: EmulatedCluster, node: int, port: int, out: Path, torchft: bool = False) -> dict[str, str]:
+    """Environment of node ``node``'s launcher: Lightning's multi-node variables plus the emulated interface.
+
+    A torchft run also gets the node's own address and the lighthouse in the switch.
+    """
+    extra = {
+        "FEDSHARD_NODE_ADDR": cluster.address(node),
+        "TORCHFT_LIGHTHOUSE": f"http://{cluster.service_address}:{LIGHTHOUSE_PORT}",
+        "RUST_LOG": "warn",
+    }
     return {
+        **(extra if torchft else {}),
         "NODE_RANK": str(node),
         "MASTER_ADDR": cluster.address(0),
         "MASTER_PORT": str(port),
@@ -54,18 +66,22 @@ def launch(
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "run.json").unlink(missing_ok=True)  # a result left by an earlier attempt must not pass for this one
-    argv = [sys.executable, str(TRAIN_SCRIPT), "--config", cfg.to_json()]
+    torchft = cfg.strategy == TORCHFT
+    argv = [sys.executable, str(TORCHFT_SCRIPT if torchft else TRAIN_SCRIPT), "--config", cfg.to_json()]
+    lighthouse = _start_lighthouse(cluster) if torchft else None
     tx_before, sites_before = cluster.tx_bytes(), cluster.site_tx_bytes()
     start = time.perf_counter()
     nodes: list[Node] = []
     try:
         for index in range(cluster.num_nodes):
-            nodes.append(_start_node(cluster, index, argv, node_env(cluster, index, port, out), out))
+            nodes.append(_start_node(cluster, index, argv, node_env(cluster, index, port, out, torchft), out))
         _wait(nodes, out, timeout)
     finally:
         for proc, log in nodes:
             _kill_session(proc)
             log.close()
+        if lighthouse is not None:
+            _kill_session(lighthouse)
     result = _read_result(out)
     result["identity"] = asdict(identity)
     result["driver"] = {
@@ -77,6 +93,21 @@ def launch(
         result["driver"]["between_sites_mbit"] = cluster.between_sites_mbit
         result["driver"]["site_tx_total"] = [b - a for a, b in zip(sites_before, cluster.site_tx_bytes())]
     return result
+
+
+def _start_lighthouse(cluster: EmulatedCluster) -> subprocess.Popen[bytes]:
+    """torchft's lighthouse in the switch, outside every node's link, waiting for every node's replica group."""
+    argv = [str(Path(sys.executable).parent / "torchft_lighthouse"), "--bind", f"[::]:{LIGHTHOUSE_PORT}"]
+    argv += ["--min_replicas", str(cluster.num_nodes), "--quorum_tick_ms", "100"]
+    proc = subprocess.Popen(
+        cluster.service_command(argv),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "RUST_LOG": "warn"},
+        start_new_session=True,
+    )
+    time.sleep(1.0)  # listening before the first node asks
+    return proc
 
 
 def _start_node(cluster: EmulatedCluster, index: int, argv: list[str], env: dict[str, str], out: Path) -> Node:
