@@ -36,6 +36,7 @@ def worker(out: Path, repeats: int) -> None:
     from lightning_fedshard.core.config import FederationConfig
     from lightning_fedshard.core.mesh import build_federation_mesh
     from lightning_fedshard.core.outer import OuterStep
+    from lightning_fedshard.core.rounds.mixing import mix
     from lightning_fedshard.core.topology import FederationTopology
 
     torch.set_num_threads(1)
@@ -55,7 +56,7 @@ def worker(out: Path, repeats: int) -> None:
             )  # fmt: skip
             weights.add_(1.0)
             before = read_link_counter(local)
-            stats = outer.step(step=1) if pattern == "ring" else outer.mix(matrix)
+            stats = outer.step(step=1) if pattern == "ring" else mix(outer, matrix)
             after = read_link_counter(local)
             rows.append({"repeat": repeat, "pattern": pattern, "rank": rank, "sync_bytes": stats.bytes_sent,
                          "node_link_bytes": after - before if local == 0 else None})  # fmt: skip

@@ -91,13 +91,13 @@ def level_bytes(run: dict[str, Any]) -> dict[str, dict[str, float]]:
         level = 0 if size is None or size < prediction.topology.num_groups else len(prediction.sync_levels) - 1
         found.setdefault(prediction.sync_levels[level].name, []).append(sync["tx_bytes"] - barriers)
     out = {}
-    for level in prediction.sync_levels:
-        if level.name in found:
-            measured = statistics.median(found[level.name])
-            out[level.name] = {
+    for sync_level in prediction.sync_levels:
+        if sync_level.name in found:
+            measured = statistics.median(found[sync_level.name])
+            out[sync_level.name] = {
                 "measured": measured,
-                "predicted": level.link_bytes,
-                "error": measured / level.link_bytes - 1,
+                "predicted": sync_level.link_bytes,
+                "error": measured / sync_level.link_bytes - 1,
             }
     return out
 
