@@ -311,7 +311,7 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "torchft",
             "torchft's own DiLoCo against this package, same model, data and links, 4 nodes x 1 rank",
-            60,
+            90,
             4,
             1,
             TORCHFT_TRAINING,

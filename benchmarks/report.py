@@ -22,7 +22,7 @@ from typing import Any
 from benchmarks.harness.sweep import RESULTS
 from benchmarks.presets import CONFIGURATIONS
 from benchmarks.records import load, load_if_exists
-from benchmarks.reports import elastic, overlap, race, sweep, sync_options, throughput, topologies
+from benchmarks.reports import elastic, overlap, race, sweep, sync_options, throughput, topologies, torchft
 from benchmarks.reports.docs import provenance, replace_section
 from benchmarks.reports.targets import targets, targets_table
 
@@ -106,6 +106,7 @@ def build(paths: dict[str, Path]) -> Report:
     rows += topologies.targets(load_if_exists(paths.get("sites", RESULTS / "sites.json")))
     results["elastic"] = _load_json(paths.get("elastic", RESULTS / "elastic.json"))
     rows += elastic.targets(results["elastic"])
+    rows += torchft.targets(load_if_exists(paths.get("torchft", RESULTS / "torchft.json")))
     return Report(results, analyses, rows)
 
 

@@ -34,13 +34,15 @@ def node_env(cluster: EmulatedCluster, node: int, port: int, out: Path, torchft:
 
     A torchft run also gets the node's own address and the lighthouse in the switch.
     """
-    extra = {
-        "FEDSHARD_NODE_ADDR": cluster.address(node),
-        "TORCHFT_LIGHTHOUSE": f"http://{cluster.service_address}:{LIGHTHOUSE_PORT}",
-        "RUST_LOG": "warn",
-    }
+    extra = {}
+    if torchft:
+        extra = {
+            "FEDSHARD_NODE_ADDR": cluster.address(node),
+            "TORCHFT_LIGHTHOUSE": f"http://{cluster.service_address}:{LIGHTHOUSE_PORT}",
+            "RUST_LOG": "warn",
+        }
     return {
-        **(extra if torchft else {}),
+        **extra,
         "NODE_RANK": str(node),
         "MASTER_ADDR": cluster.address(0),
         "MASTER_PORT": str(port),
@@ -65,7 +67,8 @@ def launch(
     """
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "run.json").unlink(missing_ok=True)  # a result left by an earlier attempt must not pass for this one
+    for stale in (out / "run.json", *out.glob("link_tx*.json")):  # left by an earlier attempt: not this run's
+        stale.unlink(missing_ok=True)
     torchft = cfg.strategy == TORCHFT
     argv = [sys.executable, str(TORCHFT_SCRIPT if torchft else TRAIN_SCRIPT), "--config", cfg.to_json()]
     lighthouse = _start_lighthouse(cluster) if torchft else None
@@ -83,6 +86,9 @@ def launch(
         if lighthouse is not None:
             _kill_session(lighthouse)
     result = _read_result(out)
+    if torchft:  # each node counted its own link over training; node 0 wrote the rest
+        result["link_tx_train"] = sum(json.loads(p.read_text())["train"] for p in out.glob("link_tx*.json"))
+        result["link_tx_val"] = 0
     result["identity"] = asdict(identity)
     result["driver"] = {
         "wall_seconds": time.perf_counter() - start,

@@ -29,7 +29,13 @@ from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.plan import CLUSTERS, MODELS, ClusterSpec, TrainSetup, predict
 
 EMULATED_CLUSTER = "emulated-4x2"
-STRATEGY_LABELS = {"fsdp": "FSDP", "hsdp": "HSDP", "fl_fsdp": "FL+FSDP", "fl_hsdp": "FL+HSDP"}
+STRATEGY_LABELS = {
+    "fsdp": "FSDP",
+    "hsdp": "HSDP",
+    "fl_fsdp": "FL+FSDP",
+    "fl_hsdp": "FL+HSDP",
+    "torchft": "torchft DiLoCo (baseline)",
+}
 
 
 def setup_of(run: dict[str, Any]) -> TrainSetup:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,12 +9,11 @@ import pytest
 from benchmarks import metrics
 from benchmarks.harness.config import RunConfig
 from benchmarks.presets import PRESETS, TORCHFT_SMOKE
+from lightning_fedshard.examples import ShakespeareDataModule
 
 pytestmark = pytest.mark.slow  # launches processes
 
 pytest.importorskip("torchft", reason="the torchft baseline needs torchft (the `elastic` extra)")
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(240)
@@ -27,9 +23,7 @@ def test_torchft_diloco_trains_the_benchmark_model_and_records_its_syncs(tmp_pat
     config = TORCHFT_SMOKE.run_config(
         {"num_nodes": 2, "devices": 1, "cache_dir": str(tmp_path / "data")}, out=str(tmp_path / "run")
     )
-    code = "import sys; from lightning_fedshard.examples import ShakespeareDataModule as D; D(cache_dir=sys.argv[1], vocab_size=int(sys.argv[2])).prepare_data()"  # noqa: E501
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    subprocess.run([sys.executable, "-c", code, config.cache_dir, str(config.vocab_size)], env=env, check=True)
+    ShakespeareDataModule(cache_dir=config.cache_dir, vocab_size=config.vocab_size).prepare_data()
     run = launch_torchft_locally(config, timeout=200)
     assert run["kind"] == "torchft" and run["world_size"] == 2
     assert RunConfig.from_record(run["config"]).federation.outer_optimizer == "nesterov"

@@ -1,0 +1,211 @@
+"""Side by side with torchft: its own DiLoCo against this package on the same cluster, model, data and links.
+
+Input: the ``torchft`` preset (``python -m benchmarks.run --preset torchft``), 4 nodes x 1 rank, 64 steps, a sync
+every 8; repeat ``r`` trains with seed ``r``. Per configuration and link:
+
+- **tokens/s** over the pace window (steps 9-64, after the first sync; :func:`benchmarks.metrics.tokens_per_second`),
+  from the clock each system records after every optimizer step;
+- **link bytes per sync**: what crossed the emulated links during training (the driver's counters, all nodes),
+  divided by the syncs (the outer steps; with fragments, the fragments' landings);
+- **blocking per sync**: the median over the syncs of the optimizer step that synced, less the median of the steps
+  that did not: the time a sync holds training back, measured the same way on both systems;
+- **perplexity** after 64 steps, and paired by seed against torchft's DiLoCo with the same settings.
+
+Run ``python -m benchmarks.reports.torchft [results.json]`` for the table (Markdown) and the plot
+(``docs/images/torchft.png``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks import metrics
+from benchmarks.harness.sweep import RESULTS, ResultsFile
+
+#: Each of this package's configurations, and the torchft configuration it is paired with.
+PAIRS = {
+    "fl_fsdp-torchft-same": "torchft-diloco",
+    "fl_fsdp-defaults": "torchft-diloco",
+    "fl_fsdp-torchft-streaming": "torchft-streaming",
+}
+
+Row = dict[str, Any]
+#: Where the plot goes, for the docs.
+IMAGE = RESULTS.parents[1] / "docs" / "images" / "torchft.png"
+
+
+def step_seconds(run: dict[str, Any]) -> dict[int, float]:
+    """Seconds of every optimizer step after the first, from the clocks recorded after each."""
+    clocks = {s["step"]: s["clock"] for s in run["steps"]}
+    return {step: clocks[step] - clocks[step - 1] for step in sorted(clocks) if step - 1 in clocks}
+
+
+def blocking_per_sync(run: dict[str, Any]) -> float:
+    """Median seconds of a step that synced, less the median of the steps that did not (see the module)."""
+    seconds = step_seconds(run)
+    synced = {s["step"] for s in run["syncs"]}
+    with_sync = [t for step, t in seconds.items() if step in synced]
+    without = [t for step, t in seconds.items() if step not in synced]
+    if not with_sync or not without:
+        return float("nan")
+    return statistics.median(with_sync) - statistics.median(without)
+
+
+def link_bytes_per_sync(run: dict[str, Any]) -> float:
+    """Bytes that crossed the links during training, all nodes, per sync."""
+    sent = run.get("link_tx_train", run["driver"]["link_tx_total"])
+    return float(sent) / max(1, len(run["syncs"]))
+
+
+def rows(runs: list[dict[str, Any]]) -> list[Row]:
+    """One row per configuration and link: medians over repeats, with min and max, and the paired perplexity."""
+    cells: dict[tuple[str, float | None], list[dict[str, Any]]] = {}
+    for run in runs:
+        identity = metrics.identity(run)
+        cells.setdefault((identity.configuration, identity.link_mbit), []).append(run)
+    out = []
+    for (configuration, link), group in sorted(cells.items(), key=lambda c: (metrics.link_order(c[0][1]), c[0][0])):
+        pace = metrics.spread(metrics.tokens_per_second(r) for r in group)
+        row: Row = {
+            "configuration": configuration,
+            "link": metrics.link_label(link),
+            "repeats": len(group),
+            "tokens_per_s": pace,
+            "link_mb_per_sync": statistics.median(link_bytes_per_sync(r) for r in group) / 1e6,
+            "blocking_s": statistics.median(blocking_per_sync(r) for r in group),
+            "ppl": metrics.spread(metrics.final_ppl(r) for r in group),
+        }
+        baseline = PAIRS.get(configuration)
+        if baseline is not None and (baseline, link) in cells:
+            theirs = {r["config"]["seed"]: r for r in cells[(baseline, link)]}
+            pairs = [(r, theirs[r["config"]["seed"]]) for r in group if r["config"]["seed"] in theirs]
+            row["pace_vs_torchft"] = statistics.median(
+                metrics.tokens_per_second(a) / metrics.tokens_per_second(b) for a, b in pairs
+            )
+            row["ppl_vs_torchft"] = statistics.median(metrics.final_ppl(a) / metrics.final_ppl(b) - 1 for a, b in pairs)
+        out.append(row)
+    return out
+
+
+def table(out: list[Row]) -> str:
+    """The rows as a Markdown table."""
+    lines = [
+        "| configuration | link | tokens/s (median [min, max]) | link MB / sync | blocking / sync (s) | perplexity |"
+        " ours / torchft: pace | ours / torchft: perplexity |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in out:
+        pace, ppl = row["tokens_per_s"], row["ppl"]
+        lines.append(
+            f"| {row['configuration']} | {row['link']} | {pace['median']:,.0f} [{pace['min']:,.0f}, {pace['max']:,.0f}]"
+            f" | {row['link_mb_per_sync']:.2f} | {row['blocking_s']:.2f} | {ppl['median']:.1f}"
+            f" | {_ratio(row.get('pace_vs_torchft'))} | {_percent(row.get('ppl_vs_torchft'))} |"
+        )
+    return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:+.1f}%"
+
+
+def plot(out: list[Row], path: Path) -> None:
+    """Tokens/s by link, a line per configuration (median, with min-max bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    links = sorted({row["link"] for row in out}, key=lambda label: (label != "unthrottled", label))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for configuration in sorted({row["configuration"] for row in out}):
+        mine = {row["link"]: row["tokens_per_s"] for row in out if row["configuration"] == configuration}
+        xs = [i for i, link in enumerate(links) if link in mine]
+        medians = [mine[links[i]]["median"] for i in xs]
+        errors = [
+            [mine[links[i]]["median"] - mine[links[i]]["min"] for i in xs],
+            [mine[links[i]]["max"] - mine[links[i]]["median"] for i in xs],
+        ]
+        style = "--" if configuration.startswith("torchft") else "-"
+        ax.errorbar(xs, medians, yerr=errors, label=configuration, linestyle=style, marker="o", capsize=3)
+    ax.set_xticks(range(len(links)), links)
+    ax.set_ylabel("tokens/s (4 nodes x 1 rank)")
+    ax.set_title("torchft's DiLoCo and lightning_fedshard, same model, data and links")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the table of a results file (default: the preset's) and draw the plot beside it."""
+    args = sys.argv[1:] if argv is None else argv
+    path = Path(args[0]) if args else RESULTS / "torchft.json"
+    results = ResultsFile(path, json.loads(path.read_text()))
+    out = rows(results.runs)
+    print(table(out))
+    plot(out, IMAGE)
+    print(f"plot: {IMAGE}")
+
+
+if __name__ == "__main__":
+    main()
+
+
+# -- targets -------------------------------------------------------------------------------------------------------
+
+PACE_SAME_TEXT = "our tokens/s / torchft's DiLoCo's, same algorithm and settings (float32, outer Nesterov), each link"
+PPL_SAME_TEXT = "perplexity after 64 steps, same settings, paired by seed against torchft's DiLoCo"
+PACE_DEFAULT_TEXT = "our defaults' tokens/s / torchft's float32 DiLoCo's at 20 Mbit/s"
+KILL_TEXT = "our survivors' stall / torchft's, one group killed at the same step"
+DEFAULT_LINK = 20.0
+TARGET_IDS = ("torchft-pace-same", "torchft-ppl-same", "torchft-pace-default", "torchft-kill-stall")
+
+
+def targets(results: dict[str, Any] | None) -> list[Row]:
+    """The rows ``torchft-pace-same``, ``torchft-ppl-same``, ``torchft-pace-default`` and ``torchft-kill-stall``."""
+    kill = _row("torchft-kill-stall", KILL_TEXT, math.nan, 1.0, False, 0, note="not run yet")
+    if results is None:
+        return [
+            _row("torchft-pace-same", PACE_SAME_TEXT, math.nan, 1.0, False, 0),
+            _row("torchft-ppl-same", PPL_SAME_TEXT, math.nan, 0.01, False, 0),
+            _row("torchft-pace-default", PACE_DEFAULT_TEXT, math.nan, 1.5, False, 0),
+            kill,
+        ]
+    out = rows(results["runs"])
+    same = [r for r in out if r["configuration"] == "fl_fsdp-torchft-same" and "pace_vs_torchft" in r]
+    by_link = {r["link"]: r["pace_vs_torchft"] for r in same}
+    worst = min(by_link.values(), default=math.nan)
+    runs = sum(2 * r["repeats"] for r in same)
+    rows_out = [_row("torchft-pace-same", PACE_SAME_TEXT, worst, 1.0, worst >= 1.0, runs, per_link=by_link)]
+    gaps = {r["link"]: r["ppl_vs_torchft"] for r in same}
+    gap = max((abs(g) for g in gaps.values()), default=math.nan)
+    rows_out.append(_row("torchft-ppl-same", PPL_SAME_TEXT, gap, 0.01, gap <= 0.01, runs, per_link=gaps))
+    default = [
+        r for r in out if r["configuration"] == "fl_fsdp-defaults" and r["link"] == metrics.link_label(DEFAULT_LINK)
+    ]
+    ratio = default[0]["pace_vs_torchft"] if default and "pace_vs_torchft" in default[0] else math.nan
+    rows_out.append(
+        _row(
+            "torchft-pace-default",
+            PACE_DEFAULT_TEXT,
+            ratio,
+            1.5,
+            ratio >= 1.5,
+            2 * default[0]["repeats"] if default else 0,
+        )
+    )
+    return [*rows_out, kill]
+
+
+def _row(target_id: str, target: str, measured: float, bound: float, met: bool, runs: int, **more: Any) -> Row:
+    value = None if math.isnan(measured) else measured
+    return {"id": target_id, "target": target, "measured": value, "bound": bound, "met": met, "runs": runs, **more}
