@@ -24,6 +24,10 @@ VARIANTS = {
     "weights": lambda: FLFSDPStrategy(sync_every=2, reduce_dtype="sparse", error_feedback="weights"),
     "hierarchical": lambda: FLFSDPStrategy(num_groups=4, sync_every=2, outer_topology=Hierarchical({2: 2, 4: 4})),
     "gossip": lambda: FLFSDPStrategy(num_groups=4, sync_every=2, outer_topology=Gossip(peers=1)),  # reduce_dtype unset
+    # the mixes travel a step while training goes on, int4-encoded against the anchor
+    "gossip_int4_delayed": lambda: FLFSDPStrategy(
+        num_groups=4, sync_every=2, outer_topology=Gossip(peers=1), reduce_dtype="int4", sync_delay=1
+    ),
     "sampled": lambda: FLFSDPStrategy(
         num_groups=4, sync_every=2, reduce_dtype="float32", outer_topology=Sampled(2, outer_step=True)
     ),
