@@ -22,7 +22,6 @@ of :class:`~benchmarks.harness.recorder.BenchRecorder`'s layout that :mod:`bench
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -40,6 +39,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from benchmarks.harness.config import RunConfig
 from benchmarks.harness.process import exit_without_finalization
 from benchmarks.harness.recorder import LINK_COUNTER
+from benchmarks.harness.train import parse_args
 from lightning_fedshard.examples import LlamaLM, ShakespeareDataModule
 from lightning_fedshard.examples.llama import WarmupCosine, _clean_name
 
@@ -202,13 +202,6 @@ def run(cfg: RunConfig) -> None:
         tmp = out / "run.json.tmp"
         tmp.write_text(json.dumps(record, indent=1))
         tmp.replace(out / "run.json")
-
-
-def parse_args(argv: list[str] | None = None) -> RunConfig:
-    """Read a :class:`RunConfig` given as one JSON object (``--config '{...}'``)."""
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--config", required=True, help="RunConfig.record() as a JSON object")
-    return RunConfig.from_record(json.loads(parser.parse_args(argv).config))
 
 
 def main(argv: list[str] | None = None) -> NoReturn:

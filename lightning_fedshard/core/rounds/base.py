@@ -6,6 +6,7 @@ from dataclasses import replace
 from typing import Any, ClassVar, Protocol
 
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_fedshard.core.codecs import Codec
 from lightning_fedshard.core.comm import Communicator
@@ -14,7 +15,7 @@ from lightning_fedshard.core.pending import PendingSync
 from lightning_fedshard.core.refusal import Refusal
 from lightning_fedshard.core.stats import SyncStats
 
-__all__ = ["Host", "Options", "Refusal", "Round", "combined", "drop"]
+__all__ = ["Host", "OnePendingRound", "Options", "Refusal", "Round", "combined", "drop"]
 
 
 class Options(Protocol):
@@ -154,6 +155,25 @@ class Round:
     def state_nbytes(self) -> dict[str, int]:
         """Bytes this rank holds for the round, by name (added to the federation's)."""
         return {}
+
+
+class OnePendingRound(Round):
+    """A round with at most one sync in flight at a time (``_pending``), started on every rank in the same order."""
+
+    def __init__(self, federation: Host) -> None:
+        super().__init__(federation)
+        self._pending: PendingSync | None = None
+
+    @override
+    def in_flight(self) -> list[PendingSync]:
+        """The sync in flight, if any."""
+        return [self._pending] if self._pending is not None else []
+
+    @override
+    def forget_in_flight(self) -> None:
+        """Await the sync in flight and drop it; collective."""
+        drop(self._pending)
+        self._pending = None
 
 
 def combined(stats: list[SyncStats], num_fragments: int) -> SyncStats | None:

@@ -42,7 +42,7 @@ from lightning_fedshard.core.rounds.averaging import (
     weights_sync_stats,
     write_weights,
 )
-from lightning_fedshard.core.rounds.base import Host, Refusal, Round, drop
+from lightning_fedshard.core.rounds.base import Host, OnePendingRound, Refusal, drop
 from lightning_fedshard.core.rounds.plain import PlainRound
 from lightning_fedshard.core.stats import SyncStats
 
@@ -57,7 +57,7 @@ MIX_SYNC = -2
 _NO_SHARED_ANCHOR = "a mix moves no shared anchor, so there is no common pseudo-gradient for it"
 
 
-class MixingRound(Round):
+class MixingRound(OnePendingRound):
     """Mixes of the groups' weights, and the plain outer step at the end (see the module).
 
     Args:
@@ -79,7 +79,6 @@ class MixingRound(Round):
         super().__init__(federation)
         self.topology = topology
         self.inner = inner
-        self._pending: PendingSync | None = None
 
     @override
     def is_due(self, step: int) -> bool:
@@ -168,15 +167,6 @@ class MixingRound(Round):
             return
         self.await_in_flight()  # the mean travels on the fed ring, where the mix in flight runs
         load_mean_over_groups(self.federation)
-
-    @override
-    def in_flight(self) -> list[PendingSync]:
-        return [self._pending] if self._pending is not None else []
-
-    @override
-    def forget_in_flight(self) -> None:
-        drop(self._pending)
-        self._pending = None
 
     @override
     def group_state_dict(self) -> dict[str, Any]:

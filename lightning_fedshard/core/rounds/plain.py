@@ -20,7 +20,7 @@ from typing_extensions import override
 from lightning_fedshard.core.fragments import landing_fragment, starting_fragment
 from lightning_fedshard.core.pending import PendingSync
 from lightning_fedshard.core.rounds.averaging import load_mean_over_groups, mean_bytes, mean_weights, write_weights
-from lightning_fedshard.core.rounds.base import Host, Refusal, Round, drop
+from lightning_fedshard.core.rounds.base import Host, OnePendingRound, Refusal, drop
 from lightning_fedshard.core.stats import SyncStats
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ FEEDBACK_IN_WEIGHTS_REFUSES = {
 }
 
 
-class PlainRound(Round):
+class PlainRound(OnePendingRound):
     """Fragments that land in turn every ``period / fragments`` steps (see the module's description).
 
     Args:
@@ -46,7 +46,6 @@ class PlainRound(Round):
     def __init__(self, federation: Host, period: int) -> None:
         super().__init__(federation)
         self.period = period
-        self._pending: PendingSync | None = None
 
     @override
     def is_due(self, step: int) -> bool:
@@ -133,15 +132,6 @@ class PlainRound(Round):
             load_mean_over_groups(self.federation)
         else:
             self.outer.copy_anchor_to_shards()
-
-    @override
-    def in_flight(self) -> list[PendingSync]:
-        return [self._pending] if self._pending is not None else []
-
-    @override
-    def forget_in_flight(self) -> None:
-        drop(self._pending)
-        self._pending = None
 
     @property
     def pending(self) -> PendingSync | None:
