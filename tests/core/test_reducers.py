@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fedshard.core.codecs import DEFAULT_BLOCK_SIZE, QMAX, FloatCodec, SparseTopK, dequantize, quantize
+from lightning_fedshard.core.comm import GLOO_SUM_PART_BYTES
 from lightning_fedshard.core.mesh import build_federation_mesh
 from lightning_fedshard.core.reducers import AllReduceSum, ScatterGatherSum, make_reducer
 from lightning_fedshard.core.topology import FederationTopology
@@ -314,6 +315,16 @@ def _gloo_worker(rank: int, store: str, out_dir: str, calls: list[list[torch.Ten
         for bits in (8, 4, SPARSE):
             reducer = _quantized(bits, 32, error_feedback=True)
             results[str(bits)] = [reducer.sum_across_groups(call[rank], comm, comm.num_groups) for call in calls]
+        # float32 sums as the outer step sends them: a large one goes in parts in flight together (and its numel is
+        # not a multiple of the parts), a small one and a strided one as one all-reduce.
+        for name, numel in (("large", 9 * GLOO_SUM_PART_BYTES // 4 + 3), ("small", 1001)):
+            x = torch.Generator().manual_seed(10 + rank)
+            value = torch.randn(numel, generator=x)
+            comm.sum_over_groups(value)
+            results[name] = value
+        strided = torch.arange(8.0).view(2, 4).t() * (rank + 1)
+        comm.sum_over_groups(strided)
+        results["strided"] = strided
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -328,6 +339,12 @@ def test_process_group_communicator_on_gloo_matches_the_thread_fake(tmp_path):
         for rank in range(2):
             real = torch.load(tmp_path / f"rank{rank}.pt")[str(bits)]
             assert len(real) == 2 and all(torch.equal(r, f) for r, f in zip(real, fake[rank][0]))
+    for name, numel in (("large", 9 * GLOO_SUM_PART_BYTES // 4 + 3), ("small", 1001)):
+        inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(10 + r)) for r in range(2)]
+        for rank in range(2):  # two terms: the same bits in either order
+            assert torch.equal(torch.load(tmp_path / f"rank{rank}.pt")[name], inputs[0] + inputs[1])
+    strided = torch.arange(8.0).view(2, 4).t() * 3
+    assert all(torch.equal(torch.load(tmp_path / f"rank{r}.pt")["strided"], strided) for r in range(2))
 
 
 # ------------------------------------------------------------------------------------------- sparse sum
