@@ -64,23 +64,26 @@ def _env(cluster: EmulatedCluster, env: dict[str, str]) -> dict[str, str]:
 
 def elastic_run(cluster: EmulatedCluster, out: Path, steps: int, faults: list[Fault]) -> dict[str, Any]:
     """The elastic federation on the cluster, one group per node, with ``faults``; the demo's report."""
-    config = DemoConfig(groups=NODES, ranks_per_group=RANKS, max_steps=steps, faults=faults, timeout=15.0)
+    return demo_run(cluster, out, DemoConfig(groups=NODES, ranks_per_group=RANKS, max_steps=steps, faults=faults,
+                                             timeout=15.0))  # fmt: skip
+
+
+def lighthouse_argv(config: DemoConfig) -> list[str]:
+    """torchft's lighthouse as the demo configures it, listening on :data:`LIGHTHOUSE_PORT`."""
+    return [
+        str(Path(sys.executable).parent / "torchft_lighthouse"),
+        "--bind", f"[::]:{LIGHTHOUSE_PORT}",
+        "--min_replicas", str(config.min_groups),
+        "--join_timeout_ms", str(int(config.join * 1000)),
+        "--heartbeat_timeout_ms", str(int(config.heartbeat * 1000)),
+        "--quorum_tick_ms", "100",
+    ]  # fmt: skip
+
+
+def demo_run(cluster: EmulatedCluster, out: Path, config: DemoConfig) -> dict[str, Any]:
+    """The elastic demo's federation ``config`` on the cluster, one group per node, its lighthouse in the switch."""
     lighthouse = subprocess.Popen(
-        cluster.service_command(
-            [
-                str(Path(sys.executable).parent / "torchft_lighthouse"),
-                "--bind",
-                f"[::]:{LIGHTHOUSE_PORT}",
-                "--min_replicas",
-                "1",
-                "--join_timeout_ms",
-                str(int(config.join * 1000)),
-                "--heartbeat_timeout_ms",
-                str(int(config.heartbeat * 1000)),
-                "--quorum_tick_ms",
-                "100",
-            ]  # fmt: skip
-        ),
+        cluster.service_command(lighthouse_argv(config)),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ, "RUST_LOG": "warn"},

@@ -106,7 +106,10 @@ def build(paths: dict[str, Path]) -> Report:
     rows += topologies.targets(load_if_exists(paths.get("sites", RESULTS / "sites.json")))
     results["elastic"] = _load_json(paths.get("elastic", RESULTS / "elastic.json"))
     rows += elastic.targets(results["elastic"])
-    rows += torchft.targets(load_if_exists(paths.get("torchft", RESULTS / "torchft.json")))
+    rows += torchft.targets(
+        load_if_exists(paths.get("torchft", RESULTS / "torchft.json")),
+        _load_json(paths.get("torchft_kill", torchft.KILL_RESULTS)),
+    )
     return Report(results, analyses, rows)
 
 
@@ -161,9 +164,20 @@ def write_docs(report: Report, tables: dict[str, str]) -> None:
     ):
         if table in tables:
             sections[table] = f"{tables[table]}\n\n{report.note(name)}"
+    sections.update(_torchft_sections())
     for name, body in sections.items():
         replace_section(BENCHMARKS_DOC, name, body)
     replace_section(PLAN_DOC, "calibration", f"{tables['calibration']}\n\n{throughput_note}")
+
+
+def _torchft_sections() -> dict[str, str]:
+    """The tables of the side by side with torchft, for those of its results that exist."""
+    sections = {}
+    if (results := load_if_exists(RESULTS / "torchft.json")) is not None:
+        sections["torchft"] = torchft.table(torchft.rows(results["runs"]))
+    if (kill := _load_json(torchft.KILL_RESULTS)) is not None:
+        sections["torchft_kill"] = torchft.kill_table(torchft.kill_rows(kill))
+    return sections
 
 
 def main(argv: list[str] | None = None) -> None:

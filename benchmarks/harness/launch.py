@@ -77,14 +77,14 @@ def launch(
     nodes: list[Node] = []
     try:
         for index in range(cluster.num_nodes):
-            nodes.append(_start_node(cluster, index, argv, node_env(cluster, index, port, out, torchft), out))
+            nodes.append(start_node(cluster, index, argv, node_env(cluster, index, port, out, torchft), out))
         _wait(nodes, out, timeout)
     finally:
         for proc, log in nodes:
-            _kill_session(proc)
+            kill_session(proc)
             log.close()
         if lighthouse is not None:
-            _kill_session(lighthouse)
+            kill_session(lighthouse)
     result = _read_result(out)
     if torchft:  # each node counted its own link over training; node 0 wrote the rest
         result["link_tx_train"] = sum(json.loads(p.read_text())["train"] for p in out.glob("link_tx*.json"))
@@ -116,14 +116,15 @@ def _start_lighthouse(cluster: EmulatedCluster) -> subprocess.Popen[bytes]:
     return proc
 
 
-def _start_node(cluster: EmulatedCluster, index: int, argv: list[str], env: dict[str, str], out: Path) -> Node:
+def start_node(cluster: EmulatedCluster, index: int, argv: list[str], env: dict[str, str], out: Path) -> Node:
+    """Start ``argv`` in node ``index``'s namespace with ``env``, its output in ``<out>/node<index>.log``."""
     log = open(out / f"node{index}.log", "wb")
     command = cluster.command(index, argv, env)
     # A session per node launcher, so that it and the local ranks Lightning spawns can be killed together.
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log
 
 
-def _kill_session(proc: subprocess.Popen[bytes]) -> None:
+def kill_session(proc: subprocess.Popen[bytes]) -> None:
     """Kill whatever is left of a node's session (its launcher, and local ranks still exiting)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)

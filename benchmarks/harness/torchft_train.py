@@ -18,6 +18,12 @@ The driver starts it once per node inside the node's namespace with ``NODE_RANK`
 of :class:`~benchmarks.harness.recorder.BenchRecorder`'s layout that :mod:`benchmarks.torchft` reads: ``steps``
 (clock after every optimizer step), ``syncs`` (the steps whose optimizer step synced, with their seconds), ``vals``,
 ``tokens_per_step``, ``train_seconds``.
+
+A failure run (:mod:`benchmarks.torchft_kill`) sets three more variables per node: ``FEDSHARD_EVENTS``, a folder where
+the node writes ``events.jsonl`` (``trained``, ``step``, ``sync`` with its participants, whether it committed and its
+seconds, ``killed``, ``end``); ``FEDSHARD_MIN_GROUPS``, the fewest replica groups a sync commits with (torchft's
+``min_replica_size``; default: every node); and, on the victim only, ``FEDSHARD_KILL_AT``: the node kills itself
+(SIGKILL, the whole replica group: it has one rank) right after that optimizer step.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -47,6 +54,24 @@ from lightning_fedshard.examples.llama import WarmupCosine, _clean_name
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 #: Seconds torchft waits for a collective or a quorum (a float32 sum takes about 13 s at 5 Mbit/s here).
 TIMEOUT = 120.0
+#: What a failure run sets per node (see the module docstring).
+EVENTS_ENV, MIN_GROUPS_ENV, KILL_AT_ENV = "FEDSHARD_EVENTS", "FEDSHARD_MIN_GROUPS", "FEDSHARD_KILL_AT"
+
+
+class Events:
+    """``events.jsonl`` of one node of a failure run (nothing outside one), one JSON object per line with its time."""
+
+    def __init__(self, folder: str | None) -> None:
+        self._file = None
+        if folder:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            self._file = open(Path(folder) / "events.jsonl", "w")
+
+    def write(self, event: str, step: int, **fields: Any) -> None:
+        """Append one event, flushed at once (the node may be killed right after)."""
+        if self._file is not None:
+            self._file.write(json.dumps({"event": event, "step": step, **fields, "t": time.time()}) + "\n")
+            self._file.flush()
 
 
 def inner_optimizer(module: LlamaLM, cfg: RunConfig) -> tuple[torch.optim.Optimizer, LambdaLR]:
@@ -139,7 +164,7 @@ def run(cfg: RunConfig) -> None:
         pg=ProcessGroupGloo(timeout=timedelta(seconds=TIMEOUT)),
         load_state_dict=lambda state: _load(module, optimizer, state),
         state_dict=lambda: {"model": module.state_dict(), "optim": optimizer.state_dict()},
-        min_replica_size=groups,
+        min_replica_size=int(os.environ.get(MIN_GROUPS_ENV, groups)),
         use_async_quorum=False,
         replica_id=f"bench_{group}",
         store_addr=address,
@@ -156,12 +181,15 @@ def run(cfg: RunConfig) -> None:
     syncs: list[dict[str, Any]] = []
     vals: list[dict[str, Any]] = []
     validation_seconds = 0.0
+    events = Events(os.environ.get(EVENTS_ENV))
+    kill_at = int(os.environ.get(KILL_AT_ENV, 0))
     try:
         with DiLoCo(
             manager, parts, optimizer, outer if len(outer) > 1 else outer[0], sync_every=federation.sync_every,
             fragment_sync_delay=federation.sync_delay, fragment_update_alpha=federation.merge_alpha,
         ) as _:  # fmt: skip
-            start, tx_start = time.perf_counter(), _link_tx()
+            start, tx_start, cpu_start = time.perf_counter(), _link_tx(), time.process_time()
+            events.write("trained", 0)
             for step, batch in enumerate(loader, start=1):
                 began, synced_before = time.perf_counter(), manager.current_step()
                 module._nll(batch).backward()
@@ -169,9 +197,19 @@ def run(cfg: RunConfig) -> None:
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 ended = time.perf_counter()
-                if manager.current_step() != synced_before:
+                committed = manager.current_step() != synced_before
+                if committed:
                     syncs.append({"step": step, "seconds": ended - began})
                 steps.append({"step": step, "clock": ended - start - validation_seconds})
+                if step % federation.sync_every == 0:  # DiLoCo (one fragment) tried a sync in this step
+                    events.write(
+                        "sync", step, participants=manager.num_participants(), committed=committed,
+                        seconds=ended - began,
+                    )  # fmt: skip
+                events.write("step", step)
+                if step == kill_at:
+                    events.write("killed", step)
+                    os.kill(os.getpid(), signal.SIGKILL)
                 if step % cfg.val_every == 0 or step == cfg.max_steps:
                     measured = time.perf_counter()
                     scores = validate(module, data, cfg.batch_size)
@@ -180,7 +218,9 @@ def run(cfg: RunConfig) -> None:
                 if step == cfg.max_steps:
                     break
             train_seconds = time.perf_counter() - start - validation_seconds
+            cpu_seconds = time.process_time() - cpu_start  # validation included, as the recorder counts it
             tx_end = _link_tx()
+            events.write("end", step)
     finally:
         manager.shutdown(wait=False)
     out = Path(cfg.out)
@@ -194,6 +234,7 @@ def run(cfg: RunConfig) -> None:
             "num_parameters": module.num_parameters(),
             "tokens_per_step": tokens_per_step,
             "train_seconds": train_seconds,
+            "cpu_seconds": [cpu_seconds],
             "steps": steps,
             "syncs": syncs,
             "vals": vals,

@@ -141,6 +141,7 @@ class DemoConfig:
     sync_every: int = 8
     faults: list[Fault] = field(default_factory=list)
     reduce_dtype: str = "int4"
+    outer_optimizer: str = "fedavg"
     heartbeat: float = 2.0
     join: float = 60.0
     timeout: float = 15.0
@@ -540,6 +541,7 @@ def run_group(spec: dict[str, Any]) -> None:
         num_groups=spec["groups"],
         sync_every=spec["sync_every"],
         reduce_dtype=spec["reduce_dtype"],
+        outer_optimizer=spec.get("outer_optimizer", "fedavg"),
         elastic=elastic,
         auto_wrap_policy=LlamaLM.wrap_policy(),
     )
