@@ -100,19 +100,37 @@ def rows(runs: list[dict[str, Any]]) -> list[Row]:
 
 def table(out: list[Row]) -> str:
     """The rows as a Markdown table."""
-    lines = [
-        "| configuration | link | tokens/s (median [min, max]) | link MB / sync | blocking / sync (s) | perplexity |"
-        " ours / torchft: pace | ours / torchft: perplexity |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for row in out:
-        pace, ppl = row["tokens_per_s"], row["ppl"]
-        lines.append(
-            f"| {row['configuration']} | {row['link']} | {pace['median']:,.0f} [{pace['min']:,.0f}, {pace['max']:,.0f}]"
-            f" | {row['link_mb_per_sync']:.2f} | {row['blocking_s']:.2f} | {ppl['median']:.1f}"
-            f" | {_ratio(row.get('pace_vs_torchft'))} | {_percent(row.get('ppl_vs_torchft'))} |"
-        )
-    return "\n".join(lines)
+    header = ["configuration", "link", "tokens/s (median [min, max])", "link MB / sync", "blocking / sync (s)",
+              "perplexity", "ours / torchft: pace", "ours / torchft: perplexity"]  # fmt: skip
+    return _markdown(
+        header,
+        [
+            [
+                row["configuration"],
+                row["link"],
+                _spread(row["tokens_per_s"], ",.0f"),
+                f"{row['link_mb_per_sync']:.2f}",
+                f"{row['blocking_s']:.2f}",
+                f"{row['ppl']['median']:.1f}",
+                _ratio(row.get("pace_vs_torchft")),
+                _percent(row.get("ppl_vs_torchft")),
+            ]
+            for row in out
+        ],
+    )
+
+
+def _markdown(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table of ``rows`` under ``header``."""
+    lines = [f"| {' | '.join(header)} |", f"|{'---|' * len(header)}"]
+    return "\n".join(lines + [f"| {' | '.join(str(cell) for cell in row)} |" for row in rows])
+
+
+def _spread(spread: dict[str, float] | None, fmt: str) -> str:
+    """``median [min, max]`` in ``fmt``, or ``-``."""
+    if spread is None:
+        return "-"
+    return f"{spread['median']:{fmt}} [{spread['min']:{fmt}}, {spread['max']:{fmt}}]"
 
 
 def _ratio(value: float | None) -> str:
@@ -173,19 +191,21 @@ def kill_rows(results: dict[str, Any]) -> list[Row]:
 
 def kill_table(out: list[Row]) -> str:
     """The failure rows as a Markdown table."""
-    lines = [
-        "| system | repeats | survivors' stall (s, median [min, max]) | committed tokens/s (median [min, max]) |"
-        " syncs lost |",
-        "|---|---|---|---|---|",
-    ]
-    for row in out:
-        stall, pace = row["stall_s"], row["committed_tokens_per_s"]
-        stall_text = "-" if stall is None else f"{stall['median']:.2f} [{stall['min']:.2f}, {stall['max']:.2f}]"
-        lines.append(
-            f"| {row['side']} | {row['repeats']} | {stall_text}"
-            f" | {pace['median']:,.0f} [{pace['min']:,.0f}, {pace['max']:,.0f}] | {row['lost_syncs']:g} |"
-        )
-    return "\n".join(lines)
+    header = ["system", "repeats", "survivors' stall (s, median [min, max])", "committed tokens/s (median [min, max])",
+              "syncs lost"]  # fmt: skip
+    return _markdown(
+        header,
+        [
+            [
+                row["side"],
+                str(row["repeats"]),
+                _spread(row["stall_s"], ".2f"),
+                _spread(row["committed_tokens_per_s"], ",.0f"),
+                f"{row['lost_syncs']:g}",
+            ]
+            for row in out
+        ],
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
