@@ -186,6 +186,11 @@ class FederatedArguments:
         """Predicted and measured step and sync times at the end of training (with ``plan=...``)."""
         return self._plan_check.report if self._plan_check is not None else None
 
+    @property
+    def plan_check(self) -> PlanCheck | None:
+        """The check of the run's pace against the planner's prediction (``plan=...``), if asked for."""
+        return self._plan_check
+
     # -- Lightning hooks of the strategy behind this class (no @override: this class has no such base) --------------
 
     def _configure_launcher(self) -> None:

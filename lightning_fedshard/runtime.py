@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed import ProcessGroup
@@ -68,6 +67,8 @@ class FederatedRuntime:
             :mod:`lightning_fedshard.core.comm`); default: the mesh's process groups.
         listeners: Told of the start and end of training and of every sync that lands, in order (see
             :mod:`lightning_fedshard.core.listeners`); default: the compute-utilization clock.
+        mesh: Builds this rank's federation mesh from the topology, the device type and the site blocks; default:
+            process groups of the default world (:func:`~lightning_fedshard.core.mesh.build_federation_mesh`).
     """
 
     def __init__(
@@ -78,6 +79,7 @@ class FederatedRuntime:
         backend: ShardingBackend = FSDP1,
         communicator: Callable[[FederationMesh], Communicator] | None = None,
         listeners: Sequence[SyncListener] | None = None,
+        mesh: Callable[..., FederationMesh] | None = None,
     ) -> None:
         self.config = config
         self.hybrid = hybrid
@@ -88,6 +90,7 @@ class FederatedRuntime:
         self.devices_per_node = 1
         self.listeners: list[SyncListener] = list(listeners) if listeners is not None else [UtilizationClock()]
         self._make_communicator = communicator or _mesh_communicator
+        self._build_mesh = mesh
         self._topology: FederationTopology | None = None
         self._mesh: FederationMesh | None = None
         self._federation: Federation | None = None
@@ -173,7 +176,8 @@ class FederatedRuntime:
         if self._mesh is not None and self._mesh.topology == topology:
             return
         self.devices_per_node = devices_per_node
-        self._mesh = build_federation_mesh(topology, device.type, self.config.site_blocks(topology.num_groups))
+        build = self._build_mesh or build_federation_mesh
+        self._mesh = build(topology, device.type, self.config.site_blocks(topology.num_groups))
         self._federation = self._new_federation()
         log.info(f"{self.name}: rank {self._mesh.rank} at {self._mesh.coords} of {topology}")
 
@@ -271,8 +275,9 @@ class FederatedRuntime:
     def _synchronize_initial_weights(self, module: Module) -> None:
         """All groups and replicas start from the same weights and buffers, whatever each process initialized."""
         self.mesh.broadcast_shards(self.backend.local_shards(module))
-        for buffer in module.buffers():
-            dist.broadcast(buffer, src=0)
+        buffers = list(module.buffers())
+        if buffers:
+            self.mesh.broadcast_buffers(buffers)
 
     @property
     def module(self) -> Module:

@@ -16,9 +16,9 @@ from torch import nn
 import lightning_fedshard.runtime as runtime_module
 from lightning_fedshard import Elastic, Hierarchical
 from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.core.inprocess import InProcessGroups
 from lightning_fedshard.core.topology import FederationTopology
 from lightning_fedshard.runtime import FederatedRuntime
-from tests.core.fake_comm import ThreadGroups
 
 _THREAD = threading.local()
 
@@ -91,7 +91,7 @@ def test_a_sync_runs_once_per_due_optimizer_step_and_finish_closes_the_round():
         final = runtime.finish()
         return [seen, final.num_syncs if final else None, module.weight.detach().clone()]
 
-    results = ThreadGroups(2).run(work)
+    results = InProcessGroups(2).run(work)
     seen, final_sync, weights = results[0]
     assert seen == [(0, None), (1, None), (1, None), (2, 1), (2, None), (3, None), (4, 2), (5, None)]
     assert final_sync == 3  # stopped at step 5, between two syncs
@@ -106,7 +106,7 @@ def test_finish_right_after_a_sync_does_nothing():
         synced = runtime.after_optimizer_step(2)
         return synced is not None, runtime.finish()
 
-    assert ThreadGroups(2).run(work) == [(True, None), (True, None)]
+    assert InProcessGroups(2).run(work) == [(True, None), (True, None)]
 
 
 def _step_then_break_group_one(runtime: Any, module: torch.nn.Module, group: int) -> torch.optim.Optimizer:
@@ -130,7 +130,7 @@ def test_a_skipped_group_restarts_with_a_fresh_inner_optimizer_state():
         return bool(optimizer.state), stats.skipped_groups
 
     with pytest.warns(UserWarning, match=r"Skipped federation group\(s\) \[1\]"):  # warnings of both threads
-        results = ThreadGroups(2).run(work)
+        results = InProcessGroups(2).run(work)
     assert results == [(True, (1,)), (False, (1,))]
 
 
@@ -145,7 +145,7 @@ def test_a_group_skipped_by_a_site_sync_restarts_with_a_fresh_inner_optimizer_st
         return bool(optimizer.state), stats.skipped_groups, bool(torch.isfinite(module.weight).all())
 
     with pytest.warns(UserWarning, match=r"Skipped federation group\(s\) \[1\] with non-finite weights .*a site sync"):
-        results = ThreadGroups(4).run(work)
+        results = InProcessGroups(4).run(work)
     assert results == [(True, (1,), True), (False, (1,), True), (True, (1,), True), (True, (1,), True)]
 
 
@@ -158,7 +158,7 @@ def test_one_group_averaging_with_itself_runs_no_outer_step(outer_optimizer, syn
         runtime.after_optimizer_step(3)
         return at_sync_step is not None, runtime.finish() is not None
 
-    assert ThreadGroups(1).run(work) == [(syncs, syncs)]
+    assert InProcessGroups(1).run(work) == [(syncs, syncs)]
 
 
 def test_a_heal_silences_lightnings_mid_epoch_resume_warning_until_the_first_step():

@@ -122,6 +122,11 @@ class FederationMesh:
             for shard in shards:
                 dist.broadcast(shard.data, group=group, group_src=0)
 
+    def broadcast_buffers(self, buffers: Iterable[Tensor]) -> None:
+        """Make every rank hold global rank 0's ``buffers`` (whole tensors, e.g. rotary tables), once after wrapping."""
+        for buffer in buffers:
+            dist.broadcast(buffer, src=0)
+
 
 def build_federation_mesh(
     topology: FederationTopology,

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from lightning_fedshard.core.norms import dot
+from lightning_fedshard.core.waiting import waiting
 
 
 @dataclass
@@ -75,7 +76,8 @@ class PendingSync:
         if self._result is None:
             if self._part is None:
                 assert self._future is not None
-                self._part, self._future = self._future.result(), None
+                with waiting():  # the sum may wait for groups that run in this process (the simulator)
+                    self._part, self._future = self._future.result(), None
             self._result = self._finish(self._part) if self._finish is not None else self._part
             self._part = None
             if self._own is not None:  # a reducer that left this rank's own pseudo-gradient intact

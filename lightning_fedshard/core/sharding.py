@@ -57,3 +57,49 @@ class ShardingBackend(Protocol):
     ) -> None:
         """Load a state dict of :meth:`state_dict`'s kind; a ``"full"`` one must be given on every rank (collective)."""
         ...
+
+
+class UnshardedBackend:
+    """:class:`ShardingBackend` of a model that one rank holds whole (a group of one rank, e.g. in the simulator).
+
+    The local shards are the parameters themselves, one per parameter in ``named_parameters`` order: the layout FSDP2
+    gives a group of one rank, so fragments are cut at the same parameters.
+    """
+
+    name = "unsharded"
+
+    def local_shards(self, module: Module) -> list[Tensor]:
+        """Every parameter (detached, sharing its memory), in ``named_parameters`` order."""
+        return [p.detach() for _, p in _named_parameters(module)]
+
+    def unit_sizes(self, module: Module) -> list[int]:
+        """The parameters' numels."""
+        return [p.numel() for _, p in _named_parameters(module)]
+
+    def free_unsharded(self, module: Module) -> None:
+        """Nothing is gathered."""
+
+    def unit_parameter_names(self, module: Module) -> list[list[str]]:
+        """One entry per parameter."""
+        return [[name] for name, _ in _named_parameters(module)]
+
+    def state_dict(self, module: Module, state_dict_type: StateDictType) -> dict[str, Any]:
+        """The module's own state dict (the whole model: the same for both kinds)."""
+        return module.state_dict()
+
+    def load_state_dict(
+        self, module: Module, state_dict: dict[str, Any], state_dict_type: StateDictType, strict: bool = True
+    ) -> None:
+        """Load the module's own state dict."""
+        module.load_state_dict(state_dict, strict=strict)
+
+
+def _named_parameters(module: Module) -> list[tuple[str, Tensor]]:
+    named: list[tuple[str, Tensor]] = list(module.named_parameters())
+    if not named:
+        raise ValueError(f"{type(module).__name__} has no parameters to federate.")
+    return named
+
+
+#: The backend of whole models (stateless).
+UNSHARDED = UnshardedBackend()

@@ -13,7 +13,7 @@ from torch.testing import assert_close
 
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from tests.core.fake_comm import ThreadGroups
+from lightning_fedshard.core.inprocess import InProcessGroups
 
 UNITS = 3  # shards per rank, two values each
 
@@ -136,7 +136,7 @@ def _run(config: FederationConfig, groups: int, steps: int, stop_at: int | None 
         fed.finish(steps)
         return {"history": history, "anchors": anchors, "final": [s.clone() for s in shards]}
 
-    return ThreadGroups(groups).run(work)
+    return InProcessGroups(groups).run(work)
 
 
 def _eager(**options: Any) -> FederationConfig:
@@ -282,7 +282,7 @@ def test_eager_sums_run_for_a_whole_round_while_other_fragments_land():
         fed.finish(12)
         return shards
 
-    results = ThreadGroups(2).run(work)
+    results = InProcessGroups(2).run(work)
     assert all(torch.equal(a, b) for a, b in zip(*results))
     assert [gate.starved for gate in gates] == [0, 0], "a sync waited for a sum in flight"
     # the landing at step 2k + 2 took the sum started at 2k - 2 (one round earlier): the sums let through by then are
@@ -308,11 +308,11 @@ def test_validation_between_syncs_sees_every_round_trained_so_far():
         fed.finish(8)  # fragment 1 synced at 8: nothing trained since, so the end only lands the sums in flight
         return {"seen": seen, "final": [s.clone() for s in shards]}
 
-    results = ThreadGroups(2).run(work)
+    results = InProcessGroups(2).run(work)
     for r in results:
         assert all(torch.equal(a, b) for a, b in zip(r["seen"][1:], r["final"][1:]))  # fragment 1: units 1, 2
     straight = _run(config, groups=2, steps=11)
-    resumed_after_validation = ThreadGroups(2).run(
+    resumed_after_validation = InProcessGroups(2).run(
         lambda g, comm: _validate_midway_then_continue(config, g, comm, steps=11, validate_at=6)
     )
     for a, b in zip(straight, resumed_after_validation):

@@ -3,11 +3,11 @@ from torch.testing import assert_close
 
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from tests.core.fake_comm import ThreadGroups
+from lightning_fedshard.core.inprocess import InProcessGroups
 
 
 def test_schedule_counts_real_optimizer_steps():
-    fed = Federation(FederationConfig(sync_every=3), ThreadGroups(1).run(lambda g, c: c)[0])
+    fed = Federation(FederationConfig(sync_every=3), InProcessGroups(1).run(lambda g, c: c)[0])
     fed.start([torch.zeros(2)], step=0)
     due = []
     for step in [1, 1, 2, 2, 3, 3, 4, 5, 6, 6, 7]:  # repeated steps: gradient accumulation
@@ -19,14 +19,14 @@ def test_schedule_counts_real_optimizer_steps():
 
 
 def test_finish_at_a_sync_boundary_does_nothing():
-    fed = Federation(FederationConfig(sync_every=2), ThreadGroups(1).run(lambda g, c: c)[0])
+    fed = Federation(FederationConfig(sync_every=2), InProcessGroups(1).run(lambda g, c: c)[0])
     fed.start([torch.zeros(1)], step=0)
     assert fed.maybe_sync(2) is not None
     assert fed.finish(2) is None
 
 
 def test_consensus_weights_swap_in_the_anchor_and_back():
-    groups = ThreadGroups(2)
+    groups = InProcessGroups(2)
 
     def work(g, comm):
         shard = torch.zeros(2)
@@ -45,7 +45,7 @@ def test_consensus_weights_swap_in_the_anchor_and_back():
 
 
 def test_anchor_can_live_next_to_the_shards():
-    comm = ThreadGroups(1).run(lambda g, c: c)[0]
+    comm = InProcessGroups(1).run(lambda g, c: c)[0]
     fed = Federation(FederationConfig(anchor_device="device"), comm)
     shard = torch.zeros(3, dtype=torch.bfloat16)
     fed.start([shard], step=0)
@@ -64,11 +64,11 @@ def test_on_write_runs_after_every_rewrite_of_the_shards():
         return len(calls)
 
     # after the sync, after swapping the consensus in, after swapping it out
-    assert ThreadGroups(2).run(work) == [3, 3]
+    assert InProcessGroups(2).run(work) == [3, 3]
 
 
 def test_a_single_group_is_its_own_consensus():
-    comm = ThreadGroups(1).run(lambda g, c: c)[0]
+    comm = InProcessGroups(1).run(lambda g, c: c)[0]
     shard = torch.zeros(2)
     fed = Federation(FederationConfig(sync_every=4), comm)
     fed.start([shard], step=0)
@@ -79,7 +79,9 @@ def test_a_single_group_is_its_own_consensus():
 
 def test_starting_again_with_new_tensors_of_the_same_layout_keeps_the_state_and_writes_to_the_new_ones():
     """FSDP2 hands out new `to_local()` views (and a state-dict load may move them): the federation follows them."""
-    fed = Federation(FederationConfig(sync_every=1, outer_optimizer="nesterov"), ThreadGroups(1).run(lambda g, c: c)[0])
+    fed = Federation(
+        FederationConfig(sync_every=1, outer_optimizer="nesterov"), InProcessGroups(1).run(lambda g, c: c)[0]
+    )
     first = torch.ones(3)
     fed.start([first], step=0)
     first.add_(1.0)
@@ -112,7 +114,7 @@ def test_with_error_feedback_in_the_weights_the_consensus_is_the_exact_mean_of_t
             seen = shard.clone()
         return own, seen, shard.clone(), fed.outer.anchor[0].clone()
 
-    results = ThreadGroups(3).run(work)
+    results = InProcessGroups(3).run(work)
     mean = torch.stack([own for own, *_ in results]).mean(0)
     for own, seen, after, anchor in results:
         assert_close(seen, mean, rtol=0, atol=1e-7)

@@ -14,7 +14,7 @@ from torch.testing import assert_close
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fragments import cut_fragments, landing_fragment, starting_fragment
-from tests.core.fake_comm import ThreadGroups
+from lightning_fedshard.core.inprocess import InProcessGroups
 
 
 def test_cut_is_contiguous_balanced_and_keeps_every_fragment_non_empty():
@@ -56,7 +56,7 @@ def test_streaming_options_are_checked(options, match):
         FederationConfig(**options)
 
 
-def _run(groups: ThreadGroups, config: FederationConfig, steps: int, finish: bool = True) -> list[Any]:
+def _run(groups: InProcessGroups, config: FederationConfig, steps: int, finish: bool = True) -> list[Any]:
     """Two units per rank; group g adds (g + 1) * step to every weight after each optimizer step."""
 
     def work(g: int, comm: Any) -> tuple[list[Tensor], list[int]]:
@@ -80,7 +80,7 @@ def _run(groups: ThreadGroups, config: FederationConfig, steps: int, finish: boo
 def test_two_fragments_with_delay_and_alpha_follow_the_rule():
     """Hand-computed: fedavg, 2 groups adding 1*step and 2*step, sync_every 4, 2 fragments, delay 1, alpha 0.5."""
     config = FederationConfig(sync_every=4, fragments=2, sync_delay=1, merge_alpha=0.5, outer_optimizer="fedavg")
-    (w0, landed0), (w1, _) = _run(ThreadGroups(2), config, steps=4, finish=False)
+    (w0, landed0), (w1, _) = _run(InProcessGroups(2), config, steps=4, finish=False)
     assert landed0 == [(2, 0), (4, 1)]
     # fragment 0 (unit 0): snapshot after step 1: group g holds (g+1)*1 -> mean 1.5 = new anchor.
     # after step 2 group g holds (g+1)*3 -> merged: 1.5 + 0.5*((g+1)*3 - 1.5); then step 3, 4 add (g+1)*7
@@ -94,14 +94,14 @@ def test_two_fragments_with_delay_and_alpha_follow_the_rule():
 def test_finish_brings_every_fragment_to_the_consensus():
     config = FederationConfig(sync_every=4, fragments=2, sync_delay=1, merge_alpha=0.5, outer_optimizer="nesterov")
     for steps in (3, 4, 5):  # stopped with a sum in flight, right at a landing, and between
-        (w0, _), (w1, _) = _run(ThreadGroups(2), config, steps=steps)
+        (w0, _), (w1, _) = _run(InProcessGroups(2), config, steps=steps)
         for a, b in zip(w0, w1):
             assert torch.equal(a, b), f"groups differ after finish at step {steps}"
 
 
 def test_one_fragment_no_delay_is_the_plain_outer_step():
     config = FederationConfig(sync_every=2, outer_optimizer="nesterov")
-    (w0, landed), _ = _run(ThreadGroups(2), config, steps=4, finish=False)
+    (w0, landed), _ = _run(InProcessGroups(2), config, steps=4, finish=False)
     assert landed == [(2, 0), (4, 0)]
     # step 2: mean of (g+1)*3 = 4.5 -> delta = -4.5, Nesterov: a1 = 0 - 0.7 * 1.9 * -4.5 = 5.985
     # step 4: groups hold a1 + (g+1)*7 -> mean delta = -10.5, buf = 0.9 * -4.5 - 10.5 = -14.55;
@@ -200,7 +200,7 @@ def test_the_sum_really_runs_while_training_goes_on():
                 seen["exposed"] = stats.exposed_seconds
         return {**seen, "starved": held.starved, "sum_seconds": held.seconds}
 
-    for seen in ThreadGroups(2).run(work):
+    for seen in InProcessGroups(2).run(work):
         assert not seen["starved"], "the sync after step 2 waited for the sum instead of going on with training"
         assert seen["started"] and seen["running"], "the sum did not run while step 3 trained"
         # the landing after step 4 found the sum done: the time it ran in the background is not exposed
@@ -246,7 +246,7 @@ def test_quantized_syncs_stay_within_the_bound_of_float32(reduce_dtype, qmax):
                 fed.maybe_sync(step)
             return shard.clone()
 
-        return ThreadGroups(2).run(work)
+        return InProcessGroups(2).run(work)
 
     exact, quantized = run("float32"), run(reduce_dtype)
     assert torch.equal(quantized[0], quantized[1]), "groups differ after a quantized sync"
@@ -272,6 +272,6 @@ def test_a_checkpoint_taken_while_a_quantized_sum_travels_holds_the_residuals_it
         fed.pending.result()
         return saved, fed.outer.reducers[0].state_dict()
 
-    for saved, after in ThreadGroups(2).run(work):
+    for saved, after in InProcessGroups(2).run(work):
         assert saved["residual"] is not None, "the residuals were read before the sum in flight finished"
         assert torch.equal(saved["residual"], after["residual"])

@@ -11,9 +11,9 @@ import torch
 from lightning_fedshard.core import listeners
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
+from lightning_fedshard.core.inprocess import InProcessGroups
 from lightning_fedshard.core.listeners import UtilizationClock
 from lightning_fedshard.core.stats import SyncStats
-from tests.core.fake_comm import ThreadGroups
 
 
 def test_clock_counts_exposed_time_and_discarded_work(monkeypatch):
@@ -55,5 +55,5 @@ def test_landings_report_the_share_of_the_round_they_discard(options, discarded)
         fed.finish(12)
         return seen
 
-    seen = ThreadGroups(2).run(work)[0]
+    seen = InProcessGroups(2).run(work)[0]
     assert seen and all(d == pytest.approx(discarded) for d in seen)

@@ -3,9 +3,9 @@ import torch
 from torch.testing import assert_close
 
 from lightning_fedshard.core.config import OUTER_OPTIMIZERS, FederationConfig
+from lightning_fedshard.core.inprocess import InProcessGroups
 from lightning_fedshard.core.nonfinite import NonFiniteOuterGradientError
 from lightning_fedshard.core.outer import OuterStep
-from tests.core.fake_comm import ThreadGroups
 
 
 def _sync(values: list[list[float]], on_nonfinite: str, anchor: list[float] = [1.0, 1.0]) -> list:
@@ -19,7 +19,7 @@ def _sync(values: list[list[float]], on_nonfinite: str, anchor: list[float] = [1
             return e, outer.anchor[0].detach().clone(), outer.num_syncs
         return stats, shard.clone(), outer.num_syncs
 
-    return ThreadGroups(len(values)).run(work)
+    return InProcessGroups(len(values)).run(work)
 
 
 def test_nonfinite_raises_naming_groups_step_and_sync_and_leaves_the_anchor():
@@ -60,7 +60,7 @@ def test_unknown_nonfinite_policy_is_rejected(make):
 
 
 def _outer(policy: str) -> OuterStep:
-    comm = ThreadGroups(1).run(lambda g, c: c)[0]
+    comm = InProcessGroups(1).run(lambda g, c: c)[0]
     return OuterStep([torch.zeros(1)], OUTER_OPTIMIZERS["fedavg"], comm, on_nonfinite=policy)
 
 
@@ -101,7 +101,7 @@ def _broken_run(topology: Any, on_nonfinite: str, broken: tuple[int, ...] = (1,)
             seen[step] = (before, shards[0].clone(), stats)
         return seen
 
-    return ThreadGroups(4, site_blocks=config.site_blocks(4)).run(work)
+    return InProcessGroups(4, site_blocks=config.site_blocks(4)).run(work)
 
 
 @pytest.mark.parametrize(("topology", "sync"), [(SITES, "site sync"), (Mixing(RING), "mix"), (Gossip(1, 3), "mix")])

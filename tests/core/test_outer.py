@@ -5,14 +5,14 @@ import torch
 from torch.testing import assert_close
 
 from lightning_fedshard.core.config import OUTER_OPTIMIZERS
+from lightning_fedshard.core.inprocess import InProcessGroups
 from lightning_fedshard.core.outer import OuterStep
 from lightning_fedshard.core.rounds.plain import agree_on_mean, residual_into_weights
-from tests.core.fake_comm import ThreadGroups
 
 
 def _run_syncs(local_updates: list[list[list[float]]], outer: str, anchor: list[float], **kwargs) -> list:
     """Each group starts at ``anchor``; before sync k group g sets its shard to ``local_updates[k][g]``."""
-    groups = ThreadGroups(len(local_updates[0]))
+    groups = InProcessGroups(len(local_updates[0]))
 
     def work(g, comm):
         shard = torch.tensor(anchor)
@@ -56,7 +56,7 @@ def test_nesterov_matches_hand_computed_steps():
 
 def test_custom_optimizer_factory_and_bfloat16_wire():
     factory = functools.partial(torch.optim.SGD, lr=0.5)
-    groups = ThreadGroups(2)
+    groups = InProcessGroups(2)
 
     def work(g, comm):
         shard = torch.zeros(3)
@@ -73,7 +73,7 @@ def test_custom_optimizer_factory_and_bfloat16_wire():
 
 
 def test_inner_shards_with_padding_and_several_tensors_stay_independent():
-    groups = ThreadGroups(3)
+    groups = InProcessGroups(3)
 
     def work(g, comm):
         a, b = torch.zeros(4), torch.zeros(2, 3)
@@ -90,11 +90,11 @@ def test_inner_shards_with_padding_and_several_tensors_stay_independent():
 
 def test_factory_that_returns_no_optimizer_is_rejected():
     with pytest.raises(ValueError, match="returned list"):
-        OuterStep([torch.zeros(2)], lambda params: list(params), ThreadGroups(1).run(lambda g, c: c)[0])
+        OuterStep([torch.zeros(2)], lambda params: list(params), InProcessGroups(1).run(lambda g, c: c)[0])
 
 
 def test_state_dict_round_trip_restores_momentum():
-    groups = ThreadGroups(2)
+    groups = InProcessGroups(2)
 
     def work(g, comm):
         shard = torch.zeros(2)
@@ -142,7 +142,7 @@ def test_drift_under_a_quantized_sync_is_the_distance_from_the_applied_mean(redu
             seen.append((own, before - outer.anchor[0].detach(), stats.drift))
         return seen
 
-    results = ThreadGroups(num_groups).run(work)
+    results = InProcessGroups(num_groups).run(work)
     for k in range(len(moves)):
         own = torch.stack([results[g][k][0] for g in range(num_groups)]).double()
         applied = results[0][k][1].double()  # fedavg: the anchor moves by the applied mean
@@ -174,7 +174,7 @@ def test_a_sync_the_communicator_does_not_commit_leaves_every_group_on_the_ancho
         kept = outer.step(step=4)
         return lost, after_lost, kept, shard.clone()
 
-    results = ThreadGroups(2).run(work)
+    results = InProcessGroups(2).run(work)
     for lost, (shard, anchor, num_syncs), kept, final in results:
         assert lost.lost and lost.syncs_lost == 1 and lost.as_dict()["fedshard/syncs_lost"] == 1.0
         assert torch.equal(shard, torch.zeros(4)) and torch.equal(anchor, torch.zeros(4)) and num_syncs == 0
@@ -207,7 +207,7 @@ def test_each_sync_reads_its_participants_once_and_divides_by_them():
         stats = outer.complete(pending, step=1)
         return spy.asked, pending.participants, shard.clone(), stats.bytes_sent
 
-    for asked, participants, shard, sent in ThreadGroups(3).run(work):
+    for asked, participants, shard, sent in InProcessGroups(3).run(work):
         assert asked == 1 and participants == (0, 1, 2)
         assert_close(shard, torch.full((2,), 1.0))  # (0 + 1 + 2) / 3
         assert sent == 2 * 2 * 2 * 4 // 3  # a ring all-reduce of 2 float32 values over 3 members
@@ -253,7 +253,7 @@ def test_error_feedback_in_the_weights_matches_a_hand_written_reference(reduce_d
         assert outer.reducers[0].state_dict()["residual"] is None  # the residual lives in the weights
         return seen
 
-    results = ThreadGroups(num_groups).run(work)
+    results = InProcessGroups(num_groups).run(work)
 
     weights = [anchor0.clone() for _ in range(num_groups)]
     anchor, sum_residual = anchor0.clone(), torch.zeros(numel)
@@ -286,7 +286,7 @@ def test_agree_on_mean_leaves_every_group_and_the_anchor_on_the_exact_mean():
         stats = agree_on_mean(outer)
         return shard.clone(), outer.anchor[0].clone(), stats.bytes_sent
 
-    for shard, anchor, sent in ThreadGroups(3).run(work):
+    for shard, anchor, sent in InProcessGroups(3).run(work):
         assert_close(shard, torch.tensor([1.0, 3.0]), rtol=0, atol=0)
         assert_close(anchor, shard, rtol=0, atol=0)
         assert sent == 2 * 2 * 2 * 4 // 3

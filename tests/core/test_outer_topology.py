@@ -14,9 +14,9 @@ from torch.testing import assert_close
 from lightning_fedshard import Hierarchical
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
+from lightning_fedshard.core.inprocess import InProcessGroups
 from lightning_fedshard.core.mesh import build_federation_mesh
 from lightning_fedshard.core.topology import FederationTopology
-from tests.core.fake_comm import ThreadGroups
 from tests.launch import run_ranks
 
 
@@ -105,7 +105,7 @@ def test_a_site_of_groups_that_are_not_consecutive_averages_its_own_members():
         fed.maybe_sync(2)
         return shards[0].clone()
 
-    results = ThreadGroups(4, site_blocks=config.site_blocks(4)).run(work)
+    results = InProcessGroups(4, site_blocks=config.site_blocks(4)).run(work)
     assert [r[0].item() for r in results] == [3.0] * 4  # (0 + 6) / 2 and (4 + 2) / 2; consecutive: 1, 1, 5, 5
 
 
@@ -127,7 +127,7 @@ def test_sites_average_their_weights_and_the_federation_takes_the_outer_step():
                 seen["distance"] = fed.consensus_distance
         return seen
 
-    results = ThreadGroups(4).run(work)
+    results = InProcessGroups(4).run(work)
     # step 2: sites {0, 1} and {2, 3} average (g + 1) * 3; the anchor (the federation's) is untouched
     for g, r in enumerate(results):
         shard, anchor, stats = r[2]
@@ -231,7 +231,7 @@ def _mixing_run(topology: Any, groups: int, steps: int, sync_every: int = 2) -> 
         fed.finish(steps)
         return {"before": before, "after": after, "consensus": consensus, "final": shards[0].clone()}
 
-    return ThreadGroups(groups).run(work)
+    return InProcessGroups(groups).run(work)
 
 
 @pytest.mark.parametrize(
@@ -270,7 +270,7 @@ def test_the_uniform_mix_is_todays_outer_step_bit_for_bit():
             seen.append(shards[0].clone())
         return seen
 
-    for mixed, today in zip(uniform, ThreadGroups(4).run(plain)):
+    for mixed, today in zip(uniform, InProcessGroups(4).run(plain)):
         assert all(torch.equal(mixed["after"][s + 1], today[s]) for s in range(6))
 
 
@@ -306,7 +306,7 @@ def test_a_mixing_with_the_default_reduce_dtype_lands_on_the_exact_mix_and_ends_
         fed.finish(6)
         return {"before": before, "after": after, "final": shards[0].clone()}
 
-    results = ThreadGroups(4).run(work)
+    results = InProcessGroups(4).run(work)
     for step in (2, 4, 6):
         mixed = topology.weights(step // 2 - 1, 4) @ torch.stack([r["before"][step] for r in results]).double()
         for g, r in enumerate(results):
@@ -390,7 +390,7 @@ def test_the_mix_over_real_gloo_processes_matches_the_thread_fake(tmp_path):
             out.append(comm.mix_over_groups(x, matrix))
         return out
 
-    for rank, expected in enumerate(ThreadGroups(4).run(fake)):
+    for rank, expected in enumerate(InProcessGroups(4).run(fake)):
         real = torch.load(tmp_path / f"rank{rank}.pt")
         assert len(real) == 4 and all(torch.equal(a, b) for a, b in zip(real, expected))
         # the last mix is not symmetric: group i takes from i - 1 and i - 2, and sends to i + 1 and i + 2
@@ -415,7 +415,7 @@ def _logged_run(topology: Any, steps: int) -> list[dict[int, Any]]:
             seen[step] = fed.maybe_sync(step)
         return seen
 
-    return ThreadGroups(4, site_blocks=config.site_blocks(4)).run(work)
+    return InProcessGroups(4, site_blocks=config.site_blocks(4)).run(work)
 
 
 def test_a_site_sync_logs_its_drift_and_norm_and_counts_in_the_syncs():
@@ -462,7 +462,7 @@ def test_the_count_of_site_syncs_survives_a_checkpoint_of_the_outer_state():
         resumed.load_state_dict(fed.state_dict())
         return resumed.outer.site_syncs, resumed.outer.num_syncs
 
-    assert ThreadGroups(4).run(work) == [(1, 1)] * 4
+    assert InProcessGroups(4).run(work) == [(1, 1)] * 4
 
 
 # ------------------------------------------------------------------------------- groups that meet, class paths alone

@@ -8,10 +8,10 @@ import torch.distributed as dist
 
 from lightning_fedshard.core.codecs import DEFAULT_BLOCK_SIZE, QMAX, FloatCodec, SparseTopK, dequantize, quantize
 from lightning_fedshard.core.comm import GLOO_SUM_PART_BYTES
+from lightning_fedshard.core.inprocess import InProcessGroups
 from lightning_fedshard.core.mesh import build_federation_mesh
 from lightning_fedshard.core.reducers import AllReduceSum, ScatterGatherSum, make_reducer
 from lightning_fedshard.core.topology import FederationTopology
-from tests.core.fake_comm import ThreadGroups
 from tests.launch import run_ranks
 
 
@@ -59,7 +59,7 @@ def _compressed_sums(
     error_feedback: bool = False,
 ) -> list[tuple[list[torch.Tensor], int, dict]]:
     """Every group reduces ``inputs[k][g]`` for each call k; per group: outputs, bytes counted, final state."""
-    groups = ThreadGroups(len(inputs[0]))
+    groups = InProcessGroups(len(inputs[0]))
 
     def work(g, comm):
         reducer = _quantized(bits, block_size, error_feedback)
@@ -104,7 +104,7 @@ def test_compressed_sum_is_deterministic_and_keeps_shape_and_input():
 
 def test_one_group_returns_an_exact_copy_and_sends_nothing():
     x = torch.randn(33)
-    results = ThreadGroups(1).run(
+    results = InProcessGroups(1).run(
         lambda g, comm: (_quantized(4).sum_across_groups(x, comm, comm.num_groups), comm.bytes_sent)
     )
     out, sent = results[0]
@@ -114,7 +114,7 @@ def test_one_group_returns_an_exact_copy_and_sends_nothing():
 
 def test_rejects_non_float32_input():
     with pytest.raises(TypeError, match="float32"):
-        ThreadGroups(2).run(lambda g, comm: _quantized(8).sum_across_groups(torch.ones(4).bfloat16(), comm, 2))
+        InProcessGroups(2).run(lambda g, comm: _quantized(8).sum_across_groups(torch.ones(4).bfloat16(), comm, 2))
 
 
 # ---------------------------------------------------------------------------------------------- wire bytes
@@ -187,7 +187,7 @@ def test_error_feedback_residual_has_the_input_shape_and_survives_state_dict():
         fresh = _quantized(4, 32, error_feedback=True)
         return [r.sum_across_groups(second[g], comm, comm.num_groups) for r in (reducer, restored, fresh)]
 
-    for carried, restored, fresh in ThreadGroups(2).run(work):
+    for carried, restored, fresh in InProcessGroups(2).run(work):
         assert torch.equal(carried, restored)
         assert not torch.equal(carried, fresh)  # the residual really changed the next call
 
@@ -206,7 +206,7 @@ def test_error_feedback_shape_change_raises_until_reset():
             reducer.sum_across_groups(torch.ones(120), comm, 3)
         return out
 
-    for out in ThreadGroups(2).run(work):
+    for out in InProcessGroups(2).run(work):
         assert torch.equal(out, torch.full((120,), 2.0))
 
 
@@ -231,7 +231,7 @@ def test_take_residual_returns_this_ranks_residual_once():
         assert torch.equal(after["sum_residual"], kept["sum_residual"])  # the summed chunk's residual stays
         return residual
 
-    for g, residual in enumerate(ThreadGroups(2).run(work)):
+    for g, residual in enumerate(InProcessGroups(2).run(work)):
         assert torch.equal(residual, xs[g] - dequantize(quantize(xs[g], 4, 32)).view(20, 25))
 
 
@@ -246,7 +246,7 @@ def test_reset_residual_makes_the_next_sync_carry_nothing():
         assert reducer.state_dict() == {"residual": None, "sum_residual": None}
         return [r.sum_across_groups(second[g], comm, comm.num_groups) for r in (reducer, fresh)]
 
-    for after_reset, fresh in ThreadGroups(2).run(work):
+    for after_reset, fresh in InProcessGroups(2).run(work):
         assert torch.equal(after_reset, fresh)
 
 
@@ -262,7 +262,7 @@ def test_reducers_without_error_feedback_keep_no_residual():
             assert reducer.take_residual() is None
         return quantized.state_dict(), float32.state_dict()
 
-    for quantized_state, float_state in ThreadGroups(2).run(work):
+    for quantized_state, float_state in InProcessGroups(2).run(work):
         assert quantized_state == {"residual": None, "sum_residual": None}
         assert float_state == {}
 
@@ -277,12 +277,12 @@ def test_float_reducer_casts_sums_and_returns_float32():
     def work(g, comm):
         return AllReduceSum(FloatCodec("bfloat16")).sum_across_groups(xs[g].bfloat16(), comm, comm.num_groups)
 
-    for out in ThreadGroups(2).run(work):
+    for out in InProcessGroups(2).run(work):
         assert out.dtype == torch.bfloat16
         assert torch.equal(out, exact)
     float32 = AllReduceSum(FloatCodec())
     assert torch.equal(
-        ThreadGroups(2).run(lambda g, comm: float32.sum_across_groups(xs[g].clone(), comm, comm.num_groups))[0],
+        InProcessGroups(2).run(lambda g, comm: float32.sum_across_groups(xs[g].clone(), comm, comm.num_groups))[0],
         xs[0] + xs[1],
     )
     assert float32.state_dict() == {}

@@ -10,14 +10,14 @@ import torch
 from torch import Tensor
 
 from lightning_fedshard.core.elastic import Elastic
+from lightning_fedshard.core.inprocess import InProcessGroups
 from lightning_fedshard.elastic import ElasticCommunicator
-from tests.core.fake_comm import ThreadGroups
 
 SITES = {2: ((0, 2), (1, 3))}
 
 
 def _communicator(group: int) -> ElasticCommunicator:
-    local = ThreadGroups(1).run(lambda g, c: c)[0]
+    local = InProcessGroups(1).run(lambda g, c: c)[0]
     return ElasticCommunicator(Elastic(group=group), group, local, dict, site_blocks=SITES)
 
 

@@ -14,14 +14,14 @@ from torch.testing import assert_close
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.elastic import Elastic
 from lightning_fedshard.core.federation import Federation
+from lightning_fedshard.core.inprocess import InProcessGroups
 from lightning_fedshard.core.stats import SyncStats
 from lightning_fedshard.elastic import ElasticCommunicator, ElasticMembership
-from tests.core.fake_comm import ThreadGroups
 
 
 def _member(config: FederationConfig, shards: list[torch.Tensor], group: int) -> tuple[Federation, ElasticMembership]:
     """A lone group's federation (its syncs over a fake ring) and its membership of an elastic federation."""
-    local = ThreadGroups(1).run(lambda g, c: c)[0]
+    local = InProcessGroups(1).run(lambda g, c: c)[0]
     federation = Federation(config, local)
     federation.start(shards, step=0)
     return federation, ElasticMembership(federation, ElasticCommunicator(Elastic(group=group), group, local, dict))
@@ -73,5 +73,5 @@ def test_the_membership_names_the_groups_of_each_sync_and_keeps_them_in_checkpoi
     restored, restored_membership = _member(config, [torch.zeros(4)], group=0)
     restored.load_state_dict({**saved, "membership": {"step": 7, "batches_committed": 3}})
     assert restored_membership.members == (0, 2) and restored_membership.communicator.step == 7
-    plain = Federation(FederationConfig(num_groups=3, sync_every=2), ThreadGroups(1).run(lambda g, c: c)[0])
+    plain = Federation(FederationConfig(num_groups=3, sync_every=2), InProcessGroups(1).run(lambda g, c: c)[0])
     assert "members" not in plain.state_dict() and not plain.groups_may_join

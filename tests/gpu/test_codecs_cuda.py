@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_fedshard.core.inprocess import InProcessGroups
 from lightning_fedshard.core.reducers import make_reducer
-from tests.core.fake_comm import ThreadGroups
 
 
 def _sums(device: str, bits: int, calls: int = 3) -> list[list[torch.Tensor]]:
@@ -17,7 +17,7 @@ def _sums(device: str, bits: int, calls: int = 3) -> list[list[torch.Tensor]]:
         reducer = make_reducer(f"int{bits}", 128, True)
         return [reducer.sum_across_groups(call[g].to(device), comm, 2).cpu() for call in inputs]
 
-    return ThreadGroups(2).run(work)
+    return InProcessGroups(2).run(work)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -7,7 +7,7 @@ import torch
 
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from tests.core.fake_comm import ThreadGroups
+from lightning_fedshard.core.inprocess import InProcessGroups
 
 
 def _train(device: str, reduce_dtype: str, sync_delay: int, steps: int = 8) -> list[torch.Tensor]:
@@ -32,7 +32,7 @@ def _train(device: str, reduce_dtype: str, sync_delay: int, steps: int = 8) -> l
         assert all(a.device.type == "cpu" for a in federation.outer.anchor)  # the default anchor_device="cpu"
         return seen
 
-    return ThreadGroups(2).run(work)
+    return InProcessGroups(2).run(work)
 
 
 @pytest.mark.parametrize("reduce_dtype", ["float32", "int4"])

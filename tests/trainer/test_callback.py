@@ -10,9 +10,9 @@ import torch
 from lightning_fedshard import Hierarchical, OuterSync
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
+from lightning_fedshard.core.inprocess import InProcessGroups
 from lightning_fedshard.core.stats import SyncStats
 from lightning_fedshard.runtime import FederatedRuntime
-from tests.core.fake_comm import ThreadGroups
 
 
 class _ScriptedRuntime(FederatedRuntime):
@@ -53,7 +53,7 @@ def _site_then_federation_stats() -> dict[int, SyncStats | None]:
             seen[step] = fed.maybe_sync(step)
         return seen
 
-    return ThreadGroups(4, site_blocks=config.site_blocks(4)).run(work)[0]
+    return InProcessGroups(4, site_blocks=config.site_blocks(4)).run(work)[0]
 
 
 def test_the_progress_bar_counts_site_syncs_and_the_loggers_get_their_drift():

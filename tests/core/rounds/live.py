@@ -15,7 +15,7 @@ from torch import Tensor
 from lightning_fedshard import Hierarchical
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from tests.core.fake_comm import ThreadGroups
+from lightning_fedshard.core.inprocess import InProcessGroups
 
 
 class Live:
@@ -126,7 +126,7 @@ def run_live(
         fed.finish(steps)
         return {"history": history, "landed": landed, "final": [s.clone() for s in shards], "anchor": fed.outer.anchor}
 
-    return ThreadGroups(len(labels[0][1])).run(work)
+    return InProcessGroups(len(labels[0][1])).run(work)
 
 
 def assert_resumed_exactly(straight: list[dict[str, Any]], resumed: list[dict[str, Any]], stop_at: int) -> None:

@@ -14,7 +14,7 @@ from lightning_fedshard import Gossip, Mixing, Sampled
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fragments import cut_fragments
-from tests.core.fake_comm import ThreadGroups
+from lightning_fedshard.core.inprocess import InProcessGroups
 from tests.core.rounds.toy import ReferenceGroup, initial
 from tests.reference import federate, roundtrip_of
 
@@ -69,7 +69,7 @@ def _run(
         fed.finish(steps)
         return {"final": [s.clone() for s in shards], "after": after}
 
-    return ThreadGroups(GROUPS).run(work)
+    return InProcessGroups(GROUPS).run(work)
 
 
 @pytest.mark.parametrize("name", list(TOPOLOGIES))

@@ -13,9 +13,9 @@ from lightning_fedshard import Gossip, Hierarchical, Mixing, Sampled
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.elastic import Elastic
 from lightning_fedshard.core.federation import Federation
+from lightning_fedshard.core.inprocess import InProcessGroups
 from lightning_fedshard.core.nonfinite import NonFiniteOuterGradientError
 from lightning_fedshard.core.rounds.options import ALTERNATIVES, SWITCHES, compatibility_table, refusal, refused_pairs
-from tests.core.fake_comm import ThreadGroups
 
 GROUPS, STEPS, UNITS = 4, 14, 3
 RING = [[0.5, 0.25, 0, 0.25], [0.25, 0.5, 0.25, 0], [0, 0.25, 0.5, 0.25], [0.25, 0, 0.25, 0.5]]
@@ -102,7 +102,7 @@ def _train(options: dict[str, Any], nan_at: int | None = None) -> list[Tensor] |
         return torch.cat([s.clone() for s in shards])
 
     try:
-        return ThreadGroups(GROUPS).run(work)
+        return InProcessGroups(GROUPS).run(work)
     except NonFiniteOuterGradientError as error:
         return f"raised: {type(error).__name__}"
 

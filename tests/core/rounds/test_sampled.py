@@ -14,9 +14,9 @@ from lightning_fedshard import Sampled
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fragments import cut_fragments
+from lightning_fedshard.core.inprocess import InProcessGroups
 from lightning_fedshard.core.pending import PendingSync
 from lightning_fedshard.core.rounds import EagerRound, SampledRound, build_round
-from tests.core.fake_comm import ThreadGroups
 from tests.core.rounds.toy import ReferenceGroup, initial
 from tests.reference import federate
 
@@ -76,7 +76,7 @@ def _run(
         fed.finish(steps)
         return {"history": history, "final": [s.clone() for s in shards], "anchor": fed.outer.anchor}
 
-    return ThreadGroups(groups).run(work)
+    return InProcessGroups(groups).run(work)
 
 
 def _reference(topology: Sampled, groups: int, steps: int, outer: str, fragments: int, **options: Any) -> dict:
@@ -130,8 +130,8 @@ def test_a_group_left_out_of_the_round_adds_nothing(move):
             fed.maybe_sync(step)
         return [a.clone() for a in fed.outer.anchor], [s.clone() for s in shards]
 
-    quiet = ThreadGroups(4).run(lambda g, comm: work(g, comm, moved=False))
-    moved = ThreadGroups(4).run(lambda g, comm: work(g, comm, moved=True))
+    quiet = InProcessGroups(4).run(lambda g, comm: work(g, comm, moved=False))
+    moved = InProcessGroups(4).run(lambda g, comm: work(g, comm, moved=True))
     for (anchor, shards), (quiet_anchor, _) in zip(moved, quiet):
         assert all(torch.equal(a, b) for a, b in zip(anchor, quiet_anchor))
         assert all(torch.equal(s, a) for s, a in zip(shards, anchor))  # every group restarts from the anchor
@@ -149,7 +149,7 @@ def test_the_drift_and_norm_leave_idle_groups_out():
         shards[0].add_(float(g + 1))  # pseudo-gradient -(g + 1) everywhere
         return fed.maybe_sync(1)
 
-    for stats in ThreadGroups(4).run(work):
+    for stats in InProcessGroups(4).run(work):
         assert stats.drift == pytest.approx(abs(a - b) / 2 * 3**0.5)  # the two sampled groups around their mean
         assert stats.outer_grad_norm == pytest.approx((a + b + 2) / 2 * 3**0.5)
         assert stats.num_syncs == 1 and stats.kind == "outer step"
@@ -206,4 +206,4 @@ def test_the_option_shows_in_the_topology_and_the_config():
     assert config.mixing is None  # a shared anchor, no mix
     assert FederationConfig(outer_topology="all").effective_reduce_dtype == "int4"
     assert FederationConfig(outer_topology=Sampled(2)).effective_reduce_dtype == "float32"  # the mix stays as it was
-    assert isinstance(build_round(Federation(config, ThreadGroups(2).run(lambda g, c: c)[0])), SampledRound)
+    assert isinstance(build_round(Federation(config, InProcessGroups(2).run(lambda g, c: c)[0])), SampledRound)

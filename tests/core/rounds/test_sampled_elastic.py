@@ -1,6 +1,6 @@
 """Sampled participation in an elastic federation: the sample is drawn among the sync's live groups.
 
-Each group is a thread (``tests/core/fake_comm.py``) that an elastic communicator's view relabels: thread ``t`` runs
+Each group is a thread (``core/inprocess.py``) that an elastic communicator's view relabels: thread ``t`` runs
 the live group ``labels[t]`` of the planned ones, and the participants of a sync are the live groups in ring order.
 """
 
@@ -15,7 +15,7 @@ from torch import Tensor
 from lightning_fedshard import Elastic, Gossip, Mixing, Sampled
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from tests.core.fake_comm import ThreadGroups
+from lightning_fedshard.core.inprocess import InProcessGroups
 from tests.core.rounds.live import Live, assert_resumed_exactly, run_live
 
 PLANNED = 4
@@ -61,7 +61,7 @@ def test_the_sample_is_drawn_by_position_among_the_live_groups(live, per_round):
         expected.append(anchor)
     samples = {tuple(topology.sample(r, len(live))) for r in range(rounds)}
     assert len(samples) > 1 or per_round >= len(live)  # the sample changes between rounds
-    for anchors, shards, asked in ThreadGroups(len(live)).run(work):
+    for anchors, shards, asked in InProcessGroups(len(live)).run(work):
         assert asked == {step: 1 for step in range(1, rounds + 1)}  # no quorum of its own for the sample
         for r in range(rounds):
             assert anchors[r] == pytest.approx(torch.full((3,), expected[r]), abs=1e-5)
@@ -89,7 +89,7 @@ def test_a_sample_of_only_a_joining_group_moves_no_anchor_and_every_group_restar
                 seen.append((stats.num_syncs, fed.outer.anchor[0].detach().clone(), shard.clone()))
         return seen
 
-    for first, second in ThreadGroups(2).run(work):
+    for first, second in InProcessGroups(2).run(work):
         assert first[0] == 0 and torch.equal(first[1], torch.zeros(2))  # the sample was the joining group 3 alone
         assert torch.equal(first[2], first[1])  # group 0 trained, and restarts from the anchor all the same
         assert second[0] == 1 and torch.equal(second[1], torch.full((2,), 2.0))  # round 1: group 0's two steps

@@ -13,8 +13,8 @@ from lightning_fedshard import Hierarchical
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fragments import cut_fragments
+from lightning_fedshard.core.inprocess import InProcessGroups
 from lightning_fedshard.core.rounds import EagerRound, HierarchicalRound, PlainRound
-from tests.core.fake_comm import ThreadGroups
 from tests.core.rounds.toy import ReferenceGroup, initial
 from tests.reference import federate
 
@@ -70,7 +70,7 @@ def _run(options: dict[str, Any], steps: int, stop_at: int | None = None, resume
         fed.finish(steps)
         return {"final": [s.clone() for s in shards], "anchor": [a.detach().clone() for a in fed.outer.anchor]}
 
-    return ThreadGroups(GROUPS, site_blocks=config.site_blocks(GROUPS)).run(work)
+    return InProcessGroups(GROUPS, site_blocks=config.site_blocks(GROUPS)).run(work)
 
 
 def _reference(options: dict[str, Any], steps: int) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Sites in an elastic federation: a site is its live groups, a joining group adds nothing and takes its site's mean.
 
-Each group is a thread (``tests/core/fake_comm.py``) that an elastic communicator's view relabels: thread ``t`` runs
+Each group is a thread (``core/inprocess.py``) that an elastic communicator's view relabels: thread ``t`` runs
 the live group ``labels[t]`` of the planned ones, the participants of a sync are the live groups in ring order, and a
 site sums over the whole ring, one row per planned site, as an elastic communicator sums it.
 """
@@ -16,9 +16,9 @@ from torch import Tensor
 from lightning_fedshard import Elastic, Hierarchical
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
+from lightning_fedshard.core.inprocess import InProcessGroups
 from lightning_fedshard.core.rounds.averaging import mean_bytes
 from lightning_fedshard.core.rounds.sites import SITE_SYNC
-from tests.core.fake_comm import ThreadGroups
 from tests.core.rounds.live import Live, assert_resumed_exactly, run_live
 
 PLANNED = 4
@@ -46,7 +46,7 @@ def _one_site_sync(live: tuple[int, ...], joined: tuple[int, ...] = ()) -> list[
         stats = fed.maybe_sync(1)
         return shard.clone(), stats
 
-    return ThreadGroups(len(live)).run(work)
+    return InProcessGroups(len(live)).run(work)
 
 
 def test_a_gone_group_leaves_its_sites_mean():
@@ -89,7 +89,7 @@ def test_a_site_whose_groups_are_all_gone_leaves_the_federations_outer_step():
             fed.maybe_sync(step)
         return shard.clone(), fed.outer.anchor[0].detach().clone(), view.asked
 
-    for shard, anchor, asked in ThreadGroups(2).run(work):
+    for shard, anchor, asked in InProcessGroups(2).run(work):
         # The site mean moves by (1 + 3) / 2 = 2 per step: 6 after step 3, then the groups reach 7 and 9.
         assert torch.equal(anchor, torch.full((2,), 8.0)) and torch.equal(shard, anchor)
         assert asked == {1: 1, 2: 1, 3: 1, 4: 1}
@@ -116,7 +116,7 @@ def test_a_group_that_heals_while_the_peers_are_in_a_site_sync_takes_part_in_it(
             stats = fed.maybe_sync(2)
         return shard.clone(), (stats, marks), fed.last_step
 
-    results = ThreadGroups(PLANNED).run(work)
+    results = InProcessGroups(PLANNED).run(work)
     shards = [shard for shard, _, _ in results]
     assert torch.equal(shards[0], torch.full((2,), 2.0)) and torch.equal(shards[2], shards[0])  # (1 + 3) / 2
     assert torch.equal(shards[1], torch.full((2,), 2.0)) and torch.equal(shards[3], shards[1])  # group 1 alone adds
@@ -137,7 +137,7 @@ def test_a_lost_site_sync_sends_every_group_back_to_the_anchor():
         stats = fed.maybe_sync(1)
         return shard.clone(), stats
 
-    for shard, stats in ThreadGroups(PLANNED, site_blocks=config.site_blocks(PLANNED)).run(work):
+    for shard, stats in InProcessGroups(PLANNED, site_blocks=config.site_blocks(PLANNED)).run(work):
         assert stats.lost and stats.syncs_lost == 1 and torch.equal(shard, torch.zeros(2))
 
 

@@ -1,0 +1,221 @@
+"""Simulate a federation's learning on one device: every group a Lightning ``Trainer`` in a thread of this process.
+
+The groups run the strategies' own federation (rounds, outer step, codecs, error feedback, eager updates, outer
+topologies) through an in-process communicator, one group's thread at a time, each with random generators of its
+own. A group holds the whole model (a group of one rank): the simulation lands on the weights a Trainer run of
+``fl_fsdp2`` with one rank per group reaches on the same data and seeds. What a group of several ranks adds
+(a larger batch per step) is ``ranks_per_group``: each group accumulates that many batches per optimizer step.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from torchmetrics import Metric
+
+from lightning_fedshard._arguments import FederatedArguments
+from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.core.inprocess import Baton, InProcessGroups, run_threads
+from lightning_fedshard.core.mesh import FederationMesh
+from lightning_fedshard.core.sharding import UNSHARDED
+from lightning_fedshard.runtime import FederatedRuntime
+from lightning_fedshard.simulate.strategy import InProcessMesh, SimulatedStrategy
+
+#: Trainer arguments the simulator sets itself: every group trains on one device of this process.
+_OWN_TRAINER_ARGS = ("strategy", "devices", "num_nodes")
+
+
+@dataclass
+class SimulationResult:
+    """What a simulation leaves.
+
+    Attributes:
+        trainers: Every group's Trainer (group 0's holds the loggers and the checkpoint callbacks' paths).
+        modules: Every group's LightningModule; after ``fit`` each holds the consensus.
+    """
+
+    trainers: list[Trainer]
+    modules: list[LightningModule]
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Group 0's ``callback_metrics`` as floats (validation metrics are averaged over the groups)."""
+        return {k: float(v) for k, v in self.trainers[0].callback_metrics.items()}
+
+
+class Simulator:
+    """Runs the federated training of one LightningModule with ``num_groups`` groups on one device.
+
+    Args:
+        federation: The federation's options: a :class:`~lightning_fedshard.core.config.FederationConfig`, or a
+            federated strategy (e.g. ``FLHSDPStrategy(num_groups=4, sync_every=8)``) whose options are taken. Its
+            FSDP arguments do not apply: a group holds the whole model, and fragments are cut at parameters.
+        num_groups: Groups to simulate; default: the federation's ``num_groups``.
+        ranks_per_group: Ranks of a group of the real run: each group's optimizer step takes that many batches
+            (gradient accumulation), as a group of that many ranks would.
+        **trainer_kwargs: Arguments of every group's ``Trainer`` (``max_steps``, ``accelerator``, ``callbacks``,
+            ``logger``, ...). Callbacks are copied into every group (collectives of e.g. ``ModelCheckpoint`` need
+            all); loggers and the progress bar are group 0's only. Checkpoints hold every group in one file.
+
+    Raises:
+        ValueError: For options the simulator cannot run exactly, naming them, before anything is built.
+    """
+
+    def __init__(
+        self,
+        federation: FederationConfig | FederatedArguments,
+        num_groups: int | None = None,
+        ranks_per_group: int = 1,
+        **trainer_kwargs: Any,
+    ) -> None:
+        self.config = _config_of(federation)
+        self.num_groups = _num_groups(self.config, num_groups)
+        if ranks_per_group < 1:
+            raise ValueError(f"`ranks_per_group={ranks_per_group}` must be at least 1.")
+        self.ranks_per_group = ranks_per_group
+        given = [k for k in _OWN_TRAINER_ARGS if trainer_kwargs.get(k) not in (None, 1, "auto")]
+        if given:
+            raise ValueError(
+                f"The simulator runs every group on one device of this process; drop the Trainer argument(s)"
+                f" {', '.join(f'`{k}={trainer_kwargs[k]!r}`' for k in given)}."
+            )
+        accumulate = trainer_kwargs.pop("accumulate_grad_batches", 1)
+        if not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(f"`accumulate_grad_batches={accumulate!r}` must be a positive integer in a simulation.")
+        self.accumulate = accumulate * ranks_per_group
+        for key in _OWN_TRAINER_ARGS:
+            trainer_kwargs.pop(key, None)
+        self.trainer_kwargs = trainer_kwargs
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """What a checkpoint of this simulation must have been written with to be resumed."""
+        return {
+            "num_groups": self.num_groups,
+            "ranks_per_group": self.ranks_per_group,
+            "accumulate_grad_batches": self.accumulate,
+            "federation": repr(self.config),
+        }
+
+    def fit(
+        self,
+        model: LightningModule,
+        train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+        datamodule: LightningDataModule | None = None,
+        ckpt_path: str | None = None,
+    ) -> SimulationResult:
+        """Train ``model`` as every group of the federation would, from the same initial weights.
+
+        Every group trains a copy of ``model`` (and of ``datamodule``) taken before training; ``model`` itself is
+        group 0's. Data loaders are sharded over the groups as a multi-rank run shards them over its ranks.
+
+        Args:
+            model: The LightningModule (group 0's copy).
+            train_dataloaders: As ``Trainer.fit`` takes them (shared by the groups: each samples its part).
+            val_dataloaders: As ``Trainer.fit`` takes them.
+            datamodule: As ``Trainer.fit`` takes it (copied for every group).
+            ckpt_path: A checkpoint this simulator wrote (``ModelCheckpoint`` or ``save_checkpoint``), to resume.
+        """
+        models = [model] + [copy.deepcopy(model) for _ in range(self.num_groups - 1)]
+        datamodules = [datamodule] + [copy.deepcopy(datamodule) for _ in range(self.num_groups - 1)]
+        groups = InProcessGroups(self.num_groups, self.config.site_blocks(self.num_groups))
+        baton = Baton(self.num_groups)  # every group starts with this process's generator states, as ranks would
+        trainers = [self._trainer(groups, g, baton) for g in range(self.num_groups)]
+
+        def run(g: int) -> None:
+            _sync_metrics(models[g], trainers[g].strategy)
+            trainers[g].fit(models[g], train_dataloaders, val_dataloaders, datamodules[g], ckpt_path=ckpt_path)
+
+        def held(g: int) -> None:
+            with baton.held(g):
+                run(g)
+
+        run_threads(self.num_groups, held, on_error=groups.abort)
+        return SimulationResult(trainers, models)
+
+    def _trainer(self, groups: InProcessGroups, group: int, baton: Baton) -> Trainer:
+        kwargs = dict(self.trainer_kwargs)
+        accelerator = kwargs.pop("accelerator", "auto")
+        device = _device(accelerator)
+        runtime = FederatedRuntime(
+            self.config,
+            hybrid=False,
+            name="fl_simulated",
+            backend=UNSHARDED,
+            mesh=lambda topology, device_type, sites: cast(FederationMesh, InProcessMesh(groups, group)),
+        )
+        strategy = SimulatedStrategy(runtime, groups, group, device, baton, self.settings)
+        callbacks = kwargs.pop("callbacks", None) or []
+        callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
+        if group > 0:
+            callbacks = copy.deepcopy(callbacks)
+            kwargs["logger"] = False
+            kwargs["enable_progress_bar"] = False
+            kwargs["enable_model_summary"] = False
+        return Trainer(
+            accelerator=device.type,
+            devices=1,
+            strategy=strategy,
+            accumulate_grad_batches=self.accumulate,
+            callbacks=callbacks,
+            **kwargs,
+        )
+
+
+def _config_of(federation: FederationConfig | FederatedArguments) -> FederationConfig:
+    config = federation.runtime.config if isinstance(federation, FederatedArguments) else federation
+    if not isinstance(config, FederationConfig):
+        raise TypeError(
+            f"`federation` must be a FederationConfig or a federated strategy, not {type(federation).__name__}."
+        )
+    if config.elastic is not None:
+        raise ValueError(
+            "`elastic=...` is for groups that run as separate jobs and join over the network; the simulator runs a"
+            " fixed set of groups in one process. Drop `elastic` to simulate the same federation."
+        )
+    if isinstance(federation, FederatedArguments) and federation.plan_check is not None:
+        raise ValueError(
+            "`plan=...` checks a run's pace against a cluster's prediction; a simulation runs on one device and has"
+            " no cluster pace to check. Drop `plan`."
+        )
+    return config
+
+
+def _num_groups(config: FederationConfig, num_groups: int | None) -> int:
+    value = num_groups if num_groups is not None else config.num_groups
+    if value is None:
+        raise ValueError("Give `num_groups`: the federation's options leave it to the cluster (one group per node).")
+    if value < 1:
+        raise ValueError(f"`num_groups={value}` must be at least 1.")
+    if config.num_groups is not None and num_groups is not None and config.num_groups != num_groups:
+        raise ValueError(f"`num_groups={num_groups}` differs from the federation's `num_groups={config.num_groups}`.")
+    dataclasses.replace(config, num_groups=value).site_blocks(value)  # a topology that needs other counts fails here
+    return value
+
+
+def _device(accelerator: Any) -> torch.device:
+    """The device of every group: the accelerator's first device (``"auto"``: CUDA if available)."""
+    name = str(accelerator).lower()
+    if name in ("gpu", "cuda") or (name == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    if name in ("cpu", "auto"):
+        return torch.device("cpu")
+    raise ValueError(f"`accelerator={accelerator!r}`: the simulator runs on 'cpu' or 'gpu' ('cuda').")
+
+
+def _sync_metrics(module: LightningModule, strategy: Any) -> None:
+    """Make the module's torchmetrics gather their states over the groups, as they would over ranks."""
+
+    def gather(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+        return strategy.gather_objects(tensor.detach().clone())
+
+    for metric in module.modules():
+        if isinstance(metric, Metric):
+            metric.dist_sync_fn = gather
+            metric.distributed_available_fn = lambda: True

@@ -1,0 +1,266 @@
+"""One federation group of a simulation: a Lightning strategy on one device whose collectives meet other threads.
+
+Each group of a simulated federation is a Lightning ``Trainer`` running in a thread of its own with a
+:class:`SimulatedStrategy`. To Lightning the strategy is rank ``g`` of a world of ``num_groups`` ranks: the data
+loaders get a ``DistributedSampler`` for the group's part, metrics logged with ``sync_dist=True`` are averaged over
+the groups, only group 0 draws the progress bar and writes logs. The federation itself is the strategies' own
+(:class:`~lightning_fedshard.runtime.FederatedRuntime` with its :class:`~lightning_fedshard.OuterSync` callback) over
+an in-process communicator.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import ParallelStrategy
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_fedshard.checkpoint.atomic import save_file
+from lightning_fedshard.core.inprocess import Baton, InProcessGroups
+from lightning_fedshard.core.topology import FederationTopology
+from lightning_fedshard.runtime import FederatedRuntime
+from lightning_fedshard.trainer.strategy import place_outer_sync_first
+
+#: Version of the simulator's checkpoint files.
+CHECKPOINT_VERSION = 1
+
+
+class InProcessMesh:
+    """What the runtime needs of a federation mesh, for one group of :class:`InProcessGroups` (one rank per group)."""
+
+    def __init__(self, groups: InProcessGroups, group: int) -> None:
+        self._groups = groups
+        self.rank = group
+        self.coords = (group, 0, 0)
+        self.topology = FederationTopology(groups.num_groups, 1, 1)
+
+    def communicator(self) -> Any:
+        """The group's in-process communicator."""
+        return self._groups.communicator(self.rank)
+
+    @torch.no_grad()
+    def broadcast_shards(self, shards: list[Tensor]) -> None:
+        """Every group takes group 0's values."""
+        for shard in shards:
+            shard.copy_(self._groups.host.exchange(self.rank, shard.detach().clone(), lambda posted: posted[0]))
+
+    broadcast_buffers = broadcast_shards
+
+
+class SimulatedStrategy(ParallelStrategy):
+    """Group ``group`` of a simulated federation of ``groups.num_groups`` groups, each a whole model on ``device``.
+
+    Built by :class:`~lightning_fedshard.simulate.Simulator`, one per group; not meant to be given to a ``Trainer``
+    by hand.
+
+    Args:
+        runtime: The group's federated runtime (its federation options).
+        groups: Where the groups' collectives meet.
+        group: This group's index.
+        device: The device every group trains on.
+        baton: Lets one group's thread run at a time (checkpoints keep each group's random generators).
+        settings: What the simulation's checkpoints must match to be resumed (e.g. the federation options).
+    """
+
+    strategy_name = "fl_simulated"
+    #: Lightning injects a ``DistributedSampler`` only for strategies it deems distributed.
+    is_distributed = True
+
+    def __init__(
+        self,
+        runtime: FederatedRuntime,
+        groups: InProcessGroups,
+        group: int,
+        device: torch.device,
+        baton: Baton,
+        settings: dict[str, Any],
+    ) -> None:
+        super().__init__(parallel_devices=[device])
+        self.runtime = runtime
+        self.groups = groups
+        self.group = group
+        self.device = device
+        self.baton = baton
+        self.settings = settings
+
+    # -- where this group is --------------------------------------------------------------------------------------
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return self.device
+
+    @property
+    @override
+    def global_rank(self) -> int:
+        return self.group
+
+    @property
+    @override
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def node_rank(self) -> int:
+        return self.group
+
+    @property
+    @override
+    def world_size(self) -> int:
+        return self.groups.num_groups
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.groups.num_groups, "rank": self.group}
+
+    # -- set-up ---------------------------------------------------------------------------------------------------
+
+    @override
+    def setup_environment(self) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup_device(self.root_device)
+        self.runtime.setup(num_nodes=self.groups.num_groups, devices_per_node=1, device=self.root_device)
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        place_outer_sync_first(trainer)
+        assert self.model is not None
+        self.model_to_device()
+        self.model = self.runtime.wrap(self.model, lambda module: module)
+        super().setup(trainer)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # -- collectives over the groups' threads ------------------------------------------------------------------------
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every group's ``obj``, in group order (collective)."""
+        return self.groups.host.exchange(self.group, obj, lambda posted: posted)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        self.gather_objects(None)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self.gather_objects(obj)[src]
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        """Sum or average a tensor over the groups (in group order: every group gets the same bits)."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        op = str(reduce_op).lower().removeprefix("reduceop.") if reduce_op is not None else "mean"
+        posted = self.gather_objects(tensor.detach().clone())
+        stacked = torch.stack([t.to(tensor.device) for t in posted])
+        if op in ("sum",):
+            return stacked.sum(0)
+        if op in ("mean", "avg"):
+            return stacked.sum(0) / len(posted)
+        if op == "max":
+            return stacked.max(0).values
+        if op == "min":
+            return stacked.min(0).values
+        raise ValueError(
+            f"`reduce_op={reduce_op!r}` is not supported by the simulator; use 'sum', 'mean', 'max', 'min'."
+        )
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return torch.stack([t.to(tensor.device) for t in self.gather_objects(tensor.detach().clone())])
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        decisions = self.gather_objects(bool(decision))
+        return all_(decisions) if all else any(decisions)
+
+    # -- checkpoints: one file holding every group ----------------------------------------------------------------
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Every group hands its state to group 0, which writes one file atomically (never half-written)."""
+        federation = self.runtime.federation
+        mine = {
+            **checkpoint,
+            "fedshard_simulated": {
+                "federation": _to_cpu(federation.state_dict()) if federation.started else None,
+                "group": _to_cpu(federation.group_state_dict()) if federation.started else None,
+                "rng": self.baton.current_state(),
+            },
+        }
+        states = self.gather_objects(mine)
+        if self.group == 0:
+            save_file({"version": CHECKPOINT_VERSION, "settings": self.settings, "groups": states}, Path(filepath))
+        self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """This group's part of a simulation checkpoint; its federation, residuals and random generators resume."""
+        saved = read_checkpoint(Path(checkpoint_path), self.settings, self.groups.num_groups)
+        mine = saved["groups"][self.group]
+        own = mine.pop("fedshard_simulated")
+        federation = self.runtime.federation
+        if own["federation"] is not None:
+            step = int(own["federation"]["last_synced_step"])
+            federation.start(
+                self.runtime.local_shards(), step, unit_sizes=self.runtime.backend.unit_sizes(self.runtime.module)
+            )
+            federation.load_state_dict(own["federation"])
+            federation.load_group_state_dict(own["group"])
+        self.baton.restore_state(own["rng"])
+        return mine
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.group == 0:
+            super().remove_checkpoint(filepath)
+
+    @override
+    def teardown(self) -> None:
+        self.runtime.close()
+        super().teardown()
+
+
+def all_(values: list[bool]) -> bool:
+    """``all`` (the name is shadowed by Lightning's argument)."""
+    return all(values)
+
+
+def read_checkpoint(path: Path, settings: dict[str, Any], num_groups: int) -> dict[str, Any]:
+    """A simulation checkpoint, checked against this simulation's settings before anything is restored.
+
+    Raises:
+        ValueError: If the file is not a simulation checkpoint, or was written with other settings.
+    """
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    if not isinstance(saved, dict) or "groups" not in saved or "settings" not in saved:
+        raise ValueError(f"{str(path)!r} is not a checkpoint of `fedshard simulate` (it holds no groups).")
+    differences = {
+        key: (saved["settings"].get(key), value)
+        for key, value in settings.items()
+        if saved["settings"].get(key) != value
+    }
+    if differences or len(saved["groups"]) != num_groups:
+        shown = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in differences.items())
+        raise ValueError(f"Checkpoint {str(path)!r} was written by a simulation with other settings ({shown}).")
+    return saved
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
