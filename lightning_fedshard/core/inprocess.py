@@ -26,6 +26,9 @@ from torch import Tensor
 from lightning_fedshard.core.comm import weighted_sum
 from lightning_fedshard.core.waiting import scheduled, waiting
 
+#: Threads of :func:`run_threads` are named this, followed by their index.
+GROUP_THREAD_PREFIX = "fedshard-group-"
+
 
 class InProcessGroups:
     """The meeting point of ``num_groups`` groups running as threads of this process.
@@ -269,7 +272,7 @@ def run_threads(num: int, work: Callable[[int], Any], on_error: Callable[[], Non
             if on_error is not None:
                 on_error()
 
-    threads = [threading.Thread(target=target, args=(i,), name=f"fedshard-group-{i}") for i in range(num)]
+    threads = [threading.Thread(target=target, args=(i,), name=f"{GROUP_THREAD_PREFIX}{i}") for i in range(num)]
     for t in threads:
         t.start()
     for t in threads:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -20,7 +23,7 @@ from torchmetrics import Metric
 
 from lightning_fedshard._arguments import FederatedArguments
 from lightning_fedshard.core.config import FederationConfig
-from lightning_fedshard.core.inprocess import Baton, InProcessGroups, run_threads
+from lightning_fedshard.core.inprocess import GROUP_THREAD_PREFIX, Baton, InProcessGroups, run_threads
 from lightning_fedshard.core.mesh import FederationMesh
 from lightning_fedshard.core.sharding import UNSHARDED
 from lightning_fedshard.runtime import FederatedRuntime
@@ -88,6 +91,7 @@ class Simulator:
         if not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"`accumulate_grad_batches={accumulate!r}` must be a positive integer in a simulation.")
         self.accumulate = accumulate * ranks_per_group
+        self.device = _device(trainer_kwargs.pop("accelerator", "auto"))
         for key in _OWN_TRAINER_ARGS:
             trainer_kwargs.pop(key, None)
         self.trainer_kwargs = trainer_kwargs
@@ -136,13 +140,13 @@ class Simulator:
             with baton.held(g):
                 run(g)
 
-        run_threads(self.num_groups, held, on_error=groups.abort)
+        with _group_zero_logs_only():
+            run_threads(self.num_groups, held, on_error=groups.abort)
         return SimulationResult(trainers, models)
 
     def _trainer(self, groups: InProcessGroups, group: int, baton: Baton) -> Trainer:
         kwargs = dict(self.trainer_kwargs)
-        accelerator = kwargs.pop("accelerator", "auto")
-        device = _device(accelerator)
+        device = self.device
         runtime = FederatedRuntime(
             self.config,
             hybrid=False,
@@ -195,7 +199,7 @@ def _num_groups(config: FederationConfig, num_groups: int | None) -> int:
         raise ValueError(f"`num_groups={value}` must be at least 1.")
     if config.num_groups is not None and num_groups is not None and config.num_groups != num_groups:
         raise ValueError(f"`num_groups={num_groups}` differs from the federation's `num_groups={config.num_groups}`.")
-    dataclasses.replace(config, num_groups=value).site_blocks(value)  # a topology that needs other counts fails here
+    dataclasses.replace(config, num_groups=value).topology(value, 1, False)  # e.g. sites that do not divide them
     return value
 
 
@@ -207,6 +211,29 @@ def _device(accelerator: Any) -> torch.device:
     if name in ("cpu", "auto"):
         return torch.device("cpu")
     raise ValueError(f"`accelerator={accelerator!r}`: the simulator runs on 'cpu' or 'gpu' ('cuda').")
+
+
+class _GroupZeroOnly(logging.Filter):
+    """Drops log records of other groups' threads: Lightning's rank-zero messages would repeat once per group."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        name = record.threadName or ""
+        return not name.startswith(GROUP_THREAD_PREFIX) or name == f"{GROUP_THREAD_PREFIX}0"
+
+
+@contextmanager
+def _group_zero_logs_only() -> Iterator[None]:
+    handlers = {
+        id(h): h for name in (None, "lightning.pytorch", "lightning.fabric") for h in logging.getLogger(name).handlers
+    }
+    only = _GroupZeroOnly()
+    for handler in handlers.values():
+        handler.addFilter(only)
+    try:
+        yield
+    finally:
+        for handler in handlers.values():
+            handler.removeFilter(only)
 
 
 def _sync_metrics(module: LightningModule, strategy: Any) -> None:

@@ -71,6 +71,12 @@ class SimulatedStrategy(ParallelStrategy):
     #: Lightning injects a ``DistributedSampler`` only for strategies it deems distributed.
     is_distributed = True
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Restore after the model is set up: a checkpoint's federation state needs the model's parameters."""
+        return True
+
     def __init__(
         self,
         runtime: FederatedRuntime,
@@ -200,6 +206,7 @@ class SimulatedStrategy(ParallelStrategy):
         }
         states = self.gather_objects(mine)
         if self.group == 0:
+            Path(filepath).parent.mkdir(parents=True, exist_ok=True)
             save_file({"version": CHECKPOINT_VERSION, "settings": self.settings, "groups": states}, Path(filepath))
         self.barrier()
 
@@ -209,16 +216,18 @@ class SimulatedStrategy(ParallelStrategy):
         saved = read_checkpoint(Path(checkpoint_path), self.settings, self.groups.num_groups)
         mine = saved["groups"][self.group]
         own = mine.pop("fedshard_simulated")
-        federation = self.runtime.federation
         if own["federation"] is not None:
-            step = int(own["federation"]["last_synced_step"])
-            federation.start(
-                self.runtime.local_shards(), step, unit_sizes=self.runtime.backend.unit_sizes(self.runtime.module)
-            )
-            federation.load_state_dict(own["federation"])
-            federation.load_group_state_dict(own["group"])
+            self._restore_federation(own)
         self.baton.restore_state(own["rng"])
         return mine
+
+    def _restore_federation(self, own: dict[str, Any]) -> None:
+        federation = self.runtime.federation
+        step = int(own["federation"]["last_synced_step"])
+        unit_sizes = self.runtime.backend.unit_sizes(self.runtime.module)
+        federation.start(self.runtime.local_shards(), step, unit_sizes=unit_sizes)
+        federation.load_state_dict(own["federation"])
+        federation.load_group_state_dict(own["group"])
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:

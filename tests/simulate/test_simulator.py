@@ -1,0 +1,95 @@
+"""The simulator in one process: repeatable with random draws, checkpoints that resume bit for bit, bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_fedshard import Elastic, FLHSDPStrategy, Hierarchical
+from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.simulate import Simulator
+from tests.simulate.worker import Module
+from tests.toy import IndexedRegression
+
+# Two fragments whose sums are in flight one step, int4 with error feedback, outer Nesterov: state in every corner.
+CONFIG = FederationConfig(num_groups=3, sync_every=4, fragments=2, sync_delay=1, outer_optimizer="nesterov")
+QUIET = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def data(n: int = 72) -> DataLoader:
+    return DataLoader(IndexedRegression(n), batch_size=4, shuffle=True)  # 72 / 3 groups / 4 = 6 steps an epoch
+
+
+def fit(max_steps: int, callbacks: list[Any] | None = None, ckpt_path: Path | None = None, **kwargs: Any) -> Any:
+    torch.manual_seed(0)
+    kwargs.setdefault("enable_checkpointing", callbacks is not None)
+    simulator = Simulator(kwargs.pop("config", CONFIG), max_steps=max_steps, callbacks=callbacks, **QUIET, **kwargs)
+    return simulator.fit(Module(), data(), ckpt_path=None if ckpt_path is None else str(ckpt_path))
+
+
+def weights(result: Any) -> list[list[torch.Tensor]]:
+    return [[p.detach().clone() for p in m.parameters()] for m in result.modules]
+
+
+def test_a_simulation_is_repeatable_and_every_group_ends_with_the_consensus() -> None:
+    first, second = weights(fit(7)), weights(fit(7))
+    assert all(torch.equal(a, b) for ga, gb in zip(first, second) for a, b in zip(ga, gb))
+    assert all(torch.equal(a, b) for g in first[1:] for a, b in zip(first[0], g))
+
+
+def test_a_checkpoint_mid_round_resumes_bit_for_bit(tmp_path: Path) -> None:
+    every = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=3, save_top_k=-1)
+    straight = weights(fit(10, callbacks=[every]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step=3.ckpt", "step=6.ckpt", "step=9.ckpt"]
+    for name in ("step=6.ckpt",):  # an epoch's end (a plain DataLoader cannot resume mid-epoch), mid-round
+        resumed = weights(fit(10, ckpt_path=tmp_path / name, enable_checkpointing=False))
+        assert all(torch.equal(a, b) for ga, gb in zip(straight, resumed) for a, b in zip(ga, gb)), name
+
+
+def test_a_checkpoint_of_other_settings_is_refused_before_training(tmp_path: Path) -> None:
+    every = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=3)
+    fit(3, callbacks=[every])
+    other = FederationConfig(num_groups=3, sync_every=4, outer_optimizer="nesterov")
+    with pytest.raises(ValueError, match=r"other settings \(federation: saved"):
+        fit(6, ckpt_path=tmp_path / "step=3.ckpt", config=other, enable_checkpointing=False)
+    plain = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": {}}, plain)
+    with pytest.raises(ValueError, match="is not a checkpoint of `fedshard simulate`"):
+        fit(6, ckpt_path=plain, enable_checkpointing=False)
+
+
+@pytest.mark.parametrize(
+    ("federation", "kwargs", "message"),
+    [
+        (FederationConfig(num_groups=2, elastic=Elastic(group=0)), {}, r"`elastic=\.\.\.` is for groups that run"),
+        (FederationConfig(), {}, "Give `num_groups`"),
+        (FederationConfig(num_groups=2), {"num_groups": 3}, "`num_groups=3` differs from the federation's"),
+        (FederationConfig(num_groups=2), {"ranks_per_group": 0}, "`ranks_per_group=0` must be at least 1"),
+        (FederationConfig(num_groups=2), {"devices": 2}, "drop the Trainer argument.s. `devices=2`"),
+        (FederationConfig(num_groups=2), {"strategy": "ddp"}, "`strategy='ddp'`"),
+        (FederationConfig(num_groups=2), {"accelerator": "tpu"}, "`accelerator='tpu'`"),
+        (FederationConfig(num_groups=2), {"accumulate_grad_batches": {0: 2}}, "`accumulate_grad_batches="),
+        (FederationConfig(sync_every=2, outer_topology=Hierarchical({2: 2, 4: 4})), {"num_groups": 6}, "6"),
+        ("fl_hsdp", {}, "must be a FederationConfig or a federated strategy"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_is_built(federation: Any, kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=message):
+        Simulator(federation, **kwargs)
+
+
+def test_a_strategy_gives_its_federation_options_and_its_plan_check_is_refused() -> None:
+    simulator = Simulator(FLHSDPStrategy(num_groups=2, sync_every=5, outer_optimizer="nesterov"))
+    assert (simulator.num_groups, simulator.config.sync_every, simulator.config.outer_optimizer) == (2, 5, "nesterov")
+    with pytest.raises(ValueError, match="`plan=...` checks a run's pace"):
+        Simulator(FLHSDPStrategy(num_groups=2, plan={"cluster": "emulated-4x2"}))
+
+
+def test_ranks_per_group_accumulates_their_batches() -> None:
+    simulator = Simulator(FederationConfig(num_groups=2), ranks_per_group=4, accumulate_grad_batches=2)
+    assert simulator.accumulate == 8
