@@ -311,11 +311,16 @@ def cli(args: ArgsType = None, run: bool = True, **kwargs: Any) -> LightningCLI:
 
 
 def main() -> None:
-    """Console entry point ``fedshard``: ``fedshard plan ...`` runs the planner, anything else the LightningCLI."""
+    """Console entry point ``fedshard``: ``plan`` (the planner), ``simulate`` (the simulator), else LightningCLI."""
     if sys.argv[1:2] == ["plan"]:
         from lightning_fedshard.plan.command import main as plan_main
 
         plan_main()
+        return
+    if sys.argv[1:2] == ["simulate"]:
+        from lightning_fedshard.simulate.command import main as simulate_main
+
+        simulate_main()
         return
     cli(parser_kwargs={"prog": "fedshard"})
 

@@ -10,15 +10,19 @@ own. A group holds the whole model (a group of one rank): the simulation lands o
 from __future__ import annotations
 
 import copy
+import csv
 import dataclasses
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger
 from torchmetrics import Metric
 
 from lightning_fedshard._arguments import FederatedArguments
@@ -31,6 +35,8 @@ from lightning_fedshard.simulate.strategy import InProcessMesh, SimulatedStrateg
 
 #: Trainer arguments the simulator sets itself: every group trains on one device of this process.
 _OWN_TRAINER_ARGS = ("strategy", "devices", "num_nodes")
+#: Trainer arguments that count batches of one rank when given as integers.
+_BATCH_COUNTS = ("limit_train_batches", "limit_val_batches", "val_check_interval")
 
 
 @dataclass
@@ -50,6 +56,50 @@ class SimulationResult:
         """Group 0's ``callback_metrics`` as floats (validation metrics are averaged over the groups)."""
         return {k: float(v) for k, v in self.trainers[0].callback_metrics.items()}
 
+    def plot_validation(self, path: str | Path | None = None) -> Path | None:
+        """Draw every ``val_*`` metric of group 0's CSV log against the optimizer step (matplotlib).
+
+        Args:
+            path: The picture; default ``validation.png`` next to the CSV log.
+
+        Returns:
+            Where it was drawn, or ``None`` without a CSV logger or a validation.
+        """
+        csv_logger = next((lg for lg in self.trainers[0].loggers if isinstance(lg, CSVLogger)), None)
+        if csv_logger is None:
+            return None
+        metrics = Path(csv_logger.log_dir) / "metrics.csv"
+        curves = validation_curves(metrics) if metrics.exists() else {}
+        if not curves:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        figure, axes = plt.subplots(1, len(curves), figsize=(4.5 * len(curves), 3.5), squeeze=False)
+        for ax, (name, points) in zip(axes[0], sorted(curves.items())):
+            ax.plot([s for s, _ in points], [v for _, v in points], marker=".")
+            ax.set_xlabel("optimizer step")
+            ax.set_title(name)
+            ax.grid(alpha=0.3)
+        figure.tight_layout()
+        out = Path(path) if path is not None else metrics.with_name("validation.png")
+        figure.savefig(out, dpi=110)
+        plt.close(figure)
+        return out
+
+
+def validation_curves(metrics: Path) -> dict[str, list[tuple[int, float]]]:
+    """``{name: [(step, value), ...]}`` of every ``val_*`` column of a Lightning CSV log (the last value per step)."""
+    curves: dict[str, dict[int, float]] = {}
+    with metrics.open() as f:
+        for row in csv.DictReader(f):
+            for name, value in row.items():
+                if name.startswith("val_") and value:
+                    curves.setdefault(name, {})[int(row["step"])] = float(value)
+    return {name: sorted(points.items()) for name, points in curves.items()}
+
 
 class Simulator:
     """Runs the federated training of one LightningModule with ``num_groups`` groups on one device.
@@ -60,10 +110,13 @@ class Simulator:
             FSDP arguments do not apply: a group holds the whole model, and fragments are cut at parameters.
         num_groups: Groups to simulate; default: the federation's ``num_groups``.
         ranks_per_group: Ranks of a group of the real run: each group's optimizer step takes that many batches
-            (gradient accumulation), as a group of that many ranks would.
+            (gradient accumulation), as a group of that many ranks would. Trainer arguments that count one rank's
+            batches (``limit_train_batches``, ``limit_val_batches``, ``val_check_interval`` as integers) are
+            multiplied by it, so that they mean the same optimizer steps as in the real run.
         **trainer_kwargs: Arguments of every group's ``Trainer`` (``max_steps``, ``accelerator``, ``callbacks``,
             ``logger``, ...). Callbacks are copied into every group (collectives of e.g. ``ModelCheckpoint`` need
-            all); loggers and the progress bar are group 0's only. Checkpoints hold every group in one file.
+            all); loggers and the progress bar are group 0's only (default logger: a ``CSVLogger`` under
+            ``default_root_dir``, name ``simulate``). Checkpoints hold every group in one file.
 
     Raises:
         ValueError: For options the simulator cannot run exactly, naming them, before anything is built.
@@ -94,6 +147,10 @@ class Simulator:
         self.device = _device(trainer_kwargs.pop("accelerator", "auto"))
         for key in _OWN_TRAINER_ARGS:
             trainer_kwargs.pop(key, None)
+        for key in _BATCH_COUNTS:  # counted in one rank's batches: a simulated group takes `ranks_per_group` a step
+            value = trainer_kwargs.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                trainer_kwargs[key] = value * ranks_per_group
         self.trainer_kwargs = trainer_kwargs
 
     @property
@@ -157,11 +214,11 @@ class Simulator:
         strategy = SimulatedStrategy(runtime, groups, group, device, baton, self.settings)
         callbacks = kwargs.pop("callbacks", None) or []
         callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
+        if kwargs.get("logger") in (None, True):  # CSV by default: the validation curves are drawn from it
+            kwargs["logger"] = CSVLogger(kwargs.get("default_root_dir") or os.getcwd(), name="simulate")
         if group > 0:
             callbacks = copy.deepcopy(callbacks)
-            kwargs["logger"] = False
-            kwargs["enable_progress_bar"] = False
-            kwargs["enable_model_summary"] = False
+            kwargs["logger"] = False  # the progress bar and the model summary show on the global zero only
         return Trainer(
             accelerator=device.type,
             devices=1,

@@ -90,6 +90,14 @@ def test_a_strategy_gives_its_federation_options_and_its_plan_check_is_refused()
         Simulator(FLHSDPStrategy(num_groups=2, plan={"cluster": "emulated-4x2"}))
 
 
-def test_ranks_per_group_accumulates_their_batches() -> None:
-    simulator = Simulator(FederationConfig(num_groups=2), ranks_per_group=4, accumulate_grad_batches=2)
+def test_ranks_per_group_accumulates_their_batches_and_counts_of_one_ranks_batches_follow() -> None:
+    simulator = Simulator(
+        FederationConfig(num_groups=2),
+        ranks_per_group=4,
+        accumulate_grad_batches=2,
+        limit_train_batches=96,
+        val_check_interval=48,
+        limit_val_batches=0.5,
+    )
     assert simulator.accumulate == 8
+    assert simulator.trainer_kwargs == {"limit_train_batches": 384, "val_check_interval": 192, "limit_val_batches": 0.5}

@@ -91,3 +91,13 @@ def run(spec: dict[str, Any], root: Path) -> None:
 if __name__ == "__main__":
     for spec in json.loads(sys.argv[1]):
         run(spec, Path(sys.argv[2]))
+
+
+class ToyData(L.LightningDataModule):
+    """The scenarios' data as a data module (for the command line)."""
+
+    def train_dataloader(self) -> DataLoader:
+        return loaders({})[0]
+
+    def val_dataloader(self) -> DataLoader:
+        return loaders({"val_check_interval": 1})[1]  # type: ignore[return-value]

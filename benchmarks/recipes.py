@@ -1,0 +1,248 @@
+"""The recipe study: sync recipes compared at a horizon that decides (>= 150 outer rounds), on the simulator.
+
+Every run is the examples' Llama (``xs``) on Shakespeare, 4 groups of one rank training 4 windows of 128 tokens per
+step each (16 windows per step in all), an outer sync every 8 steps, 1,200 steps (150 outer rounds, 2.46 M tokens),
+validated every 50 steps. Run from the repository root::
+
+    PYTHONPATH=. python -m benchmarks.recipes --work /tmp/fedshard-recipes [--only fedavg_f32 int4ef] [--seeds 0 1]
+
+Each (recipe, seed) runs in a process of its own, two at a time (one per core, ``OMP_NUM_THREADS=1``); its result
+(the validation curve from Lightning's CSV log, tokens, wall and CPU time, the settings and the command) goes to
+``benchmarks/results/recipes/<recipe>-s<seed>.json``. A run whose result is there is not run again; an interrupted run
+resumes from its last checkpoint under ``--work`` (the simulator refuses a checkpoint written with other settings, and
+a result file written with other settings is an error, never overwritten silently). ``benchmarks.reports.recipes``
+turns the results into tokens-to-target ratios, the table and the plot of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results" / "recipes"
+
+GROUPS = 4
+BATCH = 4  # windows per group and step
+SEQ_LEN = 128
+SYNC_EVERY = 8
+STEPS = 1200
+VAL_EVERY = 50
+VAL_WINDOWS = 128
+LR = 0.005
+SEEDS = (0, 1)
+CHECKPOINT_EVERY = 100
+
+
+def _nesterov(lr: float, momentum: float = 0.9) -> Callable[..., Any]:
+    import torch
+
+    return functools.partial(torch.optim.SGD, lr=lr, momentum=momentum, nesterov=True)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One configuration of the study: federation options, and the groups' shape (FSDP: one group of 4 ranks)."""
+
+    name: str
+    what: str
+    options: dict[str, Any] = field(default_factory=dict)
+    groups: int = GROUPS
+    ranks_per_group: int = 1
+
+    def federation(self) -> Any:
+        """The options as the simulator takes them (outer optimizers given by name and learning rate)."""
+        from lightning_fedshard.core.config import FederationConfig
+
+        options = dict(self.options)
+        outer = options.pop("outer", None)
+        if outer is not None:
+            options["outer_optimizer"] = _nesterov(*outer)
+        return FederationConfig(num_groups=self.groups, sync_every=SYNC_EVERY, **options)
+
+    def settings(self) -> dict[str, Any]:
+        """Everything that decides a run's result (a result file of other settings is never overwritten)."""
+        return {
+            "options": {k: repr(v) for k, v in sorted(self.options.items())},
+            "groups": self.groups,
+            "ranks_per_group": self.ranks_per_group,
+            "batch": BATCH,
+            "seq_len": SEQ_LEN,
+            "sync_every": SYNC_EVERY,
+            "steps": STEPS,
+            "val_every": VAL_EVERY,
+            "val_windows": VAL_WINDOWS,
+            "lr": LR,
+        }
+
+
+RECIPES = {
+    r.name: r
+    for r in (
+        Recipe("fedavg_f32", "float32, plain averaging (outer SGD lr 1.0)", {"reduce_dtype": "float32"}),
+        Recipe("nesterov_f32", "float32, outer Nesterov (0.7, 0.9)", {"reduce_dtype": "float32", "outer": (0.7,)}),
+        Recipe("nesterov1_f32", "float32, outer Nesterov (1.0, 0.9)", {"reduce_dtype": "float32", "outer": (1.0,)}),
+        Recipe("int4ef", "int4 + error feedback, plain averaging (the defaults)", {}),
+        Recipe("int4ef_nesterov", "int4 + error feedback, outer Nesterov (0.7, 0.9)", {"outer": (0.7,)}),
+        Recipe("sparse", "sparse top-1/64, 2-bit values, error feedback, plain averaging", {"reduce_dtype": "sparse"}),
+        Recipe(
+            "eager_f32",
+            "float32, eager updates (own share applied at once), outer Nesterov (0.5, 0.9)",
+            {"reduce_dtype": "float32", "eager_updates": True, "outer": (0.5,)},
+        ),
+        Recipe(
+            "overlap1_f32",
+            "float32, outer Nesterov (0.7, 0.9), the sum overlapped with one inner step (sync_delay=1)",
+            {"reduce_dtype": "float32", "sync_delay": 1, "outer": (0.7,)},
+        ),
+        Recipe("fsdp", "FSDP: one group of 4 ranks, the same 16 windows per step", {}, groups=1, ranks_per_group=4),
+    )
+}
+
+
+def run_one(recipe: Recipe, seed: int, work: Path) -> dict[str, Any]:
+    """Run (or resume) one simulation and return its result (the validation curve and what it cost)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_fedshard.examples import LlamaLM, ShakespeareDataModule
+    from lightning_fedshard.simulate import Simulator
+
+    root = work / f"{recipe.name}-s{seed}"
+    L.seed_everything(seed, verbose=False)
+    model = LlamaLM(size="xs", vocab_size=4096, max_seq_len=SEQ_LEN, lr=LR, warmup_fraction=0.1, init_seed=seed)
+    data = ShakespeareDataModule(
+        seq_len=SEQ_LEN, batch_size=BATCH, vocab_size=4096, max_val_windows=VAL_WINDOWS, seed=seed, resumable=True
+    )
+    checkpoints = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, every_n_train_steps=CHECKPOINT_EVERY)
+    simulator = Simulator(
+        recipe.federation(),
+        ranks_per_group=recipe.ranks_per_group,
+        accelerator="cpu",
+        max_steps=STEPS,
+        val_check_interval=VAL_EVERY,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        callbacks=[checkpoints],
+        logger=CSVLogger(root, name="csv", version=0),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    last = root / "ckpt" / "last.ckpt"
+    resumed = last.exists()
+    start, cpu = time.time(), _cpu_seconds()
+    simulator.fit(model, datamodule=data, ckpt_path=str(last) if last.exists() else None)
+    wall, cpu = time.time() - start, _cpu_seconds() - cpu
+    curve = _validation_curve(root / "csv" / "version_0" / "metrics.csv")
+    tokens_per_step = recipe.groups * recipe.ranks_per_group * BATCH * SEQ_LEN
+    return {
+        "recipe": recipe.name,
+        "what": recipe.what,
+        "seed": seed,
+        "settings": recipe.settings(),
+        "tokens_per_step": tokens_per_step,
+        "curve": curve,  # [step, val_loss] pairs
+        "final_val_loss": curve[-1][1] if curve else None,
+        "wall_seconds": wall,
+        "cpu_seconds": cpu,
+        "resumed": resumed,  # the wall and CPU time then count from the resume
+        "finished_at": time.time(),
+        "command": f"PYTHONPATH=. python -m benchmarks.recipes --only {recipe.name} --seeds {seed}",
+    }
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _validation_curve(metrics: Path) -> list[list[float]]:
+    """``[step, val_loss]`` of every validation in Lightning's CSV log (a resumed run appends to the same file)."""
+    seen: dict[int, float] = {}
+    with metrics.open() as f:
+        for row in csv.DictReader(f):
+            if row.get("val_loss"):
+                seen[int(row["step"])] = float(row["val_loss"])
+    return [[step, seen[step]] for step in sorted(seen)]
+
+
+def result_path(name: str, seed: int) -> Path:
+    """Where the result of one run goes."""
+    return RESULTS / f"{name}-s{seed}.json"
+
+
+def load_results() -> list[dict[str, Any]]:
+    """Every result on record whose settings are the study's current ones."""
+    results = []
+    for path in sorted(RESULTS.glob("*.json")):
+        result = json.loads(path.read_text())
+        recipe = RECIPES.get(result["recipe"])
+        if recipe is not None and result["settings"] == recipe.settings():
+            results.append(result)
+    return results
+
+
+def pending(names: list[str], seeds: list[int]) -> list[tuple[str, int]]:
+    """The runs still to do, seed-major (every recipe's first seed before any second one).
+
+    Raises:
+        ValueError: If a result on record was written with other settings: remove it (or rename the recipe) first.
+    """
+    todo = []
+    for seed in seeds:
+        for name in names:
+            path = result_path(name, seed)
+            if not path.exists():
+                todo.append((name, seed))
+                continue
+            if json.loads(path.read_text())["settings"] != RECIPES[name].settings():
+                raise ValueError(f"{path} holds a run with other settings than recipe {name!r}; remove it to rerun.")
+    return todo
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line entry point: run what is missing, two runs at a time."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--work", type=Path, default=Path("/tmp/fedshard-recipes"), help="checkpoints and logs")
+    parser.add_argument("--only", nargs="*", choices=sorted(RECIPES), help="recipes to run (default: all)")
+    parser.add_argument("--seeds", nargs="*", type=int, default=list(SEEDS))
+    parser.add_argument("--parallel", type=int, default=2, help="runs at a time (one core each)")
+    parser.add_argument("--one", nargs=2, metavar=("RECIPE", "SEED"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one is not None:
+        name, seed = args.one[0], int(args.one[1])
+        result = run_one(RECIPES[name], seed, args.work)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        result_path(name, seed).write_text(json.dumps(result, indent=1) + "\n")
+        return
+    todo = pending(args.only or list(RECIPES), args.seeds)
+    print(f"{len(todo)} run(s) to do: {', '.join(f'{n}-s{s}' for n, s in todo)}", flush=True)
+    running: list[tuple[str, subprocess.Popen[bytes]]] = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    while todo or running:
+        while todo and len(running) < args.parallel:
+            name, seed = todo.pop(0)
+            log = args.work / f"{name}-s{seed}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            command = [sys.executable, "-m", "benchmarks.recipes", "--work", str(args.work), "--one", name, str(seed)]
+            running.append((f"{name}-s{seed}", subprocess.Popen(command, env=env, stdout=log.open("wb"), stderr=-2)))
+        time.sleep(5)
+        for label, proc in list(running):
+            if proc.poll() is not None:
+                running.remove((label, proc))
+                print(f"{label}: {'done' if proc.returncode == 0 else f'FAILED ({proc.returncode})'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""``fedshard simulate``: run the federation of a ``fedshard fit`` config on one device, every group in this process.
+
+    fedshard simulate --config configs/shakespeare/fl_hsdp.yaml
+    fedshard simulate --config configs/shakespeare/fl_hsdp.yaml --groups 4 --trainer.max_steps 400
+
+The config's model, data, federation options (the strategy's) and Trainer arguments are used as they are; the ranks
+of the config's cluster become groups of one rank each, and each group accumulates as many batches per optimizer step
+as its group had ranks, so a step trains on the batch a real group's step does. The validation curve is drawn next
+to the CSV log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+from lightning_fedshard._arguments import FederatedArguments
+
+
+def parser() -> argparse.ArgumentParser:
+    """The simulator's own options; every other argument is one of ``fedshard fit``'s."""
+    p = argparse.ArgumentParser(
+        prog="fedshard simulate",
+        description="Simulate the federation of a `fedshard fit` config on one device, every group in this process.",
+        epilog=(
+            "Every other argument is a `fedshard fit` argument: --config FILE, --trainer.max_steps N, --model.*, ..."
+            " The strategy's federation options are simulated; its FSDP options do not apply (a group holds the"
+            " whole model). See docs/simulate.md."
+        ),
+    )
+    p.add_argument("--groups", type=int, default=None, help="groups to simulate (default: the config's)")
+    p.add_argument(
+        "--ranks_per_group",
+        type=int,
+        default=None,
+        help="batches each group accumulates per step (default: the ranks of a group in the config's cluster)",
+    )
+    p.add_argument("--ckpt_path", default=None, help="resume from a checkpoint of this simulation")
+    return p
+
+
+def main(argv: list[str] | None = None) -> Any:
+    """Console entry point (``fedshard simulate ...``); returns the :class:`SimulationResult`."""
+    argv = list(sys.argv[2:] if argv is None else argv)
+    own, rest = parser().parse_known_args(argv)
+    if not rest:
+        parser().print_help()
+        return None
+    from lightning_fedshard.cli import cli
+    from lightning_fedshard.simulate.simulator import Simulator
+
+    built = cli(rest, run=False, parser_kwargs={"prog": "fedshard simulate"})
+    trainer_args = dict(vars(built.config_init["trainer"]))
+    strategy = trainer_args.pop("strategy")
+    if not isinstance(strategy, FederatedArguments):
+        parser().error(
+            f"`trainer.strategy` is {strategy!r}: the simulator simulates a federated strategy ('fl_fsdp', 'fl_hsdp',"
+            " ...) and takes its federation options."
+        )
+    topology = strategy.runtime.resolve_topology(trainer_args.pop("num_nodes"), _devices(trainer_args.pop("devices")))
+    config = strategy.runtime.config
+    groups = own.groups or topology.num_groups
+    simulator = Simulator(
+        dataclasses.replace(config, num_groups=groups),
+        ranks_per_group=own.ranks_per_group or topology.group_size,
+        **trainer_args,
+    )
+    result = simulator.fit(built.model, datamodule=built.datamodule, ckpt_path=own.ckpt_path)
+    picture = result.plot_validation()
+    if picture is not None:
+        print(f"validation curve: {picture}")
+    for name, value in sorted(result.metrics.items()):
+        print(f"{name}: {value:.4g}")
+    return result
+
+
+def _devices(devices: Any) -> int:
+    if isinstance(devices, int):
+        return devices
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    raise ValueError(f"`trainer.devices={devices!r}`: give the number of devices per node of the simulated cluster.")

@@ -1,0 +1,80 @@
+"""``fedshard simulate``: a ``fedshard fit`` config simulated on one device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.simulate import Simulator
+from lightning_fedshard.simulate.command import main
+from tests.simulate.worker import Module, ToyData
+
+
+def _config(tmp_path: Path, strategy: object) -> Path:
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 2,
+            "num_nodes": 2,
+            "strategy": strategy,
+            "max_steps": 4,
+            "val_check_interval": 2,
+            "check_val_every_n_epoch": None,
+            "num_sanity_val_steps": 0,
+            "enable_progress_bar": False,
+            "enable_checkpointing": False,
+            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path)}},
+        },
+        "model": {"class_path": "tests.simulate.worker.Module"},
+        "data": {"class_path": "tests.simulate.worker.ToyData"},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_a_config_is_simulated_with_its_groups_of_several_ranks(tmp_path: Path) -> None:
+    strategy = {
+        "class_path": "lightning_fedshard.FLHSDPStrategy",
+        "init_args": {"num_groups": 2, "shard_size": 1, "sync_every": 2, "reduce_dtype": "float32"},
+    }
+    result = main(["--config", str(_config(tmp_path, strategy))])
+    # 2 nodes x 2 devices in 2 groups: each group's step takes the batches of its 2 ranks; validation every 2 steps
+    assert result.trainers[0].accumulate_grad_batches == 2
+    assert (tmp_path / "lightning_logs" / "version_0" / "validation.png").exists()
+    assert result.metrics["syncs"] == 2
+    torch.manual_seed(0)
+    by_hand = Simulator(
+        FederationConfig(num_groups=2, sync_every=2, reduce_dtype="float32"),
+        ranks_per_group=2,
+        accelerator="cpu",
+        max_steps=4,
+        val_check_interval=2,  # validation draws a data loader seed from each group's generator, as in the config
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    ).fit(Module(), datamodule=ToyData())
+    for a, b in zip(result.modules[0].parameters(), by_hand.modules[0].parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_strategy_that_is_not_federated_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(["--config", str(_config(tmp_path, "ddp"))])
+    assert exit.value.code == 2
+    assert "the simulator simulates a federated strategy" in capsys.readouterr().err
+
+
+def test_help_names_its_own_options_and_defers_the_rest_to_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exit.value.code == 0
+    assert "--groups" in out and "--ranks_per_group" in out and "`fedshard fit` argument" in out
