@@ -1,0 +1,256 @@
+"""The recipe study's evidence: tokens to a target loss, final losses, curves and targets (from the results alone).
+
+A run's validation curve is ``[step, val_loss]`` as Lightning's CSV log has it (its ``step`` column is the optimizer
+step count less one at a validation). The *tokens to target* of a run is the number of training tokens (all groups)
+it took to first reach a target validation loss, linearly interpolated between two validations; the target is a
+reference run's final validation loss *of the same seed* (runs are paired by seed: same initial weights, same data
+order). A run that never reaches the target gets no ratio, only how far above it ended.
+
+    PYTHONPATH=. python -m benchmarks.reports.recipes          # prints the table and the targets
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.recipes import RECIPES, load_results
+
+#: The reference of the ratios: float32 plain averaging, and FSDP with the same batch.
+REFERENCE = "fedavg_f32"
+FSDP = "fsdp"
+#: The 8-rank emulated cluster's unthrottled pace with no sync, tokens/s (medians of 3 in throughput.json:
+#: fl_fsdp-nosync 5,882 and fl_hsdp-nosync 6,669; the larger is the reference), at 4,096 tokens a step.
+CLUSTER_NOSYNC_TOKENS_PER_S = 6669.0
+#: (target id, what, recipe, against, bound) of the tokens-to-target targets.
+RATIO_TARGETS = (
+    ("ttt-int4", "tokens to target of int4 + error feedback against float32", "int4ef", REFERENCE, 1.02),
+    (
+        "ttt-overlap-1",
+        "tokens to target of a one-inner-step overlap against none (float32, Nesterov 0.7)",
+        "overlap1_f32",
+        "nesterov_f32",
+        1.01,
+    ),
+    (
+        "ttt-eager",
+        "tokens to target of eager updates (own share, Nesterov 0.5) against no overlap (Nesterov 0.7)",
+        "eager_f32",
+        "nesterov_f32",
+        1.05,
+    ),
+    ("ttt-sparse", "tokens to target of the best sparse recipe against float32", "sparse", REFERENCE, 1.10),
+)
+#: The outer optimizers tried, all float32: the default's ratio is against the best of them.
+OUTER_RECIPES = ("fedavg_f32", "nesterov_f32", "nesterov1_f32")
+DEFAULT_OUTER = "fedavg_f32"
+
+
+def steps_done(logged_step: float) -> float:
+    """Optimizer steps completed at a validation logged at ``logged_step``."""
+    return logged_step + 1
+
+
+def tokens_to(curve: Sequence[Sequence[float]], target: float, tokens_per_step: int) -> float | None:
+    """Tokens until the curve first reaches ``target`` (interpolated between validations), ``None`` if never."""
+    previous: tuple[float, float] | None = None
+    for step, loss in curve:
+        done = steps_done(step)
+        if loss <= target:
+            if previous is None or previous[1] == loss:
+                return done * tokens_per_step
+            (s0, l0), s1 = previous, done
+            return (s0 + (l0 - target) / (l0 - loss) * (s1 - s0)) * tokens_per_step
+        previous = (done, loss)
+    return None
+
+
+def by_recipe(results: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
+    """``{recipe: {seed: result}}``."""
+    out: dict[str, dict[int, dict[str, Any]]] = {}
+    for result in results:
+        out.setdefault(result["recipe"], {})[result["seed"]] = result
+    return out
+
+
+def ratios(runs: dict[str, dict[int, dict[str, Any]]], recipe: str, against: str) -> dict[int, float | None]:
+    """Per seed both ran: ``recipe``'s tokens to ``against``'s final loss over ``against``'s own tokens to it."""
+    out: dict[int, float | None] = {}
+    for seed, reference in runs.get(against, {}).items():
+        run = runs.get(recipe, {}).get(seed)
+        if run is None:
+            continue
+        target = reference["curve"][-1][1]
+        own = tokens_to(reference["curve"], target, reference["tokens_per_step"])
+        tokens = tokens_to(run["curve"], target, run["tokens_per_step"])
+        out[seed] = None if tokens is None or not own else tokens / own
+    return out
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median, min and max."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def analyze(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every recipe's ratios (against float32 fedavg and against FSDP) and final losses, per seed and as spreads."""
+    runs = by_recipe(results)
+    rows = {}
+    for name in RECIPES:
+        if name not in runs:
+            continue
+        finals = {seed: r["curve"][-1][1] for seed, r in runs[name].items()}
+        rows[name] = {
+            "seeds": sorted(runs[name]),
+            "final_loss": finals,
+            "final_spread": spread(list(finals.values())),
+            "vs_fedavg": ratios(runs, name, REFERENCE),
+            "vs_fsdp": ratios(runs, name, FSDP),
+        }
+    return {"recipes": rows, "speed": study_speed(results)}
+
+
+def study_speed(results: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Tokens/s of all runs together over the time from the first run's start to the last one's end.
+
+    Only runs that were not resumed count (a resumed run's wall time covers its remainder only).
+    """
+    whole = [r for r in results if not r.get("resumed")]
+    if not whole:
+        return None
+    tokens = sum(r["tokens_per_step"] * steps_done(r["curve"][-1][0]) for r in whole)
+    start = min(r["finished_at"] - r["wall_seconds"] for r in whole)
+    end = max(r["finished_at"] for r in whole)
+    per_run = [r["tokens_per_step"] * steps_done(r["curve"][-1][0]) / r["wall_seconds"] for r in whole]
+    return {
+        "tokens_per_s": tokens / (end - start),
+        "per_run_median": statistics.median(per_run),
+        "runs": len(whole),
+        "hours": (end - start) / 3600,
+    }
+
+
+def _ratio_cell(per_seed: dict[int, float | None]) -> str:
+    if not per_seed:
+        return "-"
+    shown = ", ".join("not reached" if v is None else f"{v:.3f}" for _, v in sorted(per_seed.items()))
+    reached = [v for v in per_seed.values() if v is not None]
+    if len(reached) < len(per_seed):
+        return f"not reached by every seed ({shown})"
+    return f"**{statistics.median(reached):.3f}** ({shown})"
+
+
+def table(analysis: dict[str, Any]) -> str:
+    """The study's Markdown table: one row per recipe."""
+    lines = [
+        "| recipe | what | tokens to float32 fedavg's final loss (median; per seed) | tokens to FSDP's final loss"
+        " | final val loss, median [min, max] |",
+        "|---|---|---|---|---|",
+    ]
+    for name, row in analysis["recipes"].items():
+        final = row["final_spread"]
+        lines.append(
+            f"| `{name}` | {RECIPES[name].what} | {_ratio_cell(row['vs_fedavg'])} | {_ratio_cell(row['vs_fsdp'])}"
+            f" | {final['median']:.4f} [{final['min']:.4f}, {final['max']:.4f}] |"
+        )
+    return "\n".join(lines)
+
+
+def targets(results: list[dict[str, Any]], exactness: float | None = None) -> list[dict[str, Any]]:
+    """The study's rows of ``targets.json`` (those it has results for)."""
+    analysis = analyze(results)
+    runs = by_recipe(results)
+    rows: list[dict[str, Any]] = []
+    if exactness is not None:
+        rows.append(_row("sim-exact", "simulator against the Trainer strategy, every mode (max abs)", exactness, 1e-6))
+    speed = analysis.get("speed")
+    if speed:
+        measured = speed["tokens_per_s"] / CLUSTER_NOSYNC_TOKENS_PER_S
+        rows.append(
+            _row(
+                "sim-speed",
+                "tokens/s of the study's runs together against the 8-rank cluster's no-sync pace",
+                measured,
+                1.5,
+                detail=speed,
+            )
+        )
+    for target_id, what, recipe, against, bound in RATIO_TARGETS:
+        per_seed = ratios(runs, recipe, against)
+        if per_seed:
+            rows.append(_ratio_row(target_id, what, per_seed, bound))
+    finals = analysis["recipes"]
+    tried = [name for name in OUTER_RECIPES if name in finals]
+    if DEFAULT_OUTER in tried and len(tried) > 1:
+        best = min(tried, key=lambda n: finals[n]["final_spread"]["median"])
+        per_seed = ratios(runs, DEFAULT_OUTER, best)
+        what = f"tokens to target of the default outer optimizer ({DEFAULT_OUTER}) against the best tried ({best})"
+        rows.append(_ratio_row("ttt-outer", what, per_seed, 1.0))
+    return rows
+
+
+def _ratio_row(target_id: str, what: str, per_seed: dict[int, float | None], bound: float) -> dict[str, Any]:
+    reached = [v for v in per_seed.values() if v is not None]
+    measured = statistics.median(reached) if len(reached) == len(per_seed) else None
+    row = _row(target_id, what, measured, bound, per_seed={str(k): v for k, v in sorted(per_seed.items())})
+    if measured is None:
+        row["note"] = "not reached by every seed: the ratio exceeds the run's length"
+        row["met"] = False
+    return row
+
+
+def _row(target_id: str, what: str, measured: float | None, bound: float, **extra: Any) -> dict[str, Any]:
+    if measured is None:
+        met = False
+    else:
+        met = measured >= bound if target_id == "sim-speed" else measured <= bound
+    return {"id": target_id, "target": what, "measured": measured, "bound": bound, "met": bool(met), **extra}
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> Path:
+    """Every run's validation curve against training tokens, one colour per recipe, one line style per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = by_recipe(results)
+    figure, (whole, tail) = plt.subplots(1, 2, figsize=(13, 4.8))
+    colours = plt.get_cmap("tab10")
+    for i, (name, seeds) in enumerate(runs.items()):
+        for seed, run in sorted(seeds.items()):
+            tokens = [steps_done(s) * run["tokens_per_step"] / 1e6 for s, _ in run["curve"]]
+            losses = [loss for _, loss in run["curve"]]
+            style = dict(color=colours(i % 10), linestyle="-" if seed == 0 else "--", linewidth=1.2)
+            whole.plot(tokens, losses, label=name if seed == min(seeds) else None, **style)
+            tail.plot(tokens, losses, **style)
+    for ax in (whole, tail):
+        ax.set_xlabel("training tokens (millions, all groups)")
+        ax.set_ylabel("validation loss (nats/token)")
+        ax.grid(alpha=0.3)
+    longest = max(steps_done(r["curve"][-1][0]) * r["tokens_per_step"] for r in results)
+    tail.set_xlim(left=0.5 * longest / 1e6)
+    tail.set_ylim(top=min(r["curve"][len(r["curve"]) // 2][1] for r in results) + 0.1)
+    tail.set_title("second half")
+    whole.set_title("recipe study: 4 groups, sync every 8, 1,200 steps (solid: seed 0, dashed: seed 1)")
+    whole.legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def main() -> None:
+    """Print the study's table and targets from the results on record."""
+    results = load_results()
+    analysis = analyze(results)
+    print(table(analysis))
+    for row in targets(results):
+        print(row)
+
+
+if __name__ == "__main__":
+    main()
