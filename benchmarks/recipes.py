@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_fedshard.core.codecs import SparseLoCo
+
 RESULTS = Path(__file__).parent / "results" / "recipes"
 
 GROUPS = 4
@@ -106,6 +108,16 @@ RECIPES = {
             {"reduce_dtype": "float32", "sync_delay": 1, "outer": (0.7,)},
         ),
         Recipe("fsdp", "FSDP: one group of 4 ranks, the same 16 windows per step", {}, groups=1, ranks_per_group=4),
+        Recipe(
+            "sparseloco_selected",
+            "SparseLoCo / Covenant: top 64 of 4096, 2-bit table, feedback decay 0.95, median clip, mean where selected",
+            {"reduce_dtype": SparseLoCo()},
+        ),
+        Recipe(
+            "sparseloco_all",
+            "SparseLoCo / Covenant as its paper writes the mean: over all groups (1/R)",
+            {"reduce_dtype": SparseLoCo(mean="all")},
+        ),
     )
 }
 

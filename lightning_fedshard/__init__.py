@@ -21,6 +21,7 @@ from lightning_fedshard.core import (
     Mixing,
     OuterStep,
     Sampled,
+    SparseLoCo,
     SparseTopK,
     SyncStats,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "OuterStep",
     "OuterSync",
     "Sampled",
+    "SparseLoCo",
     "SparseTopK",
     "SyncStats",
     "export_consensus",

@@ -1,5 +1,5 @@
-"""``python -m lightning_fedshard`` runs the ``fedshard`` LightningCLI."""
+"""``python -m lightning_fedshard`` runs the ``fedshard`` command."""
 
-from lightning_fedshard.cli import main
+from lightning_fedshard.commands import main
 
 main()

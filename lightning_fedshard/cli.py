@@ -308,22 +308,3 @@ def cli(args: ArgsType = None, run: bool = True, **kwargs: Any) -> LightningCLI:
     kwargs.setdefault("save_config_kwargs", {"overwrite": True})
     kwargs.setdefault("parser_class", FedshardArgumentParser)
     return FedshardCLI(args=args, run=run, **kwargs)
-
-
-def main() -> None:
-    """Console entry point ``fedshard``: ``plan`` (the planner), ``simulate`` (the simulator), else LightningCLI."""
-    if sys.argv[1:2] == ["plan"]:
-        from lightning_fedshard.plan.command import main as plan_main
-
-        plan_main()
-        return
-    if sys.argv[1:2] == ["simulate"]:
-        from lightning_fedshard.simulate.command import main as simulate_main
-
-        simulate_main()
-        return
-    cli(parser_kwargs={"prog": "fedshard"})
-
-
-if __name__ == "__main__":
-    main()

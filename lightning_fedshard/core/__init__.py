@@ -1,6 +1,6 @@
 """Lightning-free core: the federation topology and mesh, and the outer step on local shards."""
 
-from lightning_fedshard.core.codecs import BlockQuantizer, ChunkCodec, Codec, FloatCodec, SparseTopK
+from lightning_fedshard.core.codecs import BlockQuantizer, ChunkCodec, Codec, FloatCodec, SparseLoCo, SparseTopK
 from lightning_fedshard.core.comm import Communicator, ProcessGroupCommunicator
 from lightning_fedshard.core.config import OUTER_OPTIMIZERS, FederationConfig, resolve_outer_optimizer
 from lightning_fedshard.core.elastic import Elastic, FederationError
@@ -39,6 +39,7 @@ __all__ = [
     "Reducer",
     "ScatterGatherSum",
     "Sampled",
+    "SparseLoCo",
     "SparseTopK",
     "SyncStats",
     "build_federation_mesh",

@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,7 @@ from torch import Tensor
 
 from lightning_fedshard.core.checks import check_positive_int
 from lightning_fedshard.core.class_names import named_class
+from lightning_fedshard.core.refusal import Refusal
 
 #: Largest code of each bit width (codes are symmetric, in ``[-qmax, qmax]``).
 QMAX: dict[int, int] = {8: 127, 4: 7}
@@ -342,8 +344,131 @@ class SparseTopK(ChunkCodec):
         return out.view(count, chunk)
 
 
+_GATHERED_WHOLE = "a mix encodes its messages in chunks of a codec that sums them on the way; SparseLoCo gathers whole"
+
+
+class SparseLoCo(Codec):
+    """The SparseLoCo / Covenant recipe: every group's top-k entries travel to every group, averaged where selected.
+
+    Each group keeps a decaying error-feedback buffer ``e <- decay * e + d`` of its pseudo-gradients ``d`` (it stands in
+    for outer momentum: use it with ``outer_optimizer="fedavg"``, plain SGD at learning rate 1). Of each chunk of
+    ``chunk_size`` values of ``e`` the ``top_k`` largest magnitudes are sent, each as its index in the chunk and a
+    2-bit code into a table of four levels of the whole message (``-hi, -lo, lo, hi``: the mean magnitude of the sent
+    values below and above their median magnitude); what was sent, as decoded, leaves the buffer. Every group gathers
+    every group's message (an all-gather: nothing is re-encoded on the way), clips each group's decoded update to the
+    median of their norms (``clip=True``) and averages them: each value over the groups that sent it
+    (``mean="selected"``, as Covenant's code does) or over all groups (``mean="all"``, a plain ``1/R`` mean as its
+    paper writes it).
+
+    Bytes per message: 16 for the table plus ``ceil(n k (index_bits + 2) / 8)`` for the ``n`` chunks. At the defaults
+    (64 of 4096, 12-bit indices) that is 112 bytes per 16384 bytes of float32: 0.0068x.
+
+    Args:
+        top_k: Entries sent per chunk.
+        chunk_size: Values per chunk.
+        decay: Decay of the error-feedback buffer per sync, in ``[0, 1]``.
+        mean: ``"selected"`` or ``"all"`` (see above).
+        clip: Clip each group's update to the median norm of the groups' updates.
+
+    Raises:
+        ValueError: For a ``top_k`` outside ``1..chunk_size``, a decay outside ``[0, 1]`` or an unknown ``mean``.
+    """
+
+    exact = False
+    #: Values of the table of levels (float32) at the start of every message.
+    TABLE = 4
+    #: The options this reduction does not run with, and why.
+    refuses: ClassVar[dict[str, Refusal]] = {
+        "gossip": Refusal(_GATHERED_WHOLE),
+        "sampled": Refusal(_GATHERED_WHOLE),
+        "mixing": Refusal(_GATHERED_WHOLE),
+        "error_feedback_weights": Refusal(
+            "its error-feedback buffer decays between syncs, which a residual kept in the weights cannot",
+            impossible=True,
+        ),
+    }
+
+    def __init__(
+        self, top_k: int = 64, chunk_size: int = 4096, decay: float = 0.95, mean: str = "selected", clip: bool = True
+    ) -> None:
+        check_positive_int("chunk_size", chunk_size)
+        check_positive_int("top_k", top_k)
+        if top_k > chunk_size:
+            raise ValueError(f"`top_k={top_k}` must be at most `chunk_size={chunk_size}`.")
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
+            raise ValueError(f"`decay` must be a number in [0, 1], got {decay!r}.")
+        if mean not in ("selected", "all"):
+            raise ValueError(f"`mean` must be 'selected' or 'all', got {mean!r}.")
+        if not isinstance(clip, bool):
+            raise ValueError(f"`clip` must be True or False, got {clip!r}.")
+        self.top_k, self.chunk_size, self.decay, self.mean, self.clip = top_k, chunk_size, float(decay), mean, clip
+
+    @property
+    def index_bits(self) -> int:
+        """Bits of an index inside its chunk."""
+        return max(1, math.ceil(math.log2(self.chunk_size)))
+
+    def describe(self) -> str:
+        """The recipe's parameters in words."""
+        return (
+            f"SparseLoCo (top {self.top_k} of {self.chunk_size}, 2-bit table, feedback decay {self.decay},"
+            f" {'clipped to the median norm, ' if self.clip else ''}"
+            f"{'each value averaged over the groups that sent it' if self.mean == 'selected' else 'a mean over all groups'})"
+        )
+
+    def chunks(self, numel: int) -> int:
+        """Chunks of a message of ``numel`` values (the last one padded with zeros)."""
+        return -(-numel // self.chunk_size)
+
+    def message_bytes(self, numel: int) -> int:
+        """Bytes of the message of ``numel`` values."""
+        entries = self.chunks(numel) * self.top_k
+        return SCALE_BYTES * self.TABLE + _packed_bytes(entries, self.index_bits) + _packed_bytes(entries, 2)
+
+    def encode(self, values: Tensor) -> Tensor:
+        """The message of a flat float32 tensor: the table, then the packed indices, then the packed codes."""
+        rows = F.pad(values, (0, self.chunks(values.numel()) * self.chunk_size - values.numel())).view(
+            -1, self.chunk_size
+        )
+        index = SparseTopK(density=self.top_k / self.chunk_size, chunk_size=self.chunk_size).select(rows)
+        kept = rows.gather(1, index).reshape(-1)
+        magnitude = kept.abs()
+        median = magnitude.median()
+        high = magnitude > median
+        lo = _mean_or_zero(magnitude[~high])
+        hi = _mean_or_zero(magnitude[high])
+        table = torch.stack((-hi, -lo, lo, hi)).to(torch.float32)
+        codes = torch.where(kept < 0, 1 - high.to(torch.int32), 2 + high.to(torch.int32))
+        return torch.cat(
+            (
+                table.view(torch.uint8),
+                _pack_bits(index.to(torch.int32).view(1, -1), self.index_bits).view(-1),
+                _pack_bits(codes.view(1, -1), 2).view(-1),
+            )
+        )
+
+    def decode(self, message: Tensor, numel: int) -> tuple[Tensor, Tensor]:
+        """The values of a message in place (zeros elsewhere), and which values it sent (a bool mask)."""
+        chunks = self.chunks(numel)
+        entries = chunks * self.top_k
+        table_end = SCALE_BYTES * self.TABLE
+        index_end = table_end + _packed_bytes(entries, self.index_bits)
+        table = message[:table_end].clone().view(torch.float32)
+        index = _unpack_bits(message[table_end:index_end].view(1, -1), self.index_bits, entries).view(chunks, -1)
+        codes = _unpack_bits(message[index_end:].view(1, -1), 2, entries).view(chunks, -1)
+        values = torch.zeros(chunks, self.chunk_size, dtype=torch.float32, device=message.device)
+        values.scatter_(1, index.long(), table[codes.long()])
+        sent = torch.zeros(chunks, self.chunk_size, dtype=torch.bool, device=message.device)
+        sent.scatter_(1, index.long(), True)
+        return values.view(-1)[:numel], sent.view(-1)[:numel]
+
+
+def _mean_or_zero(values: Tensor) -> Tensor:
+    return values.mean() if values.numel() else values.new_zeros(())
+
+
 #: The codecs a ``reduce_dtype`` given as a bare class name (``"SparseTopK"``) may refer to.
-CODEC_CLASSES: tuple[type[Codec], ...] = (FloatCodec, BlockQuantizer, SparseTopK)
+CODEC_CLASSES: tuple[type[Codec], ...] = (FloatCodec, BlockQuantizer, SparseTopK, SparseLoCo)
 
 
 def _packed_bytes(count: int, bits: int) -> int:

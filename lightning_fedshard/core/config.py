@@ -23,6 +23,7 @@ from lightning_fedshard.core.codecs import (
     QUANTIZED_REDUCE_DTYPES,
     ChunkCodec,
     Codec,
+    SparseLoCo,
     SparseTopK,
     resolve_codec,
 )
@@ -447,7 +448,7 @@ class FederationConfig:
     @property
     def compressed(self) -> bool:
         """Whether the outer traffic is compressed (``"int8"`` / ``"int4"`` / ``"sparse"``, or such a codec object)."""
-        return isinstance(self.codec, ChunkCodec)
+        return isinstance(self.codec, (ChunkCodec, SparseLoCo))
 
     def reducer(self) -> Reducer:
         """A new reducer for one fragment (see :mod:`~lightning_fedshard.core.reducers`).

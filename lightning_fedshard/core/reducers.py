@@ -50,6 +50,7 @@ from lightning_fedshard.core.codecs import (
     ChunkCodec,
     Codec,
     FloatCodec,
+    SparseLoCo,
     resolve_codec,
 )
 from lightning_fedshard.core.comm import Communicator
@@ -352,12 +353,128 @@ class ScatterGatherSum:
         return total
 
 
+class GatherMean:
+    """The :class:`~lightning_fedshard.core.codecs.SparseLoCo` reduction: every group's message to every group.
+
+    Each ring rank sends its message (an all-gather, ``G - 1`` messages forwarded per rank); every rank decodes all of
+    them, clips and averages them in ring order, so every rank gets the same bits. :meth:`decode` returns what the
+    outer step divides by the contributing groups: ``contributors x`` the codec's mean.
+
+    Args:
+        codec: The recipe's parameters.
+        feedback: The decaying error-feedback buffer (slot ``"residual"``); ``None``: what is not sent is lost.
+    """
+
+    SLOTS = ("residual",)
+    sums_in_place = False
+
+    def __init__(self, codec: SparseLoCo, feedback: ErrorFeedback | None = None) -> None:
+        self.codec = codec
+        self.feedback = feedback
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.codec!r}, feedback={self.feedback is not None})"
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """float32."""
+        return torch.float32
+
+    @torch.no_grad()
+    def sum_across_groups(self, x: Tensor, communicator: Communicator, members: int) -> Tensor:
+        """The decoded result of :meth:`sum_encoded` (a new tensor of ``x``'s shape); collective over the ring."""
+        return self.decode(self.sum_encoded(x, communicator, members), x.numel(), members).view(x.shape)
+
+    @torch.no_grad()
+    def sum_encoded(self, x: Tensor, communicator: Communicator, members: int) -> Tensor:
+        """Every ring rank's message, ``(G, M)`` bytes flattened (with one member: an exact float32 copy of ``x``)."""
+        if x.dtype != torch.float32:
+            raise TypeError(f"{type(self).__name__} sums float32 tensors, got {x.dtype}.")
+        if members == 1 or x.numel() == 0:
+            return x.reshape(-1).clone()
+        buffer = x.reshape(-1).clone()
+        if self.feedback is not None:
+            residual = self.feedback.get("residual")
+            if residual is not None and residual.shape != x.shape:
+                raise ValueError(
+                    f"The error-feedback buffer has shape {tuple(residual.shape)} but the tensor to reduce has shape"
+                    f" {tuple(x.shape)}: call `reset_residual()` to drop it."
+                )
+            if residual is not None:
+                residual.mul_(self.codec.decay)
+            self.feedback.add_to("residual", buffer)
+        message = self.codec.encode(buffer)
+        if self.feedback is not None:
+            sent, _ = self.codec.decode(message, buffer.numel())
+            self.feedback.keep("residual", buffer.view(x.shape), sent.view(x.shape))
+        gathered = torch.empty(members, message.numel(), dtype=torch.uint8, device=x.device)
+        with torch.profiler.record_function("fedshard::all_gather"):
+            communicator.all_gather(gathered.view(-1), message)
+        return gathered.view(-1)
+
+    def decode(self, encoded: Tensor, numel: int, members: int) -> Tensor:
+        """``contributors x`` the clipped mean of the messages (a group whose message is all zeros contributes none)."""
+        if encoded.dtype == torch.float32:
+            return encoded[:numel]
+        decoded = [self.codec.decode(m, numel) for m in encoded.view(members, -1)]
+        values = torch.stack([v for v, _ in decoded])  # (G, numel)
+        sent = torch.stack([s for _, s in decoded])
+        present = values.abs().amax(dim=1) > 0  # absent groups (skipped, joined, idle) send zeros
+        contributors = int(present.sum())
+        if contributors == 0:
+            return torch.zeros(numel, dtype=torch.float32, device=encoded.device)
+        values, sent = values[present], sent[present]
+        if self.codec.clip:
+            norms = values.norm(dim=1)
+            limit = norms.median()
+            values = values * torch.where(norms > limit, limit / norms, torch.ones_like(norms))[:, None]
+        total = values[0].clone()
+        for row in values[1:]:
+            total += row
+        if self.codec.mean == "all":
+            return total
+        counts = sent.sum(dim=0)
+        return torch.where(counts > 0, total / counts.clamp_min(1) * contributors, torch.zeros_like(total))
+
+    def wire_bytes(self, numel: int, members: int) -> int:
+        """``(G - 1) M``: a ring all-gather forwards every other rank's message once."""
+        if members == 1 or numel == 0:
+            return 0
+        return (members - 1) * self.codec.message_bytes(numel)
+
+    def encoded_bytes(self, numel: int, members: int) -> int:
+        """``G`` messages (a float32 copy with one member)."""
+        if members == 1 or numel == 0:
+            return 4 * numel
+        return members * self.codec.message_bytes(numel)
+
+    def reset_residual(self) -> None:
+        """Drop the error-feedback buffer."""
+        if self.feedback is not None:
+            self.feedback.reset()
+
+    def take_residual(self) -> Tensor | None:
+        """Remove and return the error-feedback buffer (``None`` without one)."""
+        return self.feedback.take("residual") if self.feedback is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The error-feedback buffer."""
+        if self.feedback is None:
+            return dict.fromkeys(self.SLOTS)
+        return self.feedback.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        if self.feedback is not None:
+            self.feedback.load_state_dict(state)
+
+
 def make_reducer(
     reduce_dtype: str | torch.dtype | Codec,
     block_size: int | None = None,
     error_feedback: bool | None = None,
     residual_device: torch.device | str | None = None,
-) -> AllReduceSum | ScatterGatherSum:
+) -> AllReduceSum | ScatterGatherSum | GatherMean:
     """The reducer of a ``reduce_dtype`` option: a name, a float ``torch.dtype``, or a codec.
 
     Args:
@@ -385,6 +502,10 @@ def make_reducer(
                 f" {reduce_dtype!r}: a float reduction has no residual to carry."
             )
         return AllReduceSum(codec)
+    if isinstance(codec, SparseLoCo):
+        return GatherMean(
+            codec, ErrorFeedback(residual_device, GatherMean.SLOTS) if error_feedback is not False else None
+        )
     if not isinstance(codec, ChunkCodec):
         raise ValueError(f"No reducer sums the codec {codec!r}.")
     feedback = ErrorFeedback(residual_device, ScatterGatherSum.SLOTS) if error_feedback is not False else None

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_fedshard.core.codecs import SparseLoCo
 from lightning_fedshard.core.elastic import Elastic
 from lightning_fedshard.core.outer_topology import Gossip, Hierarchical, Mixing, Sampled, resolve_outer_topology
 from lightning_fedshard.core.rounds.base import Refusal
@@ -139,6 +140,13 @@ SWITCHES: tuple[Switch, ...] = (
         _given("reduce_dtype"),
         "leave `reduce_dtype` unset",
     ),
+    Switch(
+        "sparseloco",
+        "SparseLoCo reduce_dtype",
+        lambda c: isinstance(c.codec, SparseLoCo),
+        _given("reduce_dtype"),
+        "use another `reduce_dtype`",
+    ),
 )
 
 #: The sync modes that declare what they refuse, by the switch that selects them.
@@ -151,6 +159,7 @@ MODES: Mapping[str, Mapping[str, Refusal]] = {
     "sampled_outer_step": SampledRound.refuses,
     "elastic": Elastic.refuses,
     "error_feedback_weights": FEEDBACK_IN_WEIGHTS_REFUSES,
+    "sparseloco": SparseLoCo.refuses,
 }
 
 #: Switches that are alternatives of one option: never set together, so not a pair of the table.

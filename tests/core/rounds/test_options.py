@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from lightning_fedshard import Gossip, Hierarchical, Mixing, Sampled
+from lightning_fedshard import Gossip, Hierarchical, Mixing, Sampled, SparseLoCo
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.elastic import Elastic
 from lightning_fedshard.core.federation import Federation
@@ -36,6 +36,7 @@ PROBES: dict[str, dict[str, Any]] = {
     "outer_momentum": dict(outer_optimizer="nesterov"),
     "skip_group": dict(on_nonfinite="skip_group"),
     "lossy_dtype": dict(reduce_dtype="int8"),
+    "sparseloco": dict(reduce_dtype=SparseLoCo(top_k=1, chunk_size=2)),
 }
 #: Switches that choose how the syncs run (each a mode whose accepted options are walked below).
 MODES = ("plain", "eager_updates", "hierarchical", "gossip", "sampled", "sampled_outer_step", "mixing")
