@@ -344,6 +344,7 @@ class SparseTopK(ChunkCodec):
         return out.view(count, chunk)
 
 
+_MEANS = {"selected": "each value averaged over the groups that sent it", "all": "a mean over all groups"}
 _GATHERED_WHOLE = "a mix encodes its messages in chunks of a codec that sums them on the way; SparseLoCo gathers whole"
 
 
@@ -412,8 +413,7 @@ class SparseLoCo(Codec):
         """The recipe's parameters in words."""
         return (
             f"SparseLoCo (top {self.top_k} of {self.chunk_size}, 2-bit table, feedback decay {self.decay},"
-            f" {'clipped to the median norm, ' if self.clip else ''}"
-            f"{'each value averaged over the groups that sent it' if self.mean == 'selected' else 'a mean over all groups'})"
+            f" {'clipped to the median norm, ' if self.clip else ''}{_MEANS[self.mean]})"
         )
 
     def chunks(self, numel: int) -> int:
