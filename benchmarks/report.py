@@ -21,8 +21,9 @@ from typing import Any
 
 from benchmarks.harness.sweep import RESULTS
 from benchmarks.presets import CONFIGURATIONS
+from benchmarks.recipes import load_results as recipe_results
 from benchmarks.records import load, load_if_exists
-from benchmarks.reports import elastic, overlap, race, sweep, sync_options, throughput, topologies, torchft
+from benchmarks.reports import elastic, overlap, race, recipes, sweep, sync_options, throughput, topologies, torchft
 from benchmarks.reports.docs import provenance, replace_section
 from benchmarks.reports.targets import targets, targets_table
 
@@ -110,6 +111,9 @@ def build(paths: dict[str, Path]) -> Report:
         load_if_exists(paths.get("torchft", RESULTS / "torchft.json")),
         _load_json(paths.get("torchft_kill", torchft.KILL_RESULTS)),
     )
+    exact = _load_json(recipes.EXACT_RESULTS)
+    differences = list(exact["max_abs_difference"].values()) if exact else []
+    rows += recipes.targets(recipe_results(), max(differences) if differences else None, len(differences))
     return Report(results, analyses, rows)
 
 
@@ -139,6 +143,8 @@ def plot(report: Report) -> list[Path]:
         paths += race.plot(analysis, IMAGES)
     if (elastic_results := report.results.get("elastic")) is not None:
         paths += elastic.plot(elastic_results, IMAGES)
+    if study := recipe_results():
+        paths.append(recipes.plot(study, IMAGES / "recipes.png"))
     return paths
 
 
@@ -165,6 +171,8 @@ def write_docs(report: Report, tables: dict[str, str]) -> None:
         if table in tables:
             sections[table] = f"{tables[table]}\n\n{report.note(name)}"
     sections.update(_torchft_sections())
+    if study := recipe_results():
+        sections["recipes"] = recipes.section(study)
     for name, body in sections.items():
         replace_section(BENCHMARKS_DOC, name, body)
     replace_section(PLAN_DOC, "calibration", f"{tables['calibration']}\n\n{throughput_note}")

@@ -16,8 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.recipes import RECIPES, load_results
+from benchmarks.recipes import RECIPES, RESULTS, load_results
 
+#: The simulator's exactness against the Trainer (``python -m benchmarks.sim_exact``).
+EXACT_RESULTS = RESULTS.parent / "sim_exact.json"
 #: The reference of the ratios: float32 plain averaging, and FSDP with the same batch.
 REFERENCE = "fedavg_f32"
 FSDP = "fsdp"
@@ -158,13 +160,32 @@ def table(analysis: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def targets(results: list[dict[str, Any]], exactness: float | None = None) -> list[dict[str, Any]]:
+def section(results: list[dict[str, Any]]) -> str:
+    """The generated section of docs/benchmarks.md: the table and the study's pace."""
+    analysis = analyze(results)
+    speed = analysis["speed"]
+    runs = f"{len(results)} runs of {len(analysis['recipes'])} recipes"
+    pace = (
+        f" The study's runs trained {speed['tokens_per_s']:,.0f} tokens/s together ({speed['runs']} runs that were not"
+        f" resumed, two at a time on 2 cores, {speed['hours']:.2f} h; one run alone: median"
+        f" {speed['per_run_median']:,.0f} tokens/s)."
+        if speed
+        else ""
+    )
+    return (
+        f"{table(analysis)}\n\n{runs}; results in `benchmarks/results/recipes/`, one file per run with its command"
+        f" (`PYTHONPATH=. python -m benchmarks.recipes`).{pace}"
+    )
+
+
+def targets(results: list[dict[str, Any]], exactness: float | None = None, modes: int = 0) -> list[dict[str, Any]]:
     """The study's rows of ``targets.json`` (those it has results for)."""
     analysis = analyze(results)
     runs = by_recipe(results)
     rows: list[dict[str, Any]] = []
     if exactness is not None:
-        rows.append(_row("sim-exact", "simulator against the Trainer strategy, every mode (max abs)", exactness, 1e-6))
+        what = "simulator against the Trainer strategy, every mode (largest weight difference)"
+        rows.append(_row("sim-exact", what, exactness, 1e-6, runs=modes))
     speed = analysis.get("speed")
     if speed:
         measured = speed["tokens_per_s"] / CLUSTER_NOSYNC_TOKENS_PER_S
@@ -174,6 +195,7 @@ def targets(results: list[dict[str, Any]], exactness: float | None = None) -> li
                 "tokens/s of the study's runs together against the 8-rank cluster's no-sync pace",
                 measured,
                 1.5,
+                runs=speed["runs"],
                 detail=speed,
             )
         )
@@ -194,19 +216,29 @@ def targets(results: list[dict[str, Any]], exactness: float | None = None) -> li
 def _ratio_row(target_id: str, what: str, per_seed: dict[int, float | None], bound: float) -> dict[str, Any]:
     reached = [v for v in per_seed.values() if v is not None]
     measured = statistics.median(reached) if len(reached) == len(per_seed) else None
-    row = _row(target_id, what, measured, bound, per_seed={str(k): v for k, v in sorted(per_seed.items())})
+    row = _row(
+        target_id, what, measured, bound, runs=len(per_seed), per_seed={str(k): v for k, v in sorted(per_seed.items())}
+    )
     if measured is None:
         row["note"] = "not reached by every seed: the ratio exceeds the run's length"
         row["met"] = False
     return row
 
 
-def _row(target_id: str, what: str, measured: float | None, bound: float, **extra: Any) -> dict[str, Any]:
+def _row(target_id: str, what: str, measured: float | None, bound: float, runs: int, **extra: Any) -> dict[str, Any]:
     if measured is None:
         met = False
     else:
         met = measured >= bound if target_id == "sim-speed" else measured <= bound
-    return {"id": target_id, "target": what, "measured": measured, "bound": bound, "met": bool(met), **extra}
+    return {
+        "id": target_id,
+        "target": what,
+        "measured": measured,
+        "bound": bound,
+        "met": bool(met),
+        "runs": runs,
+        **extra,
+    }
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> Path:
