@@ -187,7 +187,9 @@ class Simulator:
         datamodules = [datamodule] + [copy.deepcopy(datamodule) for _ in range(self.num_groups - 1)]
         groups = InProcessGroups(self.num_groups, self.config.site_blocks(self.num_groups))
         baton = Baton(self.num_groups)  # every group starts with this process's generator states, as ranks would
-        trainers = [self._trainer(groups, g, baton) for g in range(self.num_groups)]
+        trainers = [self._trainer(groups, 0, baton)]
+        with _info_silenced():  # Lightning's "GPU available: ..." once, not once per group
+            trainers += [self._trainer(groups, g, baton) for g in range(1, self.num_groups)]
 
         def run(g: int) -> None:
             _sync_metrics(models[g], trainers[g].strategy)
@@ -291,6 +293,19 @@ def _group_zero_logs_only() -> Iterator[None]:
     finally:
         for handler in handlers.values():
             handler.removeFilter(only)
+
+
+@contextmanager
+def _info_silenced() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(max(lg.getEffectiveLevel(), logging.WARNING))
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _sync_metrics(module: LightningModule, strategy: Any) -> None:
