@@ -45,6 +45,8 @@ RATIO_TARGETS = (
     ),
     ("ttt-sparse", "tokens to target of the best sparse recipe against float32", "sparse", REFERENCE, 1.10),
 )
+#: Every target of the study, in the order of the table.
+TARGET_IDS = ("sim-exact", "sim-speed", "ttt-int4", "ttt-overlap-1", "ttt-eager", "ttt-sparse", "ttt-outer")
 #: The outer optimizers tried, all float32: the default's ratio is against the best of them.
 OUTER_RECIPES = ("fedavg_f32", "nesterov_f32", "nesterov1_f32")
 DEFAULT_OUTER = "fedavg_f32"
@@ -183,43 +185,30 @@ def targets(results: list[dict[str, Any]], exactness: float | None = None, modes
     analysis = analyze(results)
     runs = by_recipe(results)
     rows: list[dict[str, Any]] = []
-    if exactness is not None:
-        what = "simulator against the Trainer strategy, every mode (largest weight difference)"
-        rows.append(_row("sim-exact", what, exactness, 1e-6, runs=modes))
+    what = "simulator against the Trainer strategy, every mode (largest weight difference)"
+    rows.append(_row("sim-exact", what, exactness, 1e-6, runs=modes))
     speed = analysis.get("speed")
-    if speed:
-        measured = speed["tokens_per_s"] / CLUSTER_NOSYNC_TOKENS_PER_S
-        rows.append(
-            _row(
-                "sim-speed",
-                "tokens/s of the study's runs together against the 8-rank cluster's no-sync pace",
-                measured,
-                1.5,
-                runs=speed["runs"],
-                detail=speed,
-            )
-        )
+    what = "tokens/s of the study's runs together against the 8-rank cluster's no-sync pace"
+    measured = speed["tokens_per_s"] / CLUSTER_NOSYNC_TOKENS_PER_S if speed else None
+    rows.append(_row("sim-speed", what, measured, 1.5, runs=speed["runs"] if speed else 0, detail=speed))
     for target_id, what, recipe, against, bound in RATIO_TARGETS:
-        per_seed = ratios(runs, recipe, against)
-        if per_seed:
-            rows.append(_ratio_row(target_id, what, per_seed, bound))
+        rows.append(_ratio_row(target_id, what, ratios(runs, recipe, against), bound))
     finals = analysis["recipes"]
     tried = [name for name in OUTER_RECIPES if name in finals]
-    if DEFAULT_OUTER in tried and len(tried) > 1:
-        best = min(tried, key=lambda n: finals[n]["final_spread"]["median"])
-        per_seed = ratios(runs, DEFAULT_OUTER, best)
-        what = f"tokens to target of the default outer optimizer ({DEFAULT_OUTER}) against the best tried ({best})"
-        rows.append(_ratio_row("ttt-outer", what, per_seed, 1.0))
+    best = min(tried, key=lambda n: finals[n]["final_spread"]["median"]) if tried else "not run"
+    what = f"tokens to target of the default outer optimizer ({DEFAULT_OUTER}) against the best tried ({best})"
+    per_seed = ratios(runs, DEFAULT_OUTER, best) if DEFAULT_OUTER in tried else {}
+    rows.append(_ratio_row("ttt-outer", what, per_seed, 1.0))
     return rows
 
 
 def _ratio_row(target_id: str, what: str, per_seed: dict[int, float | None], bound: float) -> dict[str, Any]:
     reached = [v for v in per_seed.values() if v is not None]
-    measured = statistics.median(reached) if len(reached) == len(per_seed) else None
+    measured = statistics.median(reached) if per_seed and len(reached) == len(per_seed) else None
     row = _row(
         target_id, what, measured, bound, runs=len(per_seed), per_seed={str(k): v for k, v in sorted(per_seed.items())}
     )
-    if measured is None:
+    if measured is None and per_seed:
         row["note"] = "not reached by every seed: the ratio exceeds the run's length"
         row["met"] = False
     return row
