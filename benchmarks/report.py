@@ -173,6 +173,7 @@ def write_docs(report: Report, tables: dict[str, str]) -> None:
     sections.update(_torchft_sections())
     if study := recipe_results():
         sections["recipes"] = recipes.section(study)
+        recipes.write_planner_factors(study)
     for name, body in sections.items():
         replace_section(BENCHMARKS_DOC, name, body)
     replace_section(PLAN_DOC, "calibration", f"{tables['calibration']}\n\n{throughput_note}")

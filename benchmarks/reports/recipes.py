@@ -230,6 +230,73 @@ def _row(target_id: str, what: str, measured: float | None, bound: float, runs: 
     }
 
 
+#: The planner's measured factors, written from the study (``lightning_fedshard.plan.quality`` reads them).
+MEASURED_MODULE = Path(__file__).parents[2] / "lightning_fedshard" / "plan" / "measured.py"
+
+
+def planner_factors(results: list[dict[str, Any]]) -> dict[tuple[object, ...], tuple[float, str, tuple[float, ...]]]:
+    """``{option key: (median factor, recipe, per-seed factors)}`` of every recipe the planner can express.
+
+    A recipe counts when every seed reached float32 fedavg's final loss and its options are ones the planner sets
+    (a named codec, ``"fedavg"`` or ``"nesterov"`` at its default learning rate, or plain FSDP).
+    """
+    runs = by_recipe(results)
+    out: dict[tuple[object, ...], tuple[float, str, tuple[float, ...]]] = {}
+    for name, recipe in RECIPES.items():
+        per_seed = ratios(runs, name, REFERENCE)
+        if not per_seed or any(v is None for v in per_seed.values()):
+            continue
+        key = _planner_key(recipe)
+        if key is not None:
+            values = tuple(float(v) for _, v in sorted(per_seed.items()) if v is not None)
+            out[key] = (statistics.median(values), name, values)
+    return out
+
+
+def _planner_key(recipe: Any) -> tuple[object, ...] | None:
+    if recipe.groups == 1:
+        return ("fsdp",)
+    outer = recipe.options.get("outer")
+    if outer not in (None, (0.7,)):
+        return None  # a learning rate the planner's names do not carry
+    config = recipe.federation()
+    dtype = config.effective_reduce_dtype
+    if not isinstance(dtype, str):
+        return None
+    return (
+        config.sync_every,
+        config.fragments,
+        dtype,
+        config.sync_delay,
+        config.eager_rule,
+        "nesterov" if outer else "fedavg",
+    )
+
+
+def write_planner_factors(results: list[dict[str, Any]], path: Path = MEASURED_MODULE) -> Path:
+    """Write :func:`planner_factors` as the Python module the planner imports."""
+    study = (
+        f"the recipe study of docs/benchmarks.md: the examples' Llama (1.38 M parameters) on Shakespeare,"
+        f" {GROUPS_DESCRIPTION}, {len({r['seed'] for r in results})} seed(s) paired"
+    )
+    factors = planner_factors(results)
+    lines = [
+        '"""Tokens-to-target factors measured by the recipe study (written by ``python -m benchmarks.report``)."""',
+        "",
+        f"STUDY = {study!r}",
+        "FACTORS: dict[tuple[object, ...], tuple[float, str, tuple[float, ...]]] = {",
+        *(f"    {key!r}: {value!r}," for key, value in sorted(factors.items(), key=lambda kv: kv[1][1])),
+        "}",
+        "",
+    ]
+    path.write_text("\n".join(lines))
+    return path
+
+
+#: The study's setting the factors hold for, in words.
+GROUPS_DESCRIPTION = "4 groups of one rank, 2,048 tokens a step, sync every 8, 1,200 steps (150 outer rounds)"
+
+
 def plot(results: list[dict[str, Any]], path: Path) -> Path:
     """Every run's validation curve against training tokens, one colour per recipe, one line style per seed."""
     import matplotlib

@@ -13,8 +13,9 @@ from lightning_fedshard.core.checks import check_positive_int
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.outer_topology import OuterTopologySpec
 from lightning_fedshard.plan.predict import Prediction
+from lightning_fedshard.plan.quality import STUDY, tokens_to_target
 from lightning_fedshard.plan.specs import CLUSTERS, GIB, MODELS, ClusterSpec, ModelSpec, TrainSetup
-from lightning_fedshard.plan.sweep import compare
+from lightning_fedshard.plan.sweep import compare, relative_time_to_target
 from lightning_fedshard.plan.sweep import sweep as sweep_setups
 
 
@@ -51,6 +52,7 @@ def plan(
     activation_checkpointing: bool = False,
     sweep: bool = False,
     top: int = 10,
+    rank: Literal["time_to_target", "tokens_per_s"] = "time_to_target",
     json: bool = False,
 ) -> list[Prediction]:
     """Predict throughput, traffic, memory and the bottleneck of FSDP, HSDP, FL+FSDP and FL+HSDP before a run.
@@ -95,6 +97,8 @@ def plan(
         activation_checkpointing: Recompute each layer in the backward pass.
         sweep: Rank the federated configurations instead of comparing the four strategies.
         top: Rows of the sweep.
+        rank: What the sweep ranks by: ``time_to_target`` (tokens/s over the tokens-to-target factor the recipe
+            study measured for the row's sync options; unmeasured rows follow by tokens/s) or ``tokens_per_s``.
         json: Print JSON instead of a table.
 
     Returns:
@@ -128,8 +132,8 @@ def plan(
         grad_bytes=wide,
         activation_checkpointing=activation_checkpointing,
     )
-    predictions = sweep_setups(spec, machine, base, top=top) if sweep else compare(spec, machine, base)
-    print(to_json(predictions) if json else table(predictions, ranked=sweep))
+    predictions = sweep_setups(spec, machine, base, top=top, rank=rank) if sweep else compare(spec, machine, base)
+    print(to_json(predictions) if json else table(predictions, ranked=rank if sweep else None))
     return predictions
 
 
@@ -189,6 +193,7 @@ def summary(p: Prediction) -> dict[str, Any]:
         "memory": asdict(p.memory),
         "fits": p.fits,
         "advice": p.advice,
+        **_time_to_target(p),
         "outer_topology": outer_topology_of(p.setup),
         "sites": sites_of(p.cluster),
         "batch_per_step": p.batch_per_step,
@@ -212,12 +217,26 @@ def to_json(predictions: list[Prediction]) -> str:
     return jsonlib.dumps([summary(p) for p in predictions], indent=1)
 
 
-#: Under a ``--sweep`` table: what its order means and what it leaves out.
-RANKING_NOTE = (
-    "Ranked by predicted tokens/s only (within 0.5%: fewer link bytes first). Quality is not predicted: a larger"
-    " sync_every, more fragments or a coarser reduce_dtype may cost perplexity per token; see docs/benchmarks.md for"
-    " measured costs."
-)
+#: Under a ``--sweep`` table: what its order means and what it leaves out, by what it ranks by.
+RANKING_NOTES = {
+    "tokens_per_s": (
+        "Ranked by predicted tokens/s only (within 0.5%: fewer link bytes first). Quality is not predicted: a larger"
+        " sync_every, more fragments or a coarser reduce_dtype may cost perplexity per token; see docs/benchmarks.md"
+        " for measured costs."
+    ),
+    "time_to_target": (
+        "Ranked by predicted time to a target loss where measured: tokens/s over the tokens-to-target factor of the"
+        " row's sync options (1 = float32 plain averaging), measured only on {study}; rows whose options it did not"
+        ' measure follow, by predicted tokens/s. See docs/benchmarks.md ("The recipe study").'
+    ),
+}
+
+
+def _time_to_target(p: Prediction) -> dict[str, Any]:
+    measured = tokens_to_target(p.setup)
+    if measured is None:
+        return {"tokens_to_target_factor": None, "tokens_to_target_recipe": None}
+    return {"tokens_to_target_factor": measured.factor, "tokens_to_target_recipe": measured.recipe}
 
 
 def outer_topology_of(setup: TrainSetup) -> str:
@@ -240,25 +259,31 @@ def _fits(p: Prediction) -> str:
     return "yes" if p.fits else f"no: {p.advice}"
 
 
-def table(predictions: list[Prediction], ranked: bool = False) -> str:
+def table(predictions: list[Prediction], ranked: str | None = None) -> str:
     """The predictions as a Markdown table, under the model, cluster, outer topology and sites they assume.
 
     Args:
         predictions: The rows.
-        ranked: The rows are a sweep's ranking: say what it ranks by and what it leaves out.
+        ranked: The rows are a sweep's ranking by this (``"tokens_per_s"`` or ``"time_to_target"``): say what it
+            ranks by and what it leaves out; by time to target, a column shows it (relative to the best row's).
     """
     if not predictions:
         return "No configuration fits."
+    ttt = ranked == "time_to_target"
     p0 = predictions[0]
     head = (
         f"{p0.model.name} ({p0.model.num_parameters / 1e9:.3g} B parameters, {p0.model.seq_len} tokens) on"
         f" {p0.cluster.name} ({p0.cluster.num_nodes} x {p0.cluster.devices_per_node} ranks)\n"
         f"outer topology: {outer_topology_of(p0.setup)}; sites: {sites_of(p0.cluster)}\n\n"
         "| strategy | groups x replicas x shards | H / frag / delay / dtype | step s | tokens/s | seq/s | compute util."
-        " | link GB/step | GiB/rank | fits | batch/step | bottleneck |\n" + "|---" * 12 + "|"
+        f" | link GB/step | GiB/rank | fits | batch/step | bottleneck |{_TTT_HEAD if ttt else ''}\n"
+        + "|---" * (13 if ttt else 12)
+        + "|"
     )
     rows = []
-    for p in predictions:
+    times = [relative_time_to_target(p) for p in predictions]
+    fastest = min((t for t in times if t is not None), default=None)
+    for p, time in zip(predictions, times):
         s, t = p.setup, p.topology
         f = s.federation
         delay = f"eager ({f.eager_rule})" if f.eager_rule else f.sync_delay
@@ -267,9 +292,21 @@ def table(predictions: list[Prediction], ranked: bool = False) -> str:
             f"| {s.strategy} | {t.num_groups} x {t.num_replicas} x {t.shard_size} | {fed} | {p.step_seconds:.3g} |"
             f" {p.tokens_per_second:,.0f} | {p.sequences_per_second:,.1f} | {p.compute_utilization:.2f} |"
             f" {p.link_bytes_per_step / 1e9:.3g} | {p.memory.device / GIB:.1f} | {_fits(p)} |"
-            f" {p.batch_per_step:,} | {p.bottleneck} |"
+            f" {p.batch_per_step:,} | {p.bottleneck} |" + (f" {_ttt_cell(time, fastest, p)} |" if ttt else "")
         )
-    return "\n".join([head, *rows, *(["", RANKING_NOTE] if ranked else [])])
+    note = RANKING_NOTES[ranked].format(study=STUDY) if ranked else None
+    return "\n".join([head, *rows, *(["", note] if note else [])])
+
+
+_TTT_HEAD = " time to target |"
+
+
+def _ttt_cell(time: float | None, fastest: float | None, p: Prediction) -> str:
+    if time is None or fastest is None:
+        return "not measured"
+    measured = tokens_to_target(p.setup)
+    assert measured is not None
+    return f"{time / fastest:.2f}x ({measured.factor:.3f} tokens)"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from lightning_fedshard.plan.predict import Prediction, predict
+from lightning_fedshard.plan.quality import tokens_to_target
 from lightning_fedshard.plan.specs import ClusterSpec, ModelSpec, TrainSetup
 
 #: What :func:`sweep` varies, unless told otherwise.
@@ -113,18 +114,27 @@ def candidates(
 
 
 def sweep(
-    model: ModelSpec, cluster: ClusterSpec, base: TrainSetup, top: int = 10, **grid: Sequence
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    base: TrainSetup,
+    top: int = 10,
+    rank: str = "tokens_per_s",
+    **grid: Sequence,
 ) -> list[Prediction]:
-    """The ``top`` federated setups by predicted tokens/s among those that fit in device memory.
+    """The ``top`` federated setups among those that fit in device memory, best first.
 
-    Setups within 0.5% of each other's throughput are ranked by the bytes they send between nodes, fewest first.
-
-    Throughput only: a larger ``sync_every`` or a coarser ``reduce_dtype`` may cost perplexity per token, which this
-    model does not predict (see docs/benchmarks.md for measured costs).
+    ``rank="tokens_per_s"``: by predicted tokens/s; setups within 0.5% of each other's throughput by the bytes they
+    send between nodes, fewest first. A larger ``sync_every`` or a coarser ``reduce_dtype`` may cost perplexity per
+    token, which this ignores. ``rank="time_to_target"``: the setups whose sync options have a measured
+    tokens-to-target factor (:mod:`~lightning_fedshard.plan.quality`) by ``factor / tokens per second``, then the
+    others by tokens/s.
 
     Raises:
-        ValueError: If the given ``num_groups`` or ``shard_size`` of ``base`` cannot cut the cluster's ranks.
+        ValueError: If the given ``num_groups`` or ``shard_size`` of ``base`` cannot cut the cluster's ranks, or for
+            an unknown ``rank``.
     """
+    if rank not in RANKS:
+        raise ValueError(f"`rank={rank!r}` must be one of {list(RANKS)}.")
     predictions, laid_out = [], False
     refused: tuple[TrainSetup, ValueError] | None = None
     for setup in candidates(cluster, base, **grid):
@@ -144,4 +154,21 @@ def sweep(
     # Within 0.5% of each other, setups are equally fast: prefer the one that sends fewer bytes between nodes.
     best = max(p.tokens_per_second for p in predictions)
     predictions.sort(key=lambda p: (-math.floor(p.tokens_per_second / best * 200), p.link_bytes_per_step))
+    if rank == "time_to_target":
+        predictions.sort(key=_time_to_target_order)  # stable: the unmeasured keep their throughput order
     return predictions[:top]
+
+
+#: What a sweep may rank by.
+RANKS = ("tokens_per_s", "time_to_target")
+
+
+def relative_time_to_target(prediction: Prediction) -> float | None:
+    """Measured tokens-to-target factor over predicted tokens/s (seconds per target token), or ``None``."""
+    measured = tokens_to_target(prediction.setup)
+    return None if measured is None else measured.factor / prediction.tokens_per_second
+
+
+def _time_to_target_order(prediction: Prediction) -> tuple[int, float]:
+    time = relative_time_to_target(prediction)
+    return (1, 0.0) if time is None else (0, time)

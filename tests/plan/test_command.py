@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from lightning_fedshard.plan.command import plan
+from lightning_fedshard.plan.quality import STUDY
 
 
 @pytest.mark.slow
@@ -94,11 +95,15 @@ def test_the_table_names_the_outer_topology_and_sites_it_assumes(capsys):
     assert (row["outer_topology"], row["sites"]) == ("all groups at every sync", "2 of 2 nodes, 20 Mbit/s uplinks")
 
 
-def test_the_sweep_says_it_ranks_by_throughput_only(capsys):
-    plan(model="xs", cluster="emulated-4x2", sweep=True, top=2)
+def test_the_sweep_says_what_it_ranks_by(capsys):
+    plan(model="xs", cluster="emulated-4x2", sweep=True, top=2, rank="tokens_per_s")
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("Ranked by predicted tokens/s only") and "Quality is not predicted" in last
     assert "docs/benchmarks.md" in last
+    plan(model="xs", cluster="emulated-4x2", sweep=True, top=2)  # by time to target, the default
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("Ranked by predicted time to a target loss where measured") and STUDY in out[-1]
+    assert "time to target |" in "\n".join(out)
     plan(model="xs", cluster="emulated-4x2")  # a comparison is not a ranking
     assert "Ranked by" not in capsys.readouterr().out
 
