@@ -101,3 +101,17 @@ def test_ranks_per_group_accumulates_their_batches_and_counts_of_one_ranks_batch
     )
     assert simulator.accumulate == 8
     assert simulator.trainer_kwargs == {"limit_train_batches": 384, "val_check_interval": 192, "limit_val_batches": 0.5}
+
+
+class _Failing(Module):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.trainer.global_rank == 1 and self.trainer.global_step == 2:
+            raise RuntimeError("group 1 broke at step 2")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_error_in_one_group_ends_the_simulation_with_that_error() -> None:
+    torch.manual_seed(0)
+    simulator = Simulator(CONFIG, max_steps=6, enable_checkpointing=False, **QUIET)
+    with pytest.raises(RuntimeError, match="group 1 broke at step 2"):
+        simulator.fit(_Failing(), data())  # the other groups wait at the sync of step 4: they are released
