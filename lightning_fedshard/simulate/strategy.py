@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ParallelStrategy
@@ -23,6 +24,7 @@ from typing_extensions import override
 from lightning_fedshard.checkpoint.atomic import save_file
 from lightning_fedshard.core.inprocess import Baton, InProcessGroups
 from lightning_fedshard.core.topology import FederationTopology
+from lightning_fedshard.elastic.heal import cloned
 from lightning_fedshard.runtime import FederatedRuntime
 from lightning_fedshard.trainer.strategy import place_outer_sync_first
 
@@ -132,6 +134,7 @@ class SimulatedStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         assert self.accelerator is not None
         self.accelerator.setup_device(self.root_device)
+        reset_seed()  # as Lightning's distributed strategies do, in this group's generators (it holds the baton)
         self.runtime.setup(num_nodes=self.groups.num_groups, devices_per_node=1, device=self.root_device)
 
     @override
@@ -199,8 +202,8 @@ class SimulatedStrategy(ParallelStrategy):
         mine = {
             **checkpoint,
             "fedshard_simulated": {
-                "federation": _to_cpu(federation.state_dict()) if federation.started else None,
-                "group": _to_cpu(federation.group_state_dict()) if federation.started else None,
+                "federation": cloned(federation.state_dict()) if federation.started else None,
+                "group": cloned(federation.group_state_dict()) if federation.started else None,
                 "rng": self.baton.current_state(),
             },
         }
@@ -263,13 +266,3 @@ def read_checkpoint(path: Path, settings: dict[str, Any], num_groups: int) -> di
         shown = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in differences.items())
         raise ValueError(f"Checkpoint {str(path)!r} was written by a simulation with other settings ({shown}).")
     return saved
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj

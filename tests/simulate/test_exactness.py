@@ -8,6 +8,7 @@ The model draws dropout masks, so each simulated group must draw its own random 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +73,16 @@ SCENARIOS: list[dict[str, Any]] = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def seeded() -> Iterator[None]:
+    """``seed_everything(0)`` was called, as in a script: the strategies then re-seed when they set up."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PL_GLOBAL_SEED", "0")
+        yield
+
+
 @pytest.fixture(scope="module")
-def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def trainer_runs(seeded: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("simulate_exactness")
     launch(WORKER, [json.dumps(SCENARIOS), str(out)], num_nodes=1, devices=GROUPS, log_dir=out / "logs")
     return out
