@@ -16,7 +16,7 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -50,6 +50,36 @@ class SimulationResult:
 
     trainers: list[Trainer]
     modules: list[LightningModule]
+    datamodules: list[LightningDataModule | None] = field(default_factory=list)
+    groups: InProcessGroups | None = None
+    baton: Baton | None = None
+
+    def run(self, method: str, **kwargs: Any) -> list[Any]:
+        """Call ``trainer.<method>(module, datamodule=..., **kwargs)`` of every group at once, each in its thread.
+
+        ``datamodule`` is each group's own copy unless dataloaders are given. Returns each group's result.
+        """
+        assert self.groups is not None and self.baton is not None
+        groups, baton = self.groups, self.baton
+
+        def held(g: int) -> Any:
+            with baton.held(g):
+                own = {} if "dataloaders" in kwargs else {"datamodule": self.datamodules[g]}
+                return getattr(self.trainers[g], method)(self.modules[g], **own, **kwargs)
+
+        with _group_zero_logs_only():
+            return run_threads(len(self.trainers), held, on_error=groups.abort)
+
+    def validate(self, dataloaders: Any = None) -> list[dict[str, float]]:
+        """Validate the trained model (every group holds the consensus) as ``Trainer.validate`` would, on all groups.
+
+        Returns group 0's results (metrics logged with ``sync_dist=True`` are averaged over the groups).
+        """
+        return self.run("validate", **({"dataloaders": dataloaders} if dataloaders is not None else {}))[0]
+
+    def test(self, dataloaders: Any = None) -> list[dict[str, float]]:
+        """Test the trained model as ``Trainer.test`` would, on all groups; group 0's results."""
+        return self.run("test", **({"dataloaders": dataloaders} if dataloaders is not None else {}))[0]
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -201,7 +231,7 @@ class Simulator:
 
         with _group_zero_logs_only():
             run_threads(self.num_groups, held, on_error=groups.abort)
-        return SimulationResult(trainers, models)
+        return SimulationResult(trainers, models, datamodules, groups, baton)
 
     def _trainer(self, groups: InProcessGroups, group: int, baton: Baton) -> Trainer:
         kwargs = dict(self.trainer_kwargs)

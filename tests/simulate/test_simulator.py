@@ -115,3 +115,19 @@ def test_an_error_in_one_group_ends_the_simulation_with_that_error() -> None:
     simulator = Simulator(CONFIG, max_steps=6, enable_checkpointing=False, **QUIET)
     with pytest.raises(RuntimeError, match="group 1 broke at step 2"):
         simulator.fit(_Failing(), data())  # the other groups wait at the sync of step 4: they are released
+
+
+def test_the_boring_model_with_the_trainers_defaults_fits_then_validates_and_tests(tmp_path: Path) -> None:
+    """A module nobody here wrote, with the sanity check, the validation loop, checkpoints and the CSV log on."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    torch.manual_seed(0)
+    simulator = Simulator(FederationConfig(num_groups=2, sync_every=2), max_steps=6, default_root_dir=tmp_path)
+    result = simulator.fit(BoringModel())
+    assert result.trainers[0].global_step == 6
+    assert (tmp_path / "simulate" / "version_0" / "metrics.csv").exists()
+    assert list((tmp_path / "simulate" / "version_0" / "checkpoints").glob("*.ckpt"))
+    assert result.trainers[0].sanity_checking is False and result.trainers[1].num_sanity_val_steps == 2
+    assert len(result.validate()) == 1 and len(result.test()) == 1  # one result per dataloader, groups in step
+    assert all(t.validate_loop.batch_progress.total.completed == 32 for t in result.trainers)  # each its half of 64
+    assert all(torch.equal(a, b) for a, b in zip(*(m.parameters() for m in result.modules)))
