@@ -200,7 +200,41 @@ class ChunkLayout:
         return replace(self, numel=self.chunk, parts=1)
 
 
-class ScatterGatherSum:
+class _HeldResiduals:
+    """What a reducer with error feedback does with its held residuals (slots ``SLOTS`` of ``feedback``)."""
+
+    SLOTS: tuple[str, ...]
+    feedback: ErrorFeedback | None
+
+    def reset_residual(self) -> None:
+        """Drop every held residual (e.g. when the vector or the ring changes); no-op without feedback."""
+        if self.feedback is not None:
+            self.feedback.reset()
+
+    def take_residual(self) -> Tensor | None:
+        """Remove and return what this rank's own encoding dropped in the last call (slot ``"residual"``).
+
+        Other slots (e.g. the residual of the chunk a rank sums) stay held for the next call.
+
+        Returns:
+            ``input - decoded``, shaped like the last input; ``None`` without error feedback, before the first call
+            with more than one member, or once taken.
+        """
+        return self.feedback.take("residual") if self.feedback is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The held residuals of this rank (``None`` before the first call or without feedback)."""
+        if self.feedback is None:
+            return dict.fromkeys(self.SLOTS)
+        return self.feedback.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        if self.feedback is not None:
+            self.feedback.load_state_dict(state)
+
+
+class ScatterGatherSum(_HeldResiduals):
     """The sum of quantized values over the ring: all-to-all of chunks, a local sum, all-gather (module docstring).
 
     Args:
@@ -298,33 +332,6 @@ class ScatterGatherSum:
             return 4 * numel
         return members * ChunkLayout.of(numel, members, self.codec).piece_bytes
 
-    def reset_residual(self) -> None:
-        """Drop both error-feedback residuals (e.g. when the vector or the ring changes); no-op without feedback."""
-        if self.feedback is not None:
-            self.feedback.reset()
-
-    def take_residual(self) -> Tensor | None:
-        """Remove and return the residual of this rank's own quantization in the last call (slot ``"residual"``).
-
-        The residual of the chunk this rank sums (``"sum_residual"``) stays held and is added to its next sum.
-
-        Returns:
-            ``input - dequantized``, shaped like the last input; ``None`` without error feedback, before the first
-            call with more than one member, or once taken.
-        """
-        return self.feedback.take("residual") if self.feedback is not None else None
-
-    def state_dict(self) -> dict[str, Any]:
-        """The error-feedback residuals of this rank (``None`` before the first call or without feedback)."""
-        if self.feedback is None:
-            return dict.fromkeys(self.SLOTS)
-        return self.feedback.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        if self.feedback is not None:
-            self.feedback.load_state_dict(state)
-
     def _check_residuals(self, x: Tensor, layout: ChunkLayout) -> None:
         """Raise ``ValueError`` if held residuals come from calls on another shape or ring size."""
         if self.feedback is None:
@@ -353,7 +360,7 @@ class ScatterGatherSum:
         return total
 
 
-class GatherMean:
+class GatherMean(_HeldResiduals):
     """The :class:`~lightning_fedshard.core.codecs.SparseLoCo` reduction: every group's message to every group.
 
     Each ring rank sends its message (an all-gather, ``G - 1`` messages forwarded per rank); every rank decodes all of
@@ -447,26 +454,6 @@ class GatherMean:
         if members == 1 or numel == 0:
             return 4 * numel
         return members * self.codec.message_bytes(numel)
-
-    def reset_residual(self) -> None:
-        """Drop the error-feedback buffer."""
-        if self.feedback is not None:
-            self.feedback.reset()
-
-    def take_residual(self) -> Tensor | None:
-        """Remove and return the error-feedback buffer (``None`` without one)."""
-        return self.feedback.take("residual") if self.feedback is not None else None
-
-    def state_dict(self) -> dict[str, Any]:
-        """The error-feedback buffer."""
-        if self.feedback is None:
-            return dict.fromkeys(self.SLOTS)
-        return self.feedback.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        if self.feedback is not None:
-            self.feedback.load_state_dict(state)
 
 
 def make_reducer(
