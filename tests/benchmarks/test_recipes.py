@@ -43,6 +43,9 @@ def test_ratios_pair_runs_by_seed_against_the_references_own_tokens() -> None:
     )
     assert report.ratios(runs, "int4ef", "fedavg_f32") == {0: pytest.approx(2 / 3)}
     assert report.ratios(runs, "sparse", "fedavg_f32") == {0: None}
+    # it ends at 3.5, above the reference's 3.0; the reference reached 3.5 after 25 steps, the recipe after 30
+    assert report.at_own_final(runs, "sparse", "fedavg_f32") == {0: pytest.approx(30 / 25)}
+    assert report.at_own_final(runs, "int4ef", "fedavg_f32") == {}
 
 
 def test_targets_are_met_or_missed_by_their_bounds() -> None:
@@ -51,15 +54,18 @@ def test_targets_are_met_or_missed_by_their_bounds() -> None:
         _run("nesterov_f32", 0, [[9, 4.0], [19, 3.0], [29, 2.0]]),
         _run("int4ef", 0, [[9, 5.0], [19, 4.0], [29, 3.0]]),
         _run("sparse", 0, [[9, 5.0], [19, 4.5], [29, 3.5]]),
+        _run("sparseloco_selected", 0, [[9, 5.0], [19, 4.5], [29, 3.2]]),
     ]
     rows = {row["id"]: row for row in report.targets(results, exactness=3e-8)}
     assert rows["sim-exact"]["met"]
     assert rows["ttt-int4"]["measured"] == pytest.approx(1.0) and rows["ttt-int4"]["met"]
     assert rows["ttt-sparse"]["measured"] is None and not rows["ttt-sparse"]["met"]
+    assert "(sparseloco_selected," in rows["ttt-sparse"]["target"]  # the best of the sparse recipes by final loss
+    assert rows["ttt-sparse"]["at_own_final"] == {"0": pytest.approx(30 / 28)}  # 3.2 reached after 30 and 28 steps
     # the default (fedavg) reaches Nesterov's final loss never: missed
     assert "nesterov_f32" in rows["ttt-outer"]["target"] and not rows["ttt-outer"]["met"]
     assert rows["sim-speed"]["measured"] == pytest.approx(
-        (4 * 30 * 100) / (100.0 - 90.0) / report.CLUSTER_NOSYNC_TOKENS_PER_S  # 4 runs from 90 s to 100 s
+        (5 * 30 * 100) / (100.0 - 90.0) / report.CLUSTER_NOSYNC_TOKENS_PER_S  # 5 runs from 90 s to 100 s
     )
 
 
