@@ -11,6 +11,7 @@ order). A run that never reaches the target gets no ratio, only how far above it
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -332,14 +333,24 @@ def write_planner_factors(results: list[dict[str, Any]], path: Path = MEASURED_M
     lines = [
         '"""Tokens-to-target factors measured by the recipe study (written by ``python -m benchmarks.report``)."""',
         "",
-        f"STUDY = {study!r}  # noqa: E501",
+        f"STUDY = {_literal(study)}  # noqa: E501",
         "FACTORS: dict[tuple[object, ...], tuple[float, str, tuple[float, ...]]] = {",
-        *(f"    {key!r}: {value!r}," for key, value in sorted(factors.items(), key=lambda kv: kv[1][1])),
+        *(f"    {_literal(k)}: {_literal(v)}," for k, v in sorted(factors.items(), key=lambda kv: kv[1][1])),
         "}",
         "",
     ]
     path.write_text("\n".join(lines))
     return path
+
+
+def _literal(value: Any) -> str:
+    """``repr`` as the formatter writes it (strings in double quotes), for a generated module."""
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, tuple):
+        inner = ", ".join(_literal(v) for v in value)
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
+    return repr(value)
 
 
 #: The study's setting the factors hold for, in words.
