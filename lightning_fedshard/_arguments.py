@@ -45,6 +45,7 @@ from lightning_fedshard.core.fsdp2 import (
 )
 from lightning_fedshard.core.listeners import SyncListener, UtilizationClock
 from lightning_fedshard.core.outer_topology import OuterTopologySpec
+from lightning_fedshard.core.pace import Pace
 from lightning_fedshard.core.sharding import ShardingBackend, StateDictType
 from lightning_fedshard.plan.check import PlanCheck
 from lightning_fedshard.runtime import FederatedRuntime
@@ -144,6 +145,7 @@ class FederatedArguments:
         eager_updates: bool | str = False,
         outer_topology: OuterTopologySpec = "all",
         elastic: Elastic | None = None,
+        pace: Pace | None = None,
         plan: str | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:

@@ -454,6 +454,16 @@ class FederatedRuntime:
         self._joined = False
         self._restore_mid_epoch_resume()
 
+    def trains(self, step: int | None = None) -> bool:
+        """Whether this group trains optimizer step ``step`` (default: the next one).
+
+        Always, except with a per-group pace (``pace=Pace(...)``): a group slower than the fastest skips the last
+        steps of each round (no forward, backward or inner update), so that it reaches the sync with the others.
+        """
+        if self.config.pace is None or self._federation is None or not self._federation.started:
+            return True
+        return self._federation.trains(self.step + 1 if step is None else step)
+
     def after_optimizer_step(self, step: int | None = None) -> SyncStats | None:
         """Tell the federation that a real optimizer step completed; runs the outer step when one is due.
 

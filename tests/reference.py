@@ -104,6 +104,8 @@ def federate(
     mixing: Callable[[int], Tensor] | None = None,
     participants: Callable[[int], list[int]] | None = None,
     roundtrip: Callable[[Tensor], Tensor] | None = None,
+    paced: Callable[[int], Sequence[int]] | None = None,
+    merge: str = "tokens",
 ) -> dict[str, object]:
     """Train ``groups`` (all holding ``initial``) for ``max_steps`` optimizer steps under the outer schedule above.
 
@@ -132,6 +134,11 @@ def federate(
         participants: ``round -> group indices``: sampled participation. The landing after step ``s`` belongs to round
             ``(s - 1) // sync_every``, and its mean runs over the snapshots of that round's groups only; every group
             still loads the merged anchor. The final steps at the end average every group.
+        paced: ``round -> steps per group``: a per-group pace. Round ``r`` is the steps ``r H .. r H + H - 1``
+            (0-based); group ``g`` trains the first ``paced(r)[g]`` of them and skips the others. Each group counts
+            the steps it trained since a fragment last landed (a landing resets the count, whatever the merge), and a
+            landing's outer gradient weighs each group's ``anchor - snapshot`` by the count at its snapshot:
+            ``merge="tokens"``: ``c_g / sum c``; ``merge="normalized"``: ``(mean c / c_g) / G`` (0 for ``c_g = 0``).
 
     Returns:
         ``anchors``: the full anchor after every outer step, by optimizer step (``0``: the initial anchor; at ``T``
@@ -163,24 +170,32 @@ def federate(
     syncs: list[Sync] = []
     in_flight: dict[int, list[dict[str, Tensor]]] = {}  # landing step -> each group's snapshot of that fragment
     landed = -1
+    counts = [[0] * len(parts) for _ in groups]  # per group and fragment: steps trained since its last landing
+    counted: dict[int, list[int]] = {}  # landing step -> each group's count at its snapshot
     for step in range(max_steps):
         groups_before[step] = [torch.cat([v.reshape(-1) for v in g.weights().values()]) for g in groups]
-        for group in groups:
-            group.train_step(step)
+        for g, group in enumerate(groups):
+            if paced is None or step % sync_every < paced(step // sync_every)[g]:
+                group.train_step(step)
+                counts[g] = [c + 1 for c in counts[g]]
         done = step + 1
         if (done + sync_delay) % every == 0:
-            keys = parts[_landing_fragment(done + sync_delay, every, len(parts))]
-            in_flight[done + sync_delay] = [_slice(g.weights(), keys, clone=True) for g in groups]
+            f = _landing_fragment(done + sync_delay, every, len(parts))
+            in_flight[done + sync_delay] = [_slice(g.weights(), parts[f], clone=True) for g in groups]
+            counted[done + sync_delay] = [counts[g][f] for g in range(len(groups))]
         if done % every == 0:
             landed = _landing_fragment(done, every, len(parts))
             keys = parts[landed]
             snapshots = in_flight.pop(done)
+            weights = None if paced is None else _pace_weights(counted.pop(done), merge)
             if participants is not None:
                 snapshots = [snapshots[g] for g in participants((done - 1) // sync_every)]
-            grad = _outer_step(anchor, outers[landed], snapshots, keys)
+            grad = _outer_step(anchor, outers[landed], snapshots, keys, weights)
             syncs.append(Sync(done, landed, "landing", grad))
             for g in groups:
                 g.load(_merge(anchor, g.weights(), keys, merge_alpha))
+            for g in range(len(groups)):
+                counts[g][landed] = 0
             anchors[done] = _copy(anchor)
         if hierarchical is not None:
             _site_means(groups, hierarchical, sites, done)
@@ -193,7 +208,8 @@ def federate(
                 for g in groups:
                     g.load(_slice(anchor, keys))
                 continue
-            grad = _outer_step(anchor, outers[f], [_slice(g.weights(), keys) for g in groups], keys)
+            weights = None if paced is None else _pace_weights([c[f] for c in counts], merge)
+            grad = _outer_step(anchor, outers[f], [_slice(g.weights(), keys) for g in groups], keys, weights)
             syncs.append(Sync(max_steps, f, "final", grad))
             for g in groups:
                 g.load(_slice(anchor, keys))
@@ -539,12 +555,31 @@ def _landing_fragment(step: int, every: int, num_fragments: int) -> int:
 
 
 def _outer_step(
-    anchor: dict[str, Tensor], opt: Outer, local: list[dict[str, Tensor]], keys: list[str]
+    anchor: dict[str, Tensor],
+    opt: Outer,
+    local: list[dict[str, Tensor]],
+    keys: list[str],
+    weights: list[float] | None = None,
 ) -> dict[str, Tensor]:
-    """Step ``anchor`` on the keys of one fragment with the mean over groups of ``anchor - local``; return that mean."""
-    delta = {k: anchor[k] - torch.stack([w[k] for w in local]).mean(0) for k in keys}
+    """Step ``anchor`` on the keys of one fragment with the mean over groups of ``anchor - local``; return that mean.
+
+    With ``weights`` (one per group) the mean is ``sum_g weights[g] (anchor - local_g)``.
+    """
+    if weights is None:
+        delta = {k: anchor[k] - torch.stack([w[k] for w in local]).mean(0) for k in keys}
+    else:
+        delta = {k: sum(c * (anchor[k] - w[k]) for c, w in zip(weights, local)) for k in keys}  # type: ignore[misc]
     opt.step(anchor, delta)
     return delta
+
+
+def _pace_weights(counts: list[int], merge: str) -> list[float]:
+    """Each group's weight in a paced merge, from the steps each trained (see `federate`)."""
+    total = sum(counts)
+    if merge == "tokens":
+        return [c / total for c in counts]
+    mean = total / len(counts)
+    return [0.0 if c == 0 else mean / c / len(counts) for c in counts]
 
 
 def _merge(anchor: dict[str, Tensor], local: dict[str, Tensor], keys: list[str], alpha: float) -> dict[str, Tensor]:
@@ -623,6 +658,8 @@ def reference_run(
     mixing: Callable[[int], Tensor] | None = None,
     participants: Callable[[int], list[int]] | None = None,
     roundtrip: Callable[[Tensor], Tensor] | None = None,
+    paced: Callable[[int], Sequence[int]] | None = None,
+    merge: str = "tokens",
 ) -> dict[str, object]:
     """``micro_batches[rank]`` lists the sample indices of every micro-batch that rank trained on, in order.
 
@@ -650,6 +687,8 @@ def reference_run(
         mixing=mixing,
         participants=participants,
         roundtrip=roundtrip,
+        paced=paced,
+        merge=merge,
     )
 
 

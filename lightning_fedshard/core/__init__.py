@@ -9,6 +9,7 @@ from lightning_fedshard.core.mesh import FederationMesh, build_federation_mesh
 from lightning_fedshard.core.nonfinite import NONFINITE_POLICIES, NonFiniteOuterGradientError
 from lightning_fedshard.core.outer import OuterStep
 from lightning_fedshard.core.outer_topology import Gossip, Hierarchical, Mixing, Sampled
+from lightning_fedshard.core.pace import Pace
 from lightning_fedshard.core.reducers import AllReduceSum, Reducer, ScatterGatherSum, make_reducer
 from lightning_fedshard.core.stats import SyncStats
 from lightning_fedshard.core.topology import AXES, Axis, FederationTopology
@@ -35,6 +36,7 @@ __all__ = [
     "Mixing",
     "NonFiniteOuterGradientError",
     "OuterStep",
+    "Pace",
     "ProcessGroupCommunicator",
     "Reducer",
     "ScatterGatherSum",

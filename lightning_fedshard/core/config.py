@@ -37,6 +37,7 @@ from lightning_fedshard.core.outer_topology import (
     Sampled,
     resolve_outer_topology,
 )
+from lightning_fedshard.core.pace import Pace
 from lightning_fedshard.core.reducers import Reducer, make_reducer
 from lightning_fedshard.core.rounds.options import check_compatible
 from lightning_fedshard.core.topology import FederationTopology
@@ -157,6 +158,11 @@ class FederationConfig:
             ``outer_optimizer="fedavg"``; with ``sync_delay`` the mix travels while training goes on, and a lossy
             ``reduce_dtype`` compresses it).
             ``Sampled(groups_per_round=k, outer_step=True)`` instead takes the outer step on the sampled groups' mean.
+        pace: Groups of different speeds: ``lightning_fedshard.Pace()`` lets each group train the share of a round
+            its measured speed allows (the fastest trains every step, a slower one skips the last steps of the
+            round) and weighs the merge by the steps each trained; ``Pace(speeds=(1, 1, 1, 0.5))`` gives the relative
+            speeds instead. Default ``None``: every group trains every step and waits for the slowest at a sync. See
+            docs/pace.md.
 
             Which of these options compose is declared by each sync mode and listed in
             docs/configuration.md, "Which options compose"; a pair that does not is refused in the constructor.
@@ -186,6 +192,7 @@ class FederationConfig:
     eager_updates: bool | str = False
     outer_topology: OuterTopologySpec = "all"
     elastic: Elastic | None = None
+    pace: Pace | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_groups", "shard_size"):
@@ -212,6 +219,7 @@ class FederationConfig:
             raise ValueError(f"`on_nonfinite` must be one of {list(NONFINITE_POLICIES)}, got {self.on_nonfinite!r}.")
         self._check_streaming()
         self._check_elastic()
+        self._check_pace()
         check_compatible(self)
         if self.feedback_in_weights:
             warnings.warn(FEEDBACK_IN_WEIGHTS_RETIRED, FutureWarning, stacklevel=3)
@@ -266,6 +274,14 @@ class FederationConfig:
                 " Leave `error_feedback` unset (on with 'sparse'), set it to True, or use 'int8' / 'int4'"
                 " (which send every value)."
             )
+
+    def _check_pace(self) -> None:
+        if self.pace is None:
+            return
+        if not isinstance(self.pace, Pace):
+            raise ValueError(f"`pace` must be a `lightning_fedshard.Pace` or None, got {self.pace!r}.")
+        if isinstance(self.num_groups, int):
+            self.pace.check(self.num_groups, self.sync_every)
 
     def _check_elastic(self) -> None:
         if self.elastic is None:
@@ -376,6 +392,8 @@ class FederationConfig:
             parts.append(topology.describe())
         if self.merge_alpha:
             parts.append(f"merge_alpha={self.merge_alpha}")
+        if self.pace is not None:
+            parts.append(self.pace.describe())
         if self.elastic is not None:
             parts.append(
                 f"elastic (federation {self.elastic.federation!r}, at least {self.elastic.min_groups} group(s))"

@@ -7,6 +7,7 @@ federation runs for its options (see :mod:`~lightning_fedshard.core.rounds`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -19,6 +20,7 @@ from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.fragments import cut_fragments
 from lightning_fedshard.core.lazy import required
 from lightning_fedshard.core.outer import OuterStep
+from lightning_fedshard.core.pace import PaceSchedule, median_seconds
 from lightning_fedshard.core.pending import PendingSync
 from lightning_fedshard.core.rounds import Round, build_round
 from lightning_fedshard.core.rounds.base import combined
@@ -50,6 +52,10 @@ class Federation:
         self.groups_may_join = False
         #: State that others attached to this federation keep in its checkpoints, as ``name: (save, load)``.
         self.extra_state: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        #: The steps each group trains per round, with a per-group pace (``config.pace``); set by :meth:`start`.
+        self.pace: PaceSchedule | None = None
+        self._step_ended: float | None = None
+        self._durations: list[float] = []
         #: What a sync does: the one round for these options.
         self.round: Round = build_round(self)
 
@@ -116,6 +122,14 @@ class Federation:
         )
         self.last_synced_step = self.last_step = step
         self.landed_at = [step] * self.config.fragments
+        if self.config.pace is not None:
+            groups = len(self.communicator.participants())
+            self.config.pace.check(groups, self.config.sync_every)
+            self.pace = PaceSchedule(self.config.pace, groups, self.config.sync_every)
+
+    def trains(self, step: int) -> bool:
+        """Whether this group trains optimizer step ``step`` (1-based); with a per-group pace it may skip it."""
+        return self.pace is None or self.pace.trains(self.communicator.group_index, step)
 
     def is_due(self, step: int) -> bool:
         """Whether a sync lands after optimizer step ``step`` (not handled yet).
@@ -142,7 +156,36 @@ class Federation:
             return None
         stats = self.round.after_step(step)
         self.last_step = step
+        if self.pace is not None:
+            self._time_step(step)
         return stats if stats is None or self.annotate_stats is None else self.annotate_stats(stats)
+
+    def _time_step(self, step: int) -> None:
+        """Measured pace: time the steps this group trained; at a round's end the groups agree on the next round."""
+        assert self.pace is not None
+        now = time.perf_counter()
+        if self._step_ended is not None and self.trains(step):
+            self._durations.append(now - self._step_ended)
+        if self.pace.pace.measured and step % self.config.sync_every == 0:
+            self.pace.observe(self._exchange_seconds(median_seconds(self._durations)))
+            self._durations = []
+        self._step_ended = time.perf_counter()
+
+    def _exchange_seconds(self, seconds: float) -> list[float]:
+        """Every group's seconds per step, the same on every rank; collective (tiny, on the statistics ring).
+
+        The ranks of a group agree first (the mean over its shards, the slowest of its replicas), so that every rank
+        of every group decides the same next round.
+        """
+        comm = self.communicator
+        own = torch.tensor([seconds, 1.0], dtype=torch.float64)
+        comm.sum_in_group(own)
+        replicas = torch.empty(comm.num_replicas, dtype=torch.float64)
+        comm.gather_replicas(replicas, own[:1] / own[1])
+        everyone = torch.zeros(len(comm.participants()), dtype=torch.float64)
+        everyone[comm.group_index] = replicas.max()
+        comm.sum_stats_over_groups(everyone)
+        return everyone.tolist()
 
     def heal_state(self) -> dict[str, Any]:
         """This rank's federation state for a group that joins or fell behind: outer state, schedule, sync, round.
@@ -266,6 +309,7 @@ class Federation:
             "landed_at": list(self.landed_at),
             "pending": None,
             "eager": {},
+            "pace": self.pace.state_dict() if self.pace is not None else None,
             **self.round.state_dict(),
             **{name: save() for name, (save, _) in self.extra_state.items()},
         }
@@ -302,6 +346,8 @@ class Federation:
         for name, (_, load) in self.extra_state.items():
             if state.get(name) is not None:
                 load(state[name])
+        if self.pace is not None and state.get("pace") is not None:
+            self.pace.load_state_dict(state["pace"])
         self.round.load_state_dict(state)
 
 

@@ -140,6 +140,7 @@ class OuterStep(OuterState):
         background: bool = True,
         taken: tuple[Tensor, bool] | None = None,
         idle: Sequence[int] | Callable[[tuple[int, ...]], Sequence[int]] = (),
+        weigh: Callable[[tuple[int, ...]], float] | None = None,
     ) -> PendingSync:
         """Take the fragment's pseudo-gradient now and start summing it over the groups; collective.
 
@@ -154,6 +155,8 @@ class OuterStep(OuterState):
             taken: The pseudo-gradient and its finiteness, when the caller took it already (eager updates).
             idle: Groups that add nothing (zeros) and are not checked for NaN/Inf: the mean divides by the others;
                 or how they follow from this sync's participants (a sample drawn among them).
+            weigh: This group's factor from the groups that add to the sum (a per-group pace): the pseudo-gradient
+                is multiplied by it, so that the plain mean of the sum is the weighted merge.
 
         Raises:
             NonFiniteOuterGradientError: As for :meth:`step`; nothing was changed then.
@@ -174,6 +177,9 @@ class OuterStep(OuterState):
             raise NonFiniteOuterGradientError(broken, self.num_syncs, step, policy=self.on_nonfinite)
         if self.communicator.group_index in broken or joined_now or idle_now:
             local.zero_()  # an absent group adds nothing to the sum; the mean divides by the contributing groups
+        elif weigh is not None:
+            absent = {*broken, *joined, *idle}
+            local.mul_(weigh(tuple(g for g in participants if g not in absent)))
         reducer, members = self.reducers[fragment], len(participants)
         part, finish = self._replica_part(fragment, local, members)
         pending = PendingSync(

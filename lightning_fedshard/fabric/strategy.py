@@ -101,6 +101,21 @@ class _FabricHooks(FederatedArguments):
         """Optimizer steps taken so far (restored by :meth:`load_checkpoint`)."""
         return self.runtime.step
 
+    def trains(self) -> bool:
+        """Whether this group trains the next optimizer step; ``False`` only with a per-group pace (``Pace``).
+
+        A group slower than the fastest skips the last steps of each round so that it reaches the sync with the
+        others. A loop skips the forward and backward of such a step and still calls ``optimizer.step()`` (it finds no
+        gradient, and counts the step)::
+
+            for batch in loader:
+                if fabric.strategy.trains():
+                    fabric.backward(model(batch))
+                optimizer.step()
+                optimizer.zero_grad()
+        """
+        return self.runtime.trains()
+
     @property
     def last_sync_stats(self) -> SyncStats | None:
         """Statistics of the most recent sync, or ``None`` before the first one."""

@@ -26,7 +26,7 @@ from lightning_fedshard.core.inprocess import Baton, InProcessGroups
 from lightning_fedshard.core.topology import FederationTopology
 from lightning_fedshard.elastic.heal import cloned
 from lightning_fedshard.runtime import FederatedRuntime
-from lightning_fedshard.trainer.strategy import place_outer_sync_first
+from lightning_fedshard.trainer.strategy import place_outer_sync_first, skipped_step_loss
 
 #: Version of the simulator's checkpoint files.
 CHECKPOINT_VERSION = 1
@@ -146,6 +146,14 @@ class SimulatedStrategy(ParallelStrategy):
         super().setup(trainer)
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None
+        if not self.runtime.trains(module.trainer.global_step + 1):
+            return skipped_step_loss(module)
+        return super().training_step(*args, **kwargs)
+
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
@@ -166,8 +174,16 @@ class SimulatedStrategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        """Sum or average a tensor over the groups (in group order: every group gets the same bits)."""
+        """Sum or average a tensor over the groups (in group order: every group gets the same bits).
+
+        With a per-group pace a metric reduced while training stays in its group (a slow group skips steps), as on
+        the cluster: a group is one rank here, so it is the group's own value.
+        """
         if not isinstance(tensor, Tensor):
+            return tensor
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if self.runtime.config.pace is not None and trainer is not None and trainer.training:
             return tensor
         op = str(reduce_op).lower().removeprefix("reduceop.") if reduce_op is not None else "mean"
         posted = self.gather_objects(tensor.detach().clone())

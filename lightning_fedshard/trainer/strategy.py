@@ -8,12 +8,13 @@ from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 # Private names: Lightning types its own strategy hooks with them and exports no public alias.
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -58,6 +59,29 @@ class _TrainerHooks(FederatedArguments):
             self.runtime.release_model()
         if self.runtime.config.elastic is not None:
             self.runtime.set_host_state(lambda: _loop_state(trainer), lambda state: _load_loop_state(trainer, state))
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's ``training_step``, unless this group skips the step (a per-group pace, see ``Pace``)."""
+        module = self.lightning_module
+        if not self.runtime.trains(module.trainer.global_step + 1):
+            return skipped_step_loss(module)
+        return super().training_step(*args, **kwargs)  # type: ignore[misc]
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Lightning's reduce; with a per-group pace, metrics reduced while training stay inside the group.
+
+        A slow group skips steps (its ``training_step`` does not run), so a ``self.log(..., sync_dist=True)`` there
+        would wait for it; reduced over the group's own ranks, which skip alike, it never waits. Validation and the
+        other loops reduce over every group as usual.
+        """
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if group is None and self.runtime.config.pace is not None and trainer is not None and trainer.training:
+            process_groups = self.runtime.fsdp_process_group
+            for process_group in process_groups if isinstance(process_groups, tuple) else (process_groups,):
+                tensor = super().reduce(tensor, group=process_group, reduce_op=reduce_op)  # type: ignore[misc]
+            return tensor
+        return super().reduce(tensor, group, reduce_op)  # type: ignore[misc]
 
     def process_dataloader(self, dataloader: object) -> object:
         """Elastic: the group joins the federation when ``fit`` asks for its training data.
@@ -311,6 +335,15 @@ def _load_loop_state(trainer: Trainer, state: dict[str, Any]) -> None:
         )
     for config, saved in zip(schedulers, state["lr_schedulers"]):
         config.scheduler.load_state_dict(saved)
+
+
+def skipped_step_loss(module: LightningModule) -> Tensor:
+    """What a skipped step returns: a zero loss tied to no parameter.
+
+    No forward runs; the backward and the inner optimizer's update find no gradient. Every rank of the group skips
+    alike, so its collectives stay in step.
+    """
+    return torch.zeros((), device=module.device, requires_grad=True)
 
 
 def place_outer_sync_first(trainer: Trainer) -> None:

@@ -316,3 +316,20 @@ def test_the_elastic_help_that_the_strategy_help_advertises_works(capsys, monkey
     args += ["--trainer.strategy.elastic.min_groups", "2"]
     elastic = cli(args=args, run=False).trainer.strategy.federation_config.elastic
     assert (elastic.lighthouse, elastic.min_groups) == ("http://10.0.0.1:29510", 2)
+
+
+def test_a_per_group_pace_in_yaml_and_on_the_command_line(tmp_path):
+    from lightning_fedshard import Pace
+
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 2\n  num_nodes: 2\n  logger: false\n  strategy:\n"
+        "    class_path: lightning_fedshard.FLHSDPStrategy\n    init_args:\n      num_groups: 2\n      pace:\n"
+        "        class_path: lightning_fedshard.Pace\n        init_args: {speeds: [1.0, 0.5], merge: normalized}\n"
+        "model:\n  class_path: lightning_fedshard.examples.LlamaLM\n  init_args: {size: xs, vocab_size: 256}\n"
+    )
+    federation = cli(args=["--config", str(config)], run=False).trainer.strategy.federation_config
+    assert federation.pace == Pace(speeds=(1.0, 0.5), merge="normalized")
+    changed = ["--config", str(config), "--trainer.strategy.pace.merge", "tokens"]
+    federation = cli(args=changed, run=False).trainer.strategy.federation_config
+    assert federation.pace == Pace(speeds=(1.0, 0.5), merge="tokens")

@@ -96,6 +96,22 @@ GOSSIP = dict(
     max_steps=11,
 )
 SCENARIOS.append(GOSSIP)
+# a per-group pace among 4 one-rank groups: the last one half as fast, 2 fragments, int4 traffic
+PACED = dict(
+    name="paced",
+    strategy="fl_fsdp",
+    num_groups=4,
+    sync_every=4,
+    fragments=2,
+    reduce_dtype="float32",
+    pace=[1.0, 1.0, 1.0, 0.5],
+    outer_optimizer="nesterov",
+    wrap_linear=True,
+    lr=0.01,
+    batch_size=4,
+    max_steps=11,
+)
+SCENARIOS.append(PACED)
 TOPOLOGY = {
     "fsdp": FederationTopology(4, 2, 2),
     "hsdp": FederationTopology(4, 2, 1),
@@ -166,6 +182,28 @@ def test_fabric_runs_a_compressed_overlapped_gossip_that_equals_the_reference(re
         for k, v in ref["final"].items():
             assert_close(r["final"][f"net.{k}"], v, atol=1e-5, rtol=0)
     assert max((ref["final"][k] - ranks[0]["initial"][f"net.{k}"]).abs().max() for k in ref["final"]) > 1e-2
+
+
+@pytest.mark.slow
+def test_a_paced_fabric_loop_skips_the_slow_groups_steps_and_equals_the_weighted_reference(results):
+    ranks, topology = results["paced"], FederationTopology(4, 4, 1)
+    ref = reference_run(
+        ranks[0]["initial"],
+        [r["micro_batches"] for r in ranks],
+        [topology.group_ranks(g) for g in range(topology.num_groups)],
+        sync_every=PACED["sync_every"],
+        outer="nesterov",
+        inner="adamw",
+        lr=PACED["lr"],
+        accumulate=1,
+        max_steps=PACED["max_steps"],
+        fragments=ranks[0]["fragment_names"],
+        paced=lambda round: (4, 4, 4, 2),
+    )
+    for r in ranks:
+        for k, v in ref["final"].items():
+            assert_close(r["final"][f"net.{k}"], v, atol=1e-5, rtol=0)
+    assert ranks[3]["trained"] == [1, 2, 5, 6, 9, 10] and ranks[0]["trained"] == list(range(1, 12))
 
 
 @pytest.mark.slow

@@ -50,6 +50,8 @@ def run(spec: dict[str, Any], root: Path) -> None:
     kwargs = {k: spec[k] for k in keys if k in spec}
     if spec.get("gossip"):  # (peers, seed) of a gossip mixing
         kwargs["outer_topology"] = lightning_fedshard.Gossip(*spec["gossip"])
+    if spec.get("pace"):  # relative speeds of a per-group pace
+        kwargs["pace"] = lightning_fedshard.Pace(speeds=tuple(spec["pace"]))
     if spec.get("wrap_linear"):  # one FSDP unit per Linear layer, so the model can be cut into fragments
         kwargs["fsdp_modules" if spec["strategy"].endswith("2") else "auto_wrap_policy"] = {torch.nn.Linear}
     strategy = spec["strategy"] if spec.get("by_name") else cls(**kwargs)
@@ -65,13 +67,15 @@ def run(spec: dict[str, Any], root: Path) -> None:
         torch.optim.AdamW(model.parameters(), lr=spec["lr"], betas=(0.9, 0.95), weight_decay=0.1)
     )
     loader = fabric.setup_dataloaders(DataLoader(IndexedRegression(), batch_size=spec["batch_size"], shuffle=True))
-    micro_batches, steps = [], 0
+    micro_batches, steps, trained = [], 0, []
     stats = []
     for idx, x, y in loader:
         if steps == spec["max_steps"]:
             break
         micro_batches.append(idx.tolist())
-        fabric.backward(loss_fn(model, x, y))
+        if fabric.strategy.trains():  # False only for a slow group's last steps of a round (a per-group pace)
+            fabric.backward(loss_fn(model, x, y))
+            trained.append(steps + 1)
         optimizer.step()
         optimizer.zero_grad()
         steps += 1
@@ -81,6 +85,7 @@ def run(spec: dict[str, Any], root: Path) -> None:
     torch.save(
         {
             "micro_batches": micro_batches,
+            "trained": trained,
             "initial": initial,
             "final": full_state_dict(model._forward_module),
             "syncs_seen": sorted(set(stats)),

@@ -70,6 +70,8 @@ SCENARIOS: list[dict[str, Any]] = [
         max_steps=6,
     ),  # fmt: skip
     dict(name="weights_int8", sync_every=2, reduce_dtype="int8", error_feedback="weights", max_steps=6),
+    # the last group half as fast: it skips the second half of every round, the merges weigh the steps trained
+    dict(name="paced_int4", sync_every=4, fragments=2, pace=dict(speeds=[1, 1, 1, 0.5]), max_steps=9),
 ]
 
 
@@ -108,3 +110,6 @@ def test_the_simulation_lands_on_the_trainer_strategys_weights(spec: dict[str, A
             assert difference <= 1e-6, f"{spec['name']} {name}: {difference}"
     for name, value in expected["metrics"].items():
         assert result.metrics[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name
+    if "pace" in spec:  # the same schedule, and in it the slow group trained half of each round
+        assert result.trainers[0].strategy.runtime.federation.pace.merges == expected["merges"]
+        assert expected["merges"][1] == (4, 1, {0: 4, 1: 4, 2: 4, 3: 2})

@@ -34,7 +34,7 @@ class Module(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         _, x, y = batch
         loss = loss_fn(self.net, self.drop(x), y)
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, sync_dist=True)  # a collective at every step the group trains
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -50,6 +50,8 @@ def federation_options(spec: dict[str, Any]) -> dict[str, Any]:
     options = {k: spec[k] for k in FEDERATION_KEYS if k in spec}
     if "outer_topology" in spec:
         options["outer_topology"] = topology_from_record(spec["outer_topology"])
+    if "pace" in spec:
+        options["pace"] = lightning_fedshard.Pace(**{**spec["pace"], "speeds": tuple(spec["pace"]["speeds"])})
     return options
 
 
@@ -85,7 +87,9 @@ def run(spec: dict[str, Any], root: Path) -> None:
     final = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
     if trainer.global_rank == 0:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        torch.save({"final": final, "metrics": metrics}, root / f"{spec['name']}.pt")
+        pace = trainer.strategy.federation.pace
+        merges = pace.merges if pace is not None else None
+        torch.save({"final": final, "metrics": metrics, "merges": merges}, root / f"{spec['name']}.pt")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from typing_extensions import override
 from lightning_fedshard.core.codecs import Codec
 from lightning_fedshard.core.comm import Communicator
 from lightning_fedshard.core.outer import OuterStep
+from lightning_fedshard.core.pace import PaceSchedule
 from lightning_fedshard.core.pending import PendingSync
 from lightning_fedshard.core.refusal import Refusal
 from lightning_fedshard.core.stats import SyncStats
@@ -53,6 +54,7 @@ class Host(Protocol):
     """What a round drives: the federation's outer step, collectives and schedule (a ``Federation``)."""
 
     communicator: Communicator
+    pace: PaceSchedule | None
     groups_may_join: bool
     last_synced_step: int
     landed_at: list[int]

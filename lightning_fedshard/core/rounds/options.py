@@ -16,6 +16,7 @@ from typing import Any
 from lightning_fedshard.core.codecs import SparseLoCo
 from lightning_fedshard.core.elastic import Elastic
 from lightning_fedshard.core.outer_topology import Gossip, Hierarchical, Mixing, Sampled, resolve_outer_topology
+from lightning_fedshard.core.pace import Pace
 from lightning_fedshard.core.rounds.base import Refusal
 from lightning_fedshard.core.rounds.eager import EagerRound
 from lightning_fedshard.core.rounds.mixing import MixingRound
@@ -112,6 +113,7 @@ SWITCHES: tuple[Switch, ...] = (
         lambda c: "`elastic=Elastic(...)`",
         "leave `elastic=None`",
     ),
+    Switch("pace", "Pace", lambda c: c.pace is not None, _given("pace"), "leave `pace=None`"),
     Switch(
         "error_feedback_weights",
         "error_feedback='weights'",
@@ -158,6 +160,7 @@ MODES: Mapping[str, Mapping[str, Refusal]] = {
     "mixing": MixingRound.refuses,
     "sampled_outer_step": SampledRound.refuses,
     "elastic": Elastic.refuses,
+    "pace": Pace.refuses,
     "error_feedback_weights": FEEDBACK_IN_WEIGHTS_REFUSES,
     "sparseloco": SparseLoCo.refuses,
 }

@@ -58,7 +58,10 @@ class PlainRound(OnePendingRound):
         config = self.config
         starting = starting_fragment(step, self.period, config.fragments, config.sync_delay)
         if starting is not None:
-            self._pending = self.outer.begin(starting, step, background=True, idle=self.idle(step + config.sync_delay))
+            landing = step + config.sync_delay
+            self._pending = self.outer.begin(
+                starting, step, background=True, idle=self.idle(landing), weigh=self.weigh(starting, step)
+            )
         return stats
 
     def land(self, step: int) -> SyncStats:
@@ -69,7 +72,9 @@ class PlainRound(OnePendingRound):
         pending, self._pending = self._pending, None
         if pending is None or pending.fragment != fragment:  # no overlap (sync_delay=0), or resumed without one
             drop(pending)
-            pending = self.outer.begin(fragment, step, background=False, idle=self.idle(step))
+            pending = self.outer.begin(
+                fragment, step, background=False, idle=self.idle(step), weigh=self.weigh(fragment, step)
+            )
         stats = self._complete(pending, step, config.merge_alpha)
         since_snapshot = step - pending.started_at if pending.started_at is not None else 0
         discarded = (1.0 - config.merge_alpha) * since_snapshot / self.period
@@ -91,9 +96,27 @@ class PlainRound(OnePendingRound):
         """
         return _nobody
 
+    def weigh(self, fragment: int, step: int) -> Callable[[tuple[int, ...]], float] | None:
+        """With a per-group pace, this group's factor in the merge of a pseudo-gradient; ``None`` without.
+
+        The pseudo-gradient of ``fragment`` taken after ``step`` covers the steps since the fragment last landed; the
+        merge is recorded in the schedule.
+        """
+        pace = self.federation.pace
+        if pace is None:
+            return None
+        after, group = self.federation.landed_at[fragment], self.federation.communicator.group_index
+
+        def factor(contributors: tuple[int, ...]) -> float:
+            pace.record(step, fragment, after, contributors)
+            return pace.weights(after, step, contributors, group)
+
+        return factor
+
     def sync(self, step: int, fragment: int = 0) -> SyncStats:
         """One fragment's outer step now, synchronously (every group restarts from the new anchor); collective."""
-        return self._complete(self.outer.begin(fragment, step, background=False), step, 0.0)
+        pending = self.outer.begin(fragment, step, background=False, weigh=self.weigh(fragment, step))
+        return self._complete(pending, step, 0.0)
 
     def _complete(self, pending: PendingSync, step: int, merge_alpha: float) -> SyncStats:
         stats = self.outer.complete(pending, step=step, merge_alpha=merge_alpha)
