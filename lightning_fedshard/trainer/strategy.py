@@ -18,6 +18,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -59,6 +60,8 @@ class _TrainerHooks(FederatedArguments):
             self.runtime.release_model()
         if self.runtime.config.elastic is not None:
             self.runtime.set_host_state(lambda: _loop_state(trainer), lambda state: _load_loop_state(trainer, state))
+        if self.runtime.config.pace is not None:
+            _keep_sigterm_in_group(trainer, self.runtime)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The module's ``training_step``, unless this group skips the step (a per-group pace, see ``Pace``)."""
@@ -335,6 +338,29 @@ def _load_loop_state(trainer: Trainer, state: dict[str, Any]) -> None:
         )
     for config, saved in zip(schedulers, state["lr_schedulers"]):
         config.scheduler.load_state_dict(saved)
+
+
+def _keep_sigterm_in_group(trainer: Trainer, runtime: Any) -> None:
+    """Propagate a SIGTERM inside each group instead of over the whole world at every batch.
+
+    Lightning's training loop broadcasts a SIGTERM flag from global rank 0 to every rank before each batch: a
+    collective over every group at every step, which makes the fast groups wait for the slowest one at every step
+    and would undo a per-group pace. Here each group broadcasts the flag from its own first rank (a job scheduler
+    signals every rank of a job anyway); the groups still meet at every sync.
+    """
+    loop = trainer.fit_loop.epoch_loop
+
+    def broadcast_in_group() -> None:
+        flag = torch.tensor(
+            [1 if getattr(trainer, "received_sigterm", False) else 0], device=trainer.strategy.root_device
+        )
+        process_groups = runtime.fsdp_process_group
+        for group in reversed(process_groups) if isinstance(process_groups, tuple) else (process_groups,):
+            dist.broadcast(flag, src=dist.get_global_rank(group, 0), group=group)
+        if flag.item() == 1:
+            raise SIGTERMException()
+
+    loop._broadcast_sigterm_tensor = broadcast_in_group  # type: ignore[method-assign]
 
 
 def skipped_step_loss(module: LightningModule) -> Tensor:
