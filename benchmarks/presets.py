@@ -17,7 +17,7 @@ from typing import Any
 
 from benchmarks.harness.config import Job, RunConfig, RunIdentity
 from benchmarks.metrics import link_slug
-from lightning_fedshard import Gossip, Hierarchical
+from lightning_fedshard import Gossip, Hierarchical, Pace
 from lightning_fedshard.core.config import FederationConfig
 
 FLOAT32: dict[str, Any] = {"reduce_dtype": "float32"}
@@ -239,6 +239,23 @@ TORCHFT_SMOKE = Configuration(
     {k: v for k, v in SMOKE.training.items()},
 )
 
+#: Groups of different speeds: 4 nodes of one rank (4 groups), every node under a CPU quota so that the last one
+#: trains at half the others' pace and its idle share goes to nobody. 96 steps of 8 x 128 tokens per rank (12
+#: rounds of the default 8 steps); the no-sync run gives each group's own pace, whose sum is the attainable pace (it
+#: runs a pace of equal speeds, which trains every step, so that no per-step collective of the Trainer couples the
+#: groups: see docs/pace.md).
+FAST_CORES = 0.45
+HETERO_QUOTA = (FAST_CORES, FAST_CORES, FAST_CORES, FAST_CORES / 2)
+HETERO_TRAINING: dict[str, Any] = {
+    "max_steps": 96, "val_every": 96, "size": "xs", "seq_len": 128, "batch_size": 8, "max_val_windows": 32,
+}  # fmt: skip
+HETERO = (
+    Configuration("hetero-nosync", "fl_fsdp", {**NOSYNC, "pace": Pace(speeds=(1.0,) * 4)}, {"cpu_quota": HETERO_QUOTA}),
+    Configuration("hetero-barrier", "fl_fsdp", {}, {"cpu_quota": HETERO_QUOTA}),
+    Configuration("hetero-pace", "fl_fsdp", {"pace": Pace()}, {"cpu_quota": HETERO_QUOTA}),
+    Configuration("hetero-allfast", "fl_fsdp", {}, {"cpu_quota": (FAST_CORES,) * 4}),
+)
+
 PRESETS: dict[str, Preset] = {
     preset.name: preset
     for preset in (
@@ -329,6 +346,17 @@ PRESETS: dict[str, Preset] = {
             {},
             ((SMOKE, 20.0),),
             timeout=120.0,
+        ),
+        Preset(
+            "hetero",
+            "4 groups, one at half the others' CPU: the barrier, a per-group pace, all fast, and the no-sync pace",
+            16,
+            4,
+            1,
+            HETERO_TRAINING,
+            tuple((c, None) for c in HETERO),
+            repeats=3,
+            timeout=600.0,
         ),
     )
 }

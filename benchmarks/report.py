@@ -23,7 +23,18 @@ from benchmarks.harness.sweep import RESULTS
 from benchmarks.presets import CONFIGURATIONS
 from benchmarks.recipes import load_results as recipe_results
 from benchmarks.records import load, load_if_exists
-from benchmarks.reports import elastic, overlap, race, recipes, sweep, sync_options, throughput, topologies, torchft
+from benchmarks.reports import (
+    elastic,
+    hetero,
+    overlap,
+    race,
+    recipes,
+    sweep,
+    sync_options,
+    throughput,
+    topologies,
+    torchft,
+)
 from benchmarks.reports.docs import provenance, replace_section
 from benchmarks.reports.targets import targets, targets_table
 
@@ -61,6 +72,8 @@ class Report:
             tables["horizon"] = overlap.horizon_table(horizon)
         if (elastic_results := self.results.get("elastic")) is not None:
             tables["elastic"] = elastic.table(elastic_results)
+        if (hetero_results := self.results.get("hetero")) is not None:
+            tables["hetero"] = hetero.table(hetero_results)
         if (analysis := self.analyses["race"]) is not None:
             moments = race.wall_time_table(analysis)
             tables["race"] = f"{race.link_table(analysis)}\n\n<details><summary>Every moment compared</summary>\n\n"
@@ -86,7 +99,7 @@ def build(paths: dict[str, Path]) -> Report:
     results = {"throughput": throughput_results} | {
         name: load_if_exists(path)
         for name, path in paths.items()
-        if name not in ("throughput", "hsdp_fed_bytes", "gossip_bytes", "elastic")
+        if name not in ("throughput", "hsdp_fed_bytes", "gossip_bytes", "elastic", "hetero")
     }
     configs = sweep.analyze(throughput_results)
     compute = sweep.compute_times(configs["configs"])
@@ -111,6 +124,8 @@ def build(paths: dict[str, Path]) -> Report:
         load_if_exists(paths.get("torchft", RESULTS / "torchft.json")),
         _load_json(paths.get("torchft_kill", torchft.KILL_RESULTS)),
     )
+    results["hetero"] = load_if_exists(paths.get("hetero", RESULTS / "hetero.json"))
+    rows += hetero.targets(results["hetero"])
     exact = _load_json(recipes.EXACT_RESULTS)
     differences = list(exact["max_abs_difference"].values()) if exact else []
     rows += recipes.targets(recipe_results(), max(differences) if differences else None, len(differences))
@@ -167,6 +182,7 @@ def write_docs(report: Report, tables: dict[str, str]) -> None:
         ("race", "race"),
         ("race", "race_budgets"),
         ("elastic", "elastic"),
+        ("hetero", "hetero"),
     ):
         if table in tables:
             sections[table] = f"{tables[table]}\n\n{report.note(name)}"

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lightning_fedshard import Gossip, Hierarchical, Mixing, Sampled
+from lightning_fedshard import Gossip, Hierarchical, Mixing, Pace, Sampled
 from lightning_fedshard.core.config import FederationConfig
 
 STRATEGIES = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp", "torchft")
@@ -72,6 +72,8 @@ class RunConfig:
         model_overrides: ``LlamaLM`` arguments replacing those of ``size``.
         seed: ``seed_everything``: the data order (the initial weights depend on ``init_seed`` only).
         init_seed: ``LlamaLM``'s ``init_seed``: the initial weights.
+        cpu_quota: CPU cores each node may use (a cgroup quota per node, see ``benchmarks.harness.cpu``); ``None``:
+            no limit.
     """
 
     strategy: str
@@ -92,10 +94,15 @@ class RunConfig:
     model_overrides: dict[str, int] = field(default_factory=dict)
     seed: int = 0
     init_seed: int = 0
+    cpu_quota: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"`strategy` must be one of {STRATEGIES}, got {self.strategy!r}.")
+        if self.cpu_quota is not None:
+            object.__setattr__(self, "cpu_quota", tuple(float(c) for c in self.cpu_quota))
+            if len(self.cpu_quota) != self.num_nodes:
+                raise ValueError(f"`cpu_quota={self.cpu_quota!r}` needs one quota per node ({self.num_nodes}).")
 
     @property
     def federated(self) -> bool:
@@ -116,6 +123,8 @@ class RunConfig:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "federation"}
         federation = self.strategy_kwargs()
         federation["outer_topology"] = topology_record(federation["outer_topology"])
+        pace = federation.get("pace")
+        federation["pace"] = None if pace is None else {k: v for k, v in dataclasses.asdict(pace).items()}
         return {**fields, "federation": federation}
 
     def to_json(self) -> str:
@@ -128,6 +137,8 @@ class RunConfig:
         federation = dict(record.get("federation", {}))
         if "outer_topology" in federation:
             federation["outer_topology"] = topology_from_record(federation["outer_topology"])
+        if federation.get("pace") is not None:
+            federation["pace"] = Pace(**federation["pace"])
         return cls(**{**record, "federation": FederationConfig(**federation)})
 
 

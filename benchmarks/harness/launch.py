@@ -14,6 +14,7 @@ from typing import IO, Any
 
 from benchmarks.harness.cluster import NODE_IFACE, EmulatedCluster
 from benchmarks.harness.config import TORCHFT, RunConfig, RunIdentity
+from benchmarks.harness.cpu import CpuQuotas
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = REPO / "benchmarks" / "harness" / "train.py"
@@ -75,9 +76,13 @@ def launch(
     tx_before, sites_before = cluster.tx_bytes(), cluster.site_tx_bytes()
     start = time.perf_counter()
     nodes: list[Node] = []
+    quotas = CpuQuotas(cfg.cpu_quota) if cfg.cpu_quota is not None else None
     try:
+        if quotas is not None:
+            quotas.__enter__()
         for index in range(cluster.num_nodes):
-            nodes.append(start_node(cluster, index, argv, node_env(cluster, index, port, out, torchft), out))
+            env = node_env(cluster, index, port, out, torchft)
+            nodes.append(start_node(cluster, index, argv, env, out, quotas))
         _wait(nodes, out, timeout)
     finally:
         for proc, log in nodes:
@@ -85,6 +90,8 @@ def launch(
             log.close()
         if lighthouse is not None:
             kill_session(lighthouse)
+        if quotas is not None:
+            quotas.__exit__(None, None, None)
     result = _read_result(out)
     if torchft:  # each node counted its own link over training; node 0 wrote the rest
         result["link_tx_train"] = sum(json.loads(p.read_text())["train"] for p in out.glob("link_tx*.json"))
@@ -116,10 +123,22 @@ def _start_lighthouse(cluster: EmulatedCluster) -> subprocess.Popen[bytes]:
     return proc
 
 
-def start_node(cluster: EmulatedCluster, index: int, argv: list[str], env: dict[str, str], out: Path) -> Node:
-    """Start ``argv`` in node ``index``'s namespace with ``env``, its output in ``<out>/node<index>.log``."""
+def start_node(
+    cluster: EmulatedCluster,
+    index: int,
+    argv: list[str],
+    env: dict[str, str],
+    out: Path,
+    quotas: CpuQuotas | None = None,
+) -> Node:
+    """Start ``argv`` in node ``index``'s namespace with ``env``, its output in ``<out>/node<index>.log``.
+
+    With ``quotas`` the node's processes run under its CPU quota.
+    """
     log = open(out / f"node{index}.log", "wb")
     command = cluster.command(index, argv, env)
+    if quotas is not None:
+        command = quotas.wrap(index, command)
     # A session per node launcher, so that it and the local ranks Lightning spawns can be killed together.
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log
 

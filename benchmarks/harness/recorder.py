@@ -96,6 +96,22 @@ def model_state_bytes(trainer: L.Trainer) -> dict[str, int]:
     }
 
 
+def trained_steps(trainer: L.Trainer) -> list[int]:
+    """Optimizer steps each group trained (with a per-group pace a slow group skips some; else every step)."""
+    federation: Any = trainer.strategy.federation  # type: ignore[attr-defined]
+    groups = trainer.strategy.topology.num_groups  # type: ignore[attr-defined]
+    pace = federation.pace
+    if pace is None:
+        return [trainer.global_step] * groups
+    return [pace.trained(g, 0, trainer.global_step) for g in range(groups)]
+
+
+def pace_record(trainer: L.Trainer) -> dict[str, Any] | None:
+    """A per-group pace's schedule as it ran (steps per group per round, the measured speeds), if there is one."""
+    pace = trainer.strategy.federation.pace  # type: ignore[attr-defined]
+    return None if pace is None else {k: v for k, v in pace.state_dict().items() if k != "merges"}
+
+
 def cpu_seconds() -> float:
     """CPU seconds of this process so far (all its threads)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -254,6 +270,9 @@ class BenchRecorder(L.Callback):
             "syncs": self.syncs,
             "finish_tx": self.finish.tx_bytes,
             "strategy_syncs": self.strategy_syncs,
+            # this rank's clock at its last step: its own pace when no sync made it wait for the others
+            "own_train_seconds": self.steps[-1]["clock"] if self.steps else 0.0,
+            "group": trainer.strategy.federation.communicator.group_index,  # type: ignore[attr-defined]
         }
 
     def _run_record(
@@ -278,6 +297,10 @@ class BenchRecorder(L.Callback):
             "link_tx_finish": sum(r["finish_tx"] for r in readers),
             "finish_seconds": self.finish_seconds,
             "strategy_syncs": [r["strategy_syncs"] for r in ranks],
+            "own_train_seconds": [r["own_train_seconds"] for r in ranks],
+            "group_of_rank": [r["group"] for r in ranks],
+            "trained_steps": trained_steps(trainer),
+            "pace": pace_record(trainer),
             "maxrss_mib": [r["maxrss_mib"] for r in ranks],
             "cpu_seconds": [r["cpu_seconds"] for r in ranks],
             "thread_cpu_seconds": [r["thread_cpu_seconds"] for r in ranks],

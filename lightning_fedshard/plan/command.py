@@ -12,6 +12,7 @@ from typing import Any, Literal
 from lightning_fedshard.core.checks import check_positive_int
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.outer_topology import OuterTopologySpec
+from lightning_fedshard.plan.hetero import HeterogeneousPace, heterogeneous_pace
 from lightning_fedshard.plan.predict import Prediction
 from lightning_fedshard.plan.quality import STUDY, tokens_to_target
 from lightning_fedshard.plan.specs import CLUSTERS, GIB, MODELS, ClusterSpec, ModelSpec, TrainSetup
@@ -53,6 +54,7 @@ def plan(
     sweep: bool = False,
     top: int = 10,
     rank: Literal["time_to_target", "tokens_per_s"] = "time_to_target",
+    node_speeds: list[float] | None = None,
     json: bool = False,
 ) -> list[Prediction]:
     """Predict throughput, traffic, memory and the bottleneck of FSDP, HSDP, FL+FSDP and FL+HSDP before a run.
@@ -99,6 +101,9 @@ def plan(
         top: Rows of the sweep.
         rank: What the sweep ranks by: ``time_to_target`` (tokens/s over the tokens-to-target factor the recipe
             study measured for the row's sync options; unmeasured rows follow by tokens/s) or ``tokens_per_s``.
+        node_speeds: Each node's compute speed relative to the cluster's device (e.g. ``[1, 1, 1, 0.5]``): every
+            federated row then also gets the tokens/s of the barrier (every group waits for the slowest at each sync)
+            and of a per-group pace (``Pace``), and the attainable sum of the groups' own paces (docs/pace.md).
         json: Print JSON instead of a table.
 
     Returns:
@@ -133,8 +138,57 @@ def plan(
         activation_checkpointing=activation_checkpointing,
     )
     predictions = sweep_setups(spec, machine, base, top=top, rank=rank) if sweep else compare(spec, machine, base)
-    print(to_json(predictions) if json else table(predictions, ranked=rank if sweep else None))
+    speeds = _node_speeds(node_speeds, machine.num_nodes)
+    if json:
+        print(to_json(predictions, speeds))
+    else:
+        print(table(predictions, ranked=rank if sweep else None))
+        if speeds is not None:
+            print("\n" + heterogeneous_table(predictions, speeds))
     return predictions
+
+
+def _node_speeds(speeds: list[float] | None, nodes: int) -> list[float] | None:
+    if speeds is None:
+        return None
+    if len(speeds) != nodes or any(v <= 0 for v in speeds):
+        raise ValueError(f"`node_speeds={speeds!r}` must give each of the {nodes} nodes a positive speed.")
+    return [float(v) for v in speeds]
+
+
+def heterogeneous(p: Prediction, node_speeds: list[float]) -> HeterogeneousPace | None:
+    """A federated prediction's pace when its nodes compute at ``node_speeds`` (a group at its slowest node's)."""
+    if not p.setup.federated:
+        return None
+    groups = p.topology.num_groups
+    per_group = len(node_speeds) // groups
+    speeds = [min(node_speeds[g * per_group : (g + 1) * per_group]) for g in range(groups)]
+    training = p.step_seconds - p.exposed_sync_seconds  # a step without its share of the sync
+    others = training - p.compute_seconds
+    tokens = p.tokens_per_second * p.step_seconds / groups
+    sync = p.exposed_sync_seconds * p.setup.federation.sync_every
+    steps = [p.compute_seconds / v + others for v in speeds]
+    return heterogeneous_pace(steps, tokens, p.setup.federation.sync_every, sync_seconds=sync)
+
+
+def heterogeneous_table(predictions: list[Prediction], node_speeds: list[float]) -> str:
+    """The federated rows' tokens/s with nodes of these speeds: barrier, per-group pace, attainable."""
+    shown = ", ".join(f"{v:g}" for v in node_speeds)
+    rows = [
+        f"With node speeds {shown} (docs/pace.md):\n",
+        "| strategy | groups x replicas x shards | barrier tokens/s | per-group pace tokens/s | attainable"
+        " | pace steps |",
+        "|---|---|---|---|---|---|",
+    ]
+    for p in predictions:
+        h = heterogeneous(p, node_speeds)
+        if h is not None:
+            t = p.topology
+            rows.append(
+                f"| {p.setup.strategy} | {t.num_groups} x {t.num_replicas} x {t.shard_size} | {h.barrier:,.0f} |"
+                f" {h.pace:,.0f} | {h.attainable:,.0f} | {'/'.join(map(str, h.steps))} |"
+            )
+    return "\n".join(rows)
 
 
 def _model(name: str, config: Path | None, seq_len: int | None) -> ModelSpec:
@@ -212,9 +266,16 @@ def summary(p: Prediction) -> dict[str, Any]:
     }
 
 
-def to_json(predictions: list[Prediction]) -> str:
-    """The predictions as a JSON list."""
-    return jsonlib.dumps([summary(p) for p in predictions], indent=1)
+def to_json(predictions: list[Prediction], node_speeds: list[float] | None = None) -> str:
+    """The predictions as a JSON list (with ``node_speeds``, each federated row's ``heterogeneous`` pace)."""
+    rows = []
+    for p in predictions:
+        row = summary(p)
+        if node_speeds is not None:
+            h = heterogeneous(p, node_speeds)
+            row["heterogeneous"] = None if h is None else asdict(h)
+        rows.append(row)
+    return jsonlib.dumps(rows, indent=1)
 
 
 #: Under a ``--sweep`` table: what its order means and what it leaves out, by what it ranks by.

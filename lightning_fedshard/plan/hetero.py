@@ -1,0 +1,70 @@
+"""The pace of a federation whose groups compute at different speeds: the barrier against a per-group pace.
+
+Group ``g`` takes ``t_g`` seconds for a step it trains (its compute, slowed by its speed, plus its collectives inside
+the group) and a round ends with a sync of ``s`` exposed seconds. With ``H = sync_every`` steps a round and ``b``
+tokens per group step:
+
+- **barrier** (every group trains every step, then waits): a round takes ``H max_g t_g + s`` and trains ``G H b``;
+- **per-group pace** (``Pace``): group ``g`` trains ``n_g = clamp(round(H t_min / t_g), min_steps, H)`` steps and
+  skips the rest (``skip`` seconds each); a round takes ``max_g (n_g t_g + (H - n_g) skip) + s`` and trains
+  ``sum_g n_g b``;
+- **attainable**: every group at its own pace with no sync, ``sum_g b / t_g``.
+
+Pure arithmetic, no Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HeterogeneousPace:
+    """Predicted tokens/s of one federation with groups of different speeds.
+
+    Attributes:
+        barrier: Every group trains every step and waits for the slowest at each sync.
+        pace: Each group trains the share of a round its speed allows (``Pace``).
+        attainable: Every group at its own pace, never waiting (the sum of the groups' own paces).
+        steps: Steps each group trains in a round under the pace.
+    """
+
+    barrier: float
+    pace: float
+    attainable: float
+    steps: tuple[int, ...]
+
+
+def heterogeneous_pace(
+    step_seconds: Sequence[float],
+    tokens_per_group_step: float,
+    sync_every: int,
+    sync_seconds: float = 0.0,
+    skip_seconds: float = 0.0,
+    min_steps: int = 1,
+) -> HeterogeneousPace:
+    """Predict the barrier's and the per-group pace's tokens/s from each group's seconds per trained step.
+
+    Args:
+        step_seconds: ``t_g``: each group's seconds for a step it trains (no sync).
+        tokens_per_group_step: ``b``: tokens one group trains in a step.
+        sync_every: ``H``.
+        sync_seconds: ``s``: exposed seconds of one sync (once per round).
+        skip_seconds: Seconds of a step a group skips (drawing a batch, the loop's hooks).
+        min_steps: ``Pace(min_steps)``.
+
+    Raises:
+        ValueError: For an empty or non-positive ``step_seconds`` or ``sync_every < 1``.
+    """
+    if not step_seconds or any(t <= 0 for t in step_seconds):
+        raise ValueError(f"`step_seconds={list(step_seconds)!r}` must give every group a positive time.")
+    if sync_every < 1:
+        raise ValueError(f"`sync_every={sync_every}` must be at least 1.")
+    groups, fastest = len(step_seconds), min(step_seconds)
+    barrier = groups * sync_every * tokens_per_group_step / (sync_every * max(step_seconds) + sync_seconds)
+    steps = tuple(min(sync_every, max(min_steps, round(sync_every * fastest / t))) for t in step_seconds)
+    busiest = max(n * t + (sync_every - n) * skip_seconds for n, t in zip(steps, step_seconds))
+    pace = sum(steps) * tokens_per_group_step / (busiest + sync_seconds)
+    attainable = sum(tokens_per_group_step / t for t in step_seconds)
+    return HeterogeneousPace(barrier=barrier, pace=pace, attainable=attainable, steps=steps)
