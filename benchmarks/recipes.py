@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_fedshard.core.codecs import SparseLoCo
+from lightning_fedshard.core.pace import Pace
 
 RESULTS = Path(__file__).parent / "results" / "recipes"
 
@@ -71,6 +72,22 @@ class Recipe:
         if outer is not None:
             options["outer_optimizer"] = _nesterov(*outer)
         return FederationConfig(num_groups=self.groups, sync_every=SYNC_EVERY, **options)
+
+    @property
+    def trained_share(self) -> float:
+        """The share of the groups' steps they train (below 1 with a per-group pace whose slow groups skip steps)."""
+        pace = self.options.get("pace")
+        if pace is None:
+            return 1.0
+        from lightning_fedshard.core.pace import PaceSchedule
+
+        steps = PaceSchedule(pace, self.groups, SYNC_EVERY).steps(0)
+        return sum(steps) / (self.groups * SYNC_EVERY)
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens the groups train per optimizer step (committed: a skipped step trains none), on average."""
+        return self.groups * self.ranks_per_group * BATCH * SEQ_LEN * self.trained_share
 
     def settings(self) -> dict[str, Any]:
         """Everything that decides a run's result (a result file of other settings is never overwritten)."""
@@ -118,6 +135,11 @@ RECIPES = {
             "SparseLoCo / Covenant as its paper writes the mean: over all groups (1/R)",
             {"reduce_dtype": SparseLoCo(mean="all")},
         ),
+        Recipe(
+            "paced_int4ef",
+            "the defaults with the last group half as fast: it trains 4 of every 8 steps (Pace), merged by tokens",
+            {"pace": Pace(speeds=(1.0, 1.0, 1.0, 0.5))},
+        ),
     )
 }
 
@@ -157,7 +179,7 @@ def run_one(recipe: Recipe, seed: int, work: Path) -> dict[str, Any]:
     simulator.fit(model, datamodule=data, ckpt_path=str(last) if last.exists() else None)
     wall, cpu = time.time() - start, _cpu_seconds() - cpu
     curve = _validation_curve(root / "csv" / "version_0" / "metrics.csv")
-    tokens_per_step = recipe.groups * recipe.ranks_per_group * BATCH * SEQ_LEN
+    tokens_per_step = recipe.tokens_per_step
     return {
         "recipe": recipe.name,
         "what": recipe.what,

@@ -46,7 +46,11 @@ RATIO_TARGETS = (
     ),
 )
 #: Every target of the study, in the order of the table.
-TARGET_IDS = ("sim-exact", "sim-speed", "ttt-int4", "ttt-overlap-1", "ttt-eager", "ttt-sparse", "ttt-outer")
+TARGET_IDS = (
+    "sim-exact", "sim-speed", "ttt-int4", "ttt-overlap-1", "ttt-eager", "ttt-sparse", "ttt-outer", "hetero-ppl",
+)  # fmt: skip
+#: Groups of different speeds: the paced recipe against the same defaults with every group fast.
+PACED, ALL_FAST = "paced_int4ef", "int4ef"
 #: The outer optimizers tried, all float32: the default's ratio is against the best of them.
 OUTER_RECIPES = ("fedavg_f32", "nesterov_f32", "nesterov1_f32")
 DEFAULT_OUTER = "fedavg_f32"
@@ -71,6 +75,31 @@ def tokens_to(curve: Sequence[Sequence[float]], target: float, tokens_per_step: 
             return (s0 + (l0 - target) / (l0 - loss) * (s1 - s0)) * tokens_per_step
         previous = (done, loss)
     return None
+
+
+def loss_at(curve: Sequence[Sequence[float]], tokens: float, tokens_per_step: float) -> float | None:
+    """The validation loss after ``tokens`` training tokens (linear between validations); ``None`` beyond the curve."""
+    points = [(steps_done(step) * tokens_per_step, loss) for step, loss in curve]
+    for (t0, l0), (t1, l1) in zip(points, points[1:]):
+        if t0 <= tokens <= t1:
+            return l0 + (l1 - l0) * (tokens - t0) / (t1 - t0)
+    return points[-1][1] if points and abs(points[-1][0] - tokens) < 1e-9 else None
+
+
+def paced_perplexity_ratios(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[int, float]:
+    """Per seed both ran: the paced run's final perplexity over the all-fast run's at the same committed tokens."""
+    import math
+
+    out = {}
+    for seed, paced in runs.get(PACED, {}).items():
+        fast = runs.get(ALL_FAST, {}).get(seed)
+        if fast is None:
+            continue
+        tokens = steps_done(paced["curve"][-1][0]) * paced["tokens_per_step"]
+        reference = loss_at(fast["curve"], tokens, fast["tokens_per_step"])
+        if reference is not None:
+            out[seed] = math.exp(paced["curve"][-1][1] - reference)
+    return out
 
 
 def by_recipe(results: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
@@ -234,6 +263,12 @@ def targets(results: list[dict[str, Any]], exactness: float | None = None, modes
     what = f"tokens to target of the default outer optimizer ({DEFAULT_OUTER}) against the best tried ({best})"
     against = best if DEFAULT_OUTER in finals else "not run"
     rows.append(_ratio_row("ttt-outer", what, runs, DEFAULT_OUTER, against, 1.0))
+    paced = paced_perplexity_ratios(runs)
+    what = "validation perplexity at equal committed tokens, one of 4 groups half as fast (Pace), against all fast"
+    measured = statistics.median(paced.values()) if paced else None
+    rows.append(
+        _row("hetero-ppl", what, measured, 1.02, runs=len(paced), per_seed={str(k): v for k, v in paced.items()})
+    )
     return rows
 
 

@@ -272,6 +272,12 @@ def _config_of(federation: FederationConfig | FederatedArguments) -> FederationC
             "`elastic=...` is for groups that run as separate jobs and join over the network; the simulator runs a"
             " fixed set of groups in one process. Drop `elastic` to simulate the same federation."
         )
+    if config.pace is not None and config.pace.measured:
+        raise ValueError(
+            f"`pace={config.pace!r}` measures each group's speed while training; the simulator's groups take turns on"
+            " one device, so their speeds say nothing of a cluster's (and would make the run depend on the machine)."
+            " Give the groups' relative speeds: `Pace(speeds=(1, 1, 1, 0.5))`."
+        )
     if isinstance(federation, FederatedArguments) and federation.plan_check is not None:
         raise ValueError(
             "`plan=...` checks a run's pace against a cluster's prediction; a simulation runs on one device and has"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +81,14 @@ def test_runs_on_record_are_not_run_again_and_other_settings_are_refused(
     with pytest.raises(ValueError, match="holds a run with other settings than recipe 'sparse'"):
         study.pending(["sparse"], [0])
     assert [r["recipe"] for r in study.load_results()] == ["int4ef"]  # the other settings' result is not evidence
+
+
+def test_a_paced_run_is_held_against_the_all_fast_run_at_equal_committed_tokens() -> None:
+    fast = {**_run("int4ef", 0, [[9, 5.0], [19, 4.0], [29, 3.0]]), "tokens_per_step": 100}
+    paced = {**_run("paced_int4ef", 0, [[9, 5.0], [19, 4.5], [29, 3.6]]), "tokens_per_step": 75}
+    # 30 paced steps commit 2,250 tokens: the all-fast run had 3.75 there (between 2,000 and 3,000 tokens)
+    assert report.loss_at(fast["curve"], 2250, 100) == pytest.approx(3.75)
+    ratios = report.paced_perplexity_ratios(report.by_recipe([fast, paced]))
+    assert ratios == {0: pytest.approx(math.exp(3.6 - 3.75))}
+    rows = {row["id"]: row for row in report.targets([fast, paced])}
+    assert rows["hetero-ppl"]["measured"] == pytest.approx(math.exp(-0.15)) and rows["hetero-ppl"]["met"]

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from lightning_fedshard import Elastic, FLHSDPStrategy, Hierarchical
+from lightning_fedshard import Elastic, FLHSDPStrategy, Hierarchical, Pace
 from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.simulate import Simulator
 from tests.simulate.worker import Module
@@ -68,6 +68,7 @@ def test_a_checkpoint_of_other_settings_is_refused_before_training(tmp_path: Pat
     [
         (FederationConfig(num_groups=2, elastic=Elastic(group=0)), {}, r"`elastic=\.\.\.` is for groups that run"),
         (FederationConfig(), {}, "Give `num_groups`"),
+        (FederationConfig(num_groups=2, pace=Pace()), {}, r"measures each group's speed.*Pace\(speeds="),
         (FederationConfig(num_groups=2), {"num_groups": 3}, "`num_groups=3` differs from the federation's"),
         (FederationConfig(num_groups=2), {"ranks_per_group": 0}, "`ranks_per_group=0` must be at least 1"),
         (FederationConfig(num_groups=2), {"devices": 2}, "drop the Trainer argument.s. `devices=2`"),
