@@ -11,8 +11,9 @@ trains every step and waits), a per-group pace (``Pace()``, measured) and every 
 - ``hetero-pace``: the pace run's committed tokens/s over the attainable of the same repeat, median over repeats (the
   barrier's beside it).
 - ``planner-hetero``: the planner's formulas (``lightning_fedshard.plan.hetero``) fed with each group's own seconds per
-  step (the run without syncs) and the exposed seconds of a sync (median of the all-fast run's), against the barrier's
-  and the pace's measured committed tokens/s: the larger relative error, median over repeats.
+  step (the run without syncs), the exposed seconds of a sync (median of the all-fast run's) and the run's rounds (a
+  measured pace's first round is the barrier's), against the barrier's and the pace's measured committed tokens/s:
+  the larger relative error, median over repeats.
 """
 
 from __future__ import annotations
@@ -85,12 +86,14 @@ def planner_errors(results: dict[str, Any]) -> list[dict[str, float]]:
         if not all(kind in runs for kind in KINDS):
             continue
         nosync = runs["hetero-nosync"]
-        sync_every = runs["hetero-barrier"]["config"]["federation"]["sync_every"]
+        config = runs["hetero-pace"]["config"]
+        sync_every = config["federation"]["sync_every"]
         predicted = heterogeneous_pace(
             step_seconds(nosync),
             group_tokens_per_step(nosync),
             sync_every,
             sync_seconds=exposed_sync_seconds(runs["hetero-allfast"]),
+            rounds=config["max_steps"] // sync_every,  # a measured pace: its first round is the barrier's
         )
         barrier = predicted.barrier / committed_tokens_per_s(runs["hetero-barrier"]) - 1
         pace = predicted.pace / committed_tokens_per_s(runs["hetero-pace"]) - 1

@@ -173,23 +173,33 @@ def analyze(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def study_speed(results: list[dict[str, Any]]) -> dict[str, float] | None:
-    """Tokens/s of all runs together over the time from the first run's start to the last one's end.
+    """Tokens/s of all runs together over the time at least one of them ran (the union of their wall times).
 
-    Only runs that were not resumed count (a resumed run's wall time covers its remainder only).
+    Only runs that were not resumed count (a resumed run's wall time covers its remainder only). Runs made on other
+    days add their own time, not the days between.
     """
     whole = [r for r in results if not r.get("resumed")]
     if not whole:
         return None
     tokens = sum(r["tokens_per_step"] * steps_done(r["curve"][-1][0]) for r in whole)
-    start = min(r["finished_at"] - r["wall_seconds"] for r in whole)
-    end = max(r["finished_at"] for r in whole)
+    busy = _union_seconds([(r["finished_at"] - r["wall_seconds"], r["finished_at"]) for r in whole])
     per_run = [r["tokens_per_step"] * steps_done(r["curve"][-1][0]) / r["wall_seconds"] for r in whole]
     return {
-        "tokens_per_s": tokens / (end - start),
+        "tokens_per_s": tokens / busy,
         "per_run_median": statistics.median(per_run),
         "runs": len(whole),
-        "hours": (end - start) / 3600,
+        "hours": busy / 3600,
     }
+
+
+def _union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals."""
+    total, reach = 0.0, -float("inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def _ratio_cell(per_seed: dict[int, float | None], above: dict[int, float]) -> str:

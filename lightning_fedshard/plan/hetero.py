@@ -10,6 +10,9 @@ tokens per group step:
   ``sum_g n_g b``;
 - **attainable**: every group at its own pace with no sync, ``sum_g b / t_g``.
 
+Over ``rounds`` rounds of a *measured* pace the first round is the barrier's (nothing was measured yet): the pace is
+then the tokens of both kinds of round over their time.
+
 Pure arithmetic, no Lightning.
 """
 
@@ -43,6 +46,7 @@ def heterogeneous_pace(
     sync_seconds: float = 0.0,
     skip_seconds: float = 0.0,
     min_steps: int = 1,
+    rounds: int | None = None,
 ) -> HeterogeneousPace:
     """Predict the barrier's and the per-group pace's tokens/s from each group's seconds per trained step.
 
@@ -53,6 +57,7 @@ def heterogeneous_pace(
         sync_seconds: ``s``: exposed seconds of one sync (once per round).
         skip_seconds: Seconds of a step a group skips (drawing a batch, the loop's hooks).
         min_steps: ``Pace(min_steps)``.
+        rounds: The run's rounds, for a measured pace whose first round is the barrier's; ``None``: the steady pace.
 
     Raises:
         ValueError: For an empty or non-positive ``step_seconds`` or ``sync_every < 1``.
@@ -62,9 +67,14 @@ def heterogeneous_pace(
     if sync_every < 1:
         raise ValueError(f"`sync_every={sync_every}` must be at least 1.")
     groups, fastest = len(step_seconds), min(step_seconds)
-    barrier = groups * sync_every * tokens_per_group_step / (sync_every * max(step_seconds) + sync_seconds)
     steps = tuple(min(sync_every, max(min_steps, round(sync_every * fastest / t))) for t in step_seconds)
-    busiest = max(n * t + (sync_every - n) * skip_seconds for n, t in zip(steps, step_seconds))
-    pace = sum(steps) * tokens_per_group_step / (busiest + sync_seconds)
+    # one round of each kind: its tokens and its seconds
+    barrier_round = (groups * sync_every, sync_every * max(step_seconds) + sync_seconds)
+    paced_round = (sum(steps), max(n * t + (sync_every - n) * skip_seconds for n, t in zip(steps, step_seconds)))
+    paced_round = (paced_round[0], paced_round[1] + sync_seconds)
+    barrier = barrier_round[0] * tokens_per_group_step / barrier_round[1]
+    first, later = (barrier_round, max(rounds - 1, 0)) if rounds is not None else ((0, 0.0), 1)
+    tokens = first[0] + later * paced_round[0]
+    pace = tokens * tokens_per_group_step / (first[1] + later * paced_round[1])
     attainable = sum(tokens_per_group_step / t for t in step_seconds)
     return HeterogeneousPace(barrier=barrier, pace=pace, attainable=attainable, steps=steps)

@@ -92,3 +92,11 @@ def test_a_paced_run_is_held_against_the_all_fast_run_at_equal_committed_tokens(
     assert ratios == {0: pytest.approx(math.exp(3.6 - 3.75))}
     rows = {row["id"]: row for row in report.targets([fast, paced])}
     assert rows["hetero-ppl"]["measured"] == pytest.approx(math.exp(-0.15)) and rows["hetero-ppl"]["met"]
+
+
+def test_the_study_pace_counts_the_time_runs_ran_not_the_days_between() -> None:
+    first = {**_run("fedavg_f32", 0, [[9, 5.0]]), "finished_at": 100.0, "wall_seconds": 10.0}
+    later = {**_run("int4ef", 0, [[9, 5.0]]), "finished_at": 86_400.0, "wall_seconds": 20.0}
+    speed = report.study_speed([first, later])
+    assert speed is not None and speed["hours"] == pytest.approx(30.0 / 3600)
+    assert speed["tokens_per_s"] == pytest.approx(2 * 10 * 100 / 30.0)

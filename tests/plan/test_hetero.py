@@ -33,3 +33,12 @@ def test_the_plan_command_shows_the_heterogeneous_prediction(capsys: pytest.Capt
     assert "With node speeds 1, 1, 1, 0.5" in out and "| fl_fsdp | 4 x 1 x 2 |" in out and "8/8/8/4" in out
     with pytest.raises(ValueError, match="each of the 4 nodes"):
         plan(model="xs", cluster="emulated-4x2", node_speeds=[1, 0.5])
+
+
+def test_a_measured_pace_pays_one_barrier_round_first() -> None:
+    steady = heterogeneous_pace([1.0, 2.0], tokens_per_group_step=10.0, sync_every=4)
+    run = heterogeneous_pace([1.0, 2.0], tokens_per_group_step=10.0, sync_every=4, rounds=3)
+    assert run.pace == pytest.approx((8 + 2 * 6) * 10 / (8.0 + 2 * 4.0))  # a barrier round of 8 s, two of 4 s
+    assert run.barrier < run.pace < steady.pace == pytest.approx(6 * 10 / 4.0)
+    once = heterogeneous_pace([1.0, 2.0], tokens_per_group_step=10.0, sync_every=4, rounds=1)
+    assert once.pace == pytest.approx(once.barrier)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +43,21 @@ def test_a_simulation_is_repeatable_and_every_group_ends_with_the_consensus() ->
     assert all(torch.equal(a, b) for g in first[1:] for a, b in zip(first[0], g))
 
 
-def test_a_checkpoint_mid_round_resumes_bit_for_bit(tmp_path: Path) -> None:
+#: The last of the 3 groups half as fast: it trains the first 2 steps of every round of 4 and skips the others.
+PACED = dataclasses.replace(CONFIG, pace=Pace(speeds=(1.0, 1.0, 0.5)))
+
+
+@pytest.mark.parametrize("config", [CONFIG, PACED], ids=["plain", "paced"])
+def test_a_checkpoint_mid_round_resumes_bit_for_bit(tmp_path: Path, config: FederationConfig) -> None:
     every = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=3, save_top_k=-1)
-    straight = weights(fit(10, callbacks=[every]))
+    straight = fit(10, callbacks=[every], config=config)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step=3.ckpt", "step=6.ckpt", "step=9.ckpt"]
     for name in ("step=6.ckpt",):  # an epoch's end (a plain DataLoader cannot resume mid-epoch), mid-round
-        resumed = weights(fit(10, ckpt_path=tmp_path / name, enable_checkpointing=False))
-        assert all(torch.equal(a, b) for ga, gb in zip(straight, resumed) for a, b in zip(ga, gb)), name
+        resumed = fit(10, ckpt_path=tmp_path / name, enable_checkpointing=False, config=config)
+        assert all(torch.equal(a, b) for ga, gb in zip(weights(straight), weights(resumed)) for a, b in zip(ga, gb))
+        if config.pace is not None:  # the same schedule, taken from the checkpoint: the same merges
+            merges = [r.trainers[0].strategy.runtime.federation.pace.merges for r in (straight, resumed)]
+            assert merges[0] == merges[1] and any(counts[2] < counts[0] for _, _, counts in merges[0])
 
 
 def test_a_checkpoint_of_other_settings_is_refused_before_training(tmp_path: Path) -> None:
