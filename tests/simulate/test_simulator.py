@@ -127,12 +127,16 @@ def test_an_error_in_one_group_ends_the_simulation_with_that_error() -> None:
         simulator.fit(_Failing(), data())  # the other groups wait at the sync of step 4: they are released
 
 
-def test_the_boring_model_with_the_trainers_defaults_fits_then_validates_and_tests(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pace", [None, Pace(speeds=(1.0, 0.5))], ids=["barrier", "paced"])
+def test_the_boring_model_with_the_trainers_defaults_fits_then_validates_and_tests(
+    tmp_path: Path, pace: Pace | None
+) -> None:
     """A module nobody here wrote, with the sanity check, the validation loop, checkpoints and the CSV log on."""
     from lightning.pytorch.demos.boring_classes import BoringModel
 
     torch.manual_seed(0)
-    simulator = Simulator(FederationConfig(num_groups=2, sync_every=2), max_steps=6, default_root_dir=tmp_path)
+    config = FederationConfig(num_groups=2, sync_every=2, pace=pace)
+    simulator = Simulator(config, max_steps=6, default_root_dir=tmp_path)
     result = simulator.fit(BoringModel())
     assert result.trainers[0].global_step == 6
     assert (tmp_path / "simulate" / "version_0" / "metrics.csv").exists()
