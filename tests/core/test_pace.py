@@ -12,11 +12,10 @@ from torch.testing import assert_close
 
 from lightning_fedshard import Pace
 from lightning_fedshard.core.config import FederationConfig
-from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fragments import cut_fragments
 from lightning_fedshard.core.inprocess import InProcessGroups
 from lightning_fedshard.core.pace import PaceSchedule
-from tests.core.rounds.toy import ReferenceGroup, initial
+from tests.core.rounds.toy import ReferenceGroup, initial, snapshot, start_or_resume
 from tests.reference import federate
 
 GROUPS, UNITS, SYNC_EVERY = 4, 3, 4
@@ -76,15 +75,7 @@ def _run(steps: int, stop_at: int | None = None, resume: list | None = None, **o
 
     def work(g: int, comm: Any) -> dict[str, Any]:
         shards = initial(UNITS)
-        fed = Federation(config, comm)
-        fed.start(shards, step=0)
-        first = 1
-        if resume is not None:
-            for shard, saved in zip(shards, resume[g]["shards"]):
-                shard.copy_(saved)
-            fed.load_state_dict(resume[g]["state"])
-            fed.load_group_state_dict(resume[g]["group_state"])
-            first = resume[g]["step"] + 1
+        fed, first = start_or_resume(config, comm, shards, None if resume is None else resume[g])
         trained = []
         for step in range(first, steps + 1):
             if fed.trains(step):
@@ -93,8 +84,7 @@ def _run(steps: int, stop_at: int | None = None, resume: list | None = None, **o
                     shard.copy_(new)
             fed.maybe_sync(step)
             if step == stop_at:
-                state = {"state": copy.deepcopy(fed.state_dict()), "group_state": copy.deepcopy(fed.group_state_dict())}
-                return {**state, "shards": [s.clone() for s in shards], "step": step}
+                return snapshot(fed, shards, step)
         fed.finish(steps)
         assert fed.pace is not None
         return {"final": [s.clone() for s in shards], "trained": trained, "pace": fed.pace}

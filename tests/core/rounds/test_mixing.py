@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -12,10 +11,9 @@ from torch.testing import assert_close
 
 from lightning_fedshard import Gossip, Mixing, Sampled
 from lightning_fedshard.core.config import FederationConfig
-from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fragments import cut_fragments
 from lightning_fedshard.core.inprocess import InProcessGroups
-from tests.core.rounds.toy import ReferenceGroup, initial
+from tests.core.rounds.toy import ReferenceGroup, initial, snapshot, start_or_resume
 from tests.reference import federate, roundtrip_of
 
 GROUPS, UNITS, SYNC_EVERY = 4, 3, 4
@@ -48,15 +46,7 @@ def _run(
 
     def work(g: int, comm: Any) -> dict[str, Any]:
         shards = _initial()
-        fed = Federation(config, comm)
-        fed.start(shards, step=0)
-        first = 1
-        if resume is not None:
-            for shard, saved in zip(shards, resume[g]["shards"]):
-                shard.copy_(saved)
-            fed.load_state_dict(resume[g]["state"])
-            fed.load_group_state_dict(resume[g]["group_state"])
-            first = resume[g]["step"] + 1
+        fed, first = start_or_resume(config, comm, shards, None if resume is None else resume[g])
         after = {}
         for step in range(first, steps + 1):
             for shard, new in zip(shards, _update(g, step - 1, shards)):
@@ -64,8 +54,7 @@ def _run(
             fed.maybe_sync(step)
             after[step] = torch.cat(shards).clone()
             if step == stop_at:
-                state = {"state": fed.state_dict(), "group_state": copy.deepcopy(fed.group_state_dict())}
-                return {**state, "shards": [s.clone() for s in shards], "step": step}
+                return snapshot(fed, shards, step)
         fed.finish(steps)
         return {"final": [s.clone() for s in shards], "after": after}
 

@@ -15,7 +15,7 @@ from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fragments import cut_fragments
 from lightning_fedshard.core.inprocess import InProcessGroups
 from lightning_fedshard.core.rounds import EagerRound, HierarchicalRound, PlainRound
-from tests.core.rounds.toy import ReferenceGroup, initial
+from tests.core.rounds.toy import ReferenceGroup, initial, snapshot, start_or_resume
 from tests.reference import federate
 
 GROUPS, UNITS = 4, 3
@@ -51,22 +51,13 @@ def _run(options: dict[str, Any], steps: int, stop_at: int | None = None, resume
 
     def work(g: int, comm: Any) -> dict[str, Any]:
         shards = _initial()
-        fed = Federation(config, comm)
-        fed.start(shards, step=0)
-        first = 1
-        if resume is not None:
-            for shard, saved in zip(shards, resume[g]["shards"]):
-                shard.copy_(saved)
-            fed.load_state_dict(resume[g]["state"])
-            fed.load_group_state_dict(resume[g]["group"])
-            first = resume[g]["step"] + 1
+        fed, first = start_or_resume(config, comm, shards, None if resume is None else resume[g])
         for step in range(first, steps + 1):
             for shard, new in zip(shards, _update(g, step - 1, shards)):
                 shard.copy_(new)
             fed.maybe_sync(step)
             if step == stop_at:
-                saved = [s.clone() for s in shards]
-                return {"state": fed.state_dict(), "group": fed.group_state_dict(), "shards": saved, "step": step}
+                return snapshot(fed, shards, step)
         fed.finish(steps)
         return {"final": [s.clone() for s in shards], "anchor": [a.detach().clone() for a in fed.outer.anchor]}
 
