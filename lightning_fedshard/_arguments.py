@@ -227,7 +227,7 @@ class FederatedArguments:
         elastic = self.runtime.config.elastic
         if elastic is None:
             return {"num_replicas": num_replicas, "rank": rank}
-        group = elastic.group_index(self.runtime.num_groups)
+        group = self.runtime.group_index
         return {"num_replicas": self.runtime.num_groups * num_replicas, "rank": group * num_replicas + rank}
 
 

@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 from lightning_fedshard.checkpoint import FederationCheckpointer
 from lightning_fedshard.core.comm import Communicator
 from lightning_fedshard.core.config import FederationConfig
-from lightning_fedshard.core.elastic import FederationError
+from lightning_fedshard.core.elastic import FederationEnded, FederationError
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fsdp import FSDP1
 from lightning_fedshard.core.lazy import required
@@ -124,7 +124,7 @@ class FederatedRuntime:
         """This job's federation in one line: the groups x replicas x shards and the sync options."""
         elastic = self.config.elastic
         if elastic is not None:
-            group = elastic.group_index(self.num_groups)
+            group = self.group_index
             shape = f"{self.topology.num_replicas} replica(s) x {self.topology.shard_size} shard(s)"
             return f"{self.name}: {elastic.describe(group, self.num_groups)}, {shape} here; {self.config.describe()}"
         one_group = " (one group: nothing to federate)" if self.syncs_are_identity else ""
@@ -142,7 +142,8 @@ class FederatedRuntime:
         """Check the topology in the launching process and warn about layouts that defeat the federation."""
         topology = self.resolve_topology(num_nodes, devices_per_node)
         if self.config.elastic is not None:
-            self.config.elastic.group_index(self.num_groups)  # a missing or bad index fails before any rank starts
+            if not self.config.elastic.standby:
+                self.config.elastic.group_index(self.num_groups)  # a missing or bad index fails before any rank starts
             self.config.elastic.lighthouse_address()
             return
         if topology.num_groups == 1:
@@ -187,7 +188,7 @@ class FederatedRuntime:
         if elastic is None or self._make_communicator is not _mesh_communicator:
             communicator = self._make_communicator(self.mesh)
         else:
-            group = elastic.group_index(self.num_groups)
+            group = None if elastic.standby else elastic.group_index(self.num_groups)
             sites = self.config.site_blocks(self.num_groups)
             communicator = ElasticCommunicator(elastic, group, self.mesh.communicator(), self._description, sites)
             communicator.on_membership = self._log_membership
@@ -198,6 +199,45 @@ class FederatedRuntime:
             self._membership.host_state = self._host_state_of_peer
             self._membership.load_host_state = self._load_host_state_of_peer
         return federation
+
+    @property
+    def group_index(self) -> int:
+        """Elastic: this job's group (a standby's once it took a place, until then 0); 0 in one job."""
+        elastic = self.config.elastic
+        if elastic is None:
+            return 0
+        if not elastic.standby:
+            return elastic.group_index(self.num_groups)
+        membership = self._membership
+        group = membership.communicator.place if membership is not None else None
+        return 0 if group is None else group
+
+    @property
+    def standing_by(self) -> bool:
+        """Elastic: whether this job is a standby that holds no place (it waits, or its federation ended)."""
+        elastic, membership = self.config.elastic, self._membership
+        return elastic is not None and elastic.standby and (membership is None or membership.communicator.place is None)
+
+    def stand_by(self) -> bool:
+        """Elastic standby: wait until a group of the running federation is gone and take its place; collective.
+
+        Returns:
+            Whether this job took a place (it then joins as that group); ``False`` if the federation ended first.
+            Always ``True`` for a job that is not a standby.
+        """
+        elastic = self.config.elastic
+        if elastic is None or not elastic.standby:
+            return True
+        membership = required(self._membership, "A standby waits only once its federation exists.")
+        group = membership.communicator.stand_by(self.num_groups)
+        if group is None:
+            rank_zero_info(
+                f"{self.name}: standby of federation {elastic.federation!r}: the federation ended while this job"
+                " waited; it trained nothing."
+            )
+            return False
+        rank_zero_info(f"{self.name}: standby of federation {elastic.federation!r}: taking the place of group {group}.")
+        return True
 
     @property
     def membership(self) -> ElasticMembership | None:
@@ -324,6 +364,8 @@ class FederatedRuntime:
         If a checkpoint restored a federation whose sync of step ``step`` had not run yet (it was saved between the
         optimizer step and the sync), that sync runs now, as it did in the uninterrupted run.
         """
+        if self.standing_by:
+            return None  # a standby whose federation ended before it took a place: it trains nothing
         joined = None
         if self.config.elastic is not None and not self._joined:
             joined = self.join(step)
@@ -372,6 +414,9 @@ class FederatedRuntime:
         try:
             membership = required(self._membership, "Only an elastic federation is joined.")
             self.step, stats = membership.join(step)
+        except FederationEnded:
+            rank_zero_info(f"{self.name}: the federation ended as this standby took a place in it; it trains nothing.")
+            return None
         finally:
             self._joining = False
         self._joined = True

@@ -3,7 +3,7 @@
 from lightning_fedshard.core.codecs import BlockQuantizer, ChunkCodec, Codec, FloatCodec, SparseLoCo, SparseTopK
 from lightning_fedshard.core.comm import Communicator, ProcessGroupCommunicator
 from lightning_fedshard.core.config import OUTER_OPTIMIZERS, FederationConfig, resolve_outer_optimizer
-from lightning_fedshard.core.elastic import Elastic, FederationError
+from lightning_fedshard.core.elastic import Elastic, FederationEnded, FederationError
 from lightning_fedshard.core.feedback import ErrorFeedback
 from lightning_fedshard.core.mesh import FederationMesh, build_federation_mesh
 from lightning_fedshard.core.nonfinite import NONFINITE_POLICIES, NonFiniteOuterGradientError
@@ -27,6 +27,7 @@ __all__ = [
     "Elastic",
     "ErrorFeedback",
     "FederationConfig",
+    "FederationEnded",
     "FederationError",
     "FederationMesh",
     "FederationTopology",

@@ -25,6 +25,10 @@ class FederationError(RuntimeError):
     """An elastic federation cannot go on: the lighthouse is gone, too few groups, a refused join, a failing heal."""
 
 
+class FederationEnded(FederationError):
+    """A standby group found its federation over (every group finished or failed) as it took a place in it."""
+
+
 @dataclass(frozen=True)
 class Elastic:
     """Run each federation group as a job of its own, joined to the others through a lighthouse (docs/elastic.md).
@@ -37,6 +41,11 @@ class Elastic:
         lighthouse: The lighthouse's address, e.g. ``"http://10.0.0.1:29510"``; default: ``$TORCHFT_LIGHTHOUSE``.
         group: This group's index in ``[0, num_groups)``; default: ``$FEDSHARD_GROUP``. A group that replaces a failed
             one takes its index (and its data).
+        standby: Start this job as a standby group: it loads the model and data, then waits at the lighthouse without
+            training until a planned group of the running federation is gone (dead or hung), takes that group's
+            index and part of the data, and joins at the federation's next sync, healing from a peer. A standby has
+            no ``group`` of its own (``$FEDSHARD_GROUP`` is ignored); if the federation ends first, its ``fit``
+            returns without training.
         federation: The federation's name; a job of another federation is refused by the running groups.
         min_groups: A sync runs only with at least this many groups; with fewer, the groups wait for more (up to
             ``quorum_timeout``) and then stop with an error.
@@ -66,6 +75,7 @@ class Elastic:
 
     lighthouse: str | None = None
     group: int | None = None
+    standby: bool = False
     federation: str = "fedshard"
     min_groups: int = 1
     start_groups: int | None = None
@@ -96,6 +106,14 @@ class Elastic:
             )
         if self.group is not None and (not isinstance(self.group, int) or isinstance(self.group, bool)):
             raise ValueError(f"`Elastic(group=...)` must be an integer, got {self.group!r}.")
+        if not isinstance(self.standby, bool):
+            raise ValueError(f"`Elastic(standby=...)` must be True or False, got {self.standby!r}.")
+        if self.standby and self.group is not None:
+            raise ValueError(
+                f"`Elastic(standby=True, group={self.group})`: a standby has no group of its own, it takes the index of"
+                " the first group that is gone. Leave `group` unset (or start the job as group"
+                f" {self.group} without `standby`)."
+            )
         if self.start_groups is not None and self.start_groups < self.min_groups:
             raise ValueError(
                 f"`Elastic(start_groups={self.start_groups})` is smaller than `min_groups={self.min_groups}`: a new"
@@ -122,8 +140,11 @@ class Elastic:
         """This group's index: ``group``, or ``$FEDSHARD_GROUP``; checked against ``num_groups``.
 
         Raises:
-            ValueError: If neither is set, or the index is outside ``[0, num_groups)``.
+            ValueError: If neither is set, the index is outside ``[0, num_groups)``, or this job is a standby (its
+                index is the one it takes at run time).
         """
+        if self.standby:
+            raise ValueError("A standby group has no index until it takes the place of a group that is gone.")
         group: object = self.group
         if group is None:
             value = os.environ.get(GROUP_ENV)
@@ -159,8 +180,9 @@ class Elastic:
 
     def describe(self, group: int, num_groups: int) -> str:
         """One line for the log at the start of training."""
+        standby = " (a standby that took its place)" if self.standby else ""
         return (
-            f"elastic group {group} of {num_groups} in federation {self.federation!r} (lighthouse"
+            f"elastic group {group} of {num_groups}{standby} in federation {self.federation!r} (lighthouse"
             f" {self.lighthouse or os.environ.get(LIGHTHOUSE_ENV, '?')}, at least {self.min_groups} group(s) per sync)"
         )
 
@@ -185,4 +207,4 @@ def _check_lighthouse_address(address: object, source: str) -> None:
         )
 
 
-__all__ = ["GROUP_ENV", "LIGHTHOUSE_ENV", "Elastic", "FederationError"]
+__all__ = ["GROUP_ENV", "LIGHTHOUSE_ENV", "Elastic", "FederationEnded", "FederationError"]

@@ -27,7 +27,7 @@ This package knows nothing about Lightning. torchft is imported when a communica
 without it (``pip install lightning-fedshard[elastic]`` installs it).
 """
 
-from lightning_fedshard.core.elastic import Elastic, FederationError
+from lightning_fedshard.core.elastic import Elastic, FederationEnded, FederationError
 from lightning_fedshard.elastic.communicator import ElasticCommunicator
 from lightning_fedshard.elastic.heal import cloned
 from lightning_fedshard.elastic.membership import ElasticMembership
@@ -42,6 +42,7 @@ __all__ = [
     "Elastic",
     "ElasticCommunicator",
     "ElasticMembership",
+    "FederationEnded",
     "FederationError",
     "GroupWatchdog",
     "MembershipChange",

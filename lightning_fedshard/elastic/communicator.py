@@ -29,15 +29,17 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_fedshard.core.comm import ProcessGroupCommunicator, weighted_sum
-from lightning_fedshard.core.elastic import Elastic, FederationError
+from lightning_fedshard.core.elastic import Elastic, FederationEnded, FederationError
 from lightning_fedshard.elastic.heal import heal_transport
 from lightning_fedshard.elastic.lighthouse import (
     TrainedFederation,
     federations_on,
+    live_heartbeats,
     reachable,
     second_start,
     status_page,
     trained_federation,
+    vacancies,
 )
 from lightning_fedshard.elastic.quiet import quiet_torchft
 from lightning_fedshard.elastic.quorum import (
@@ -66,7 +68,7 @@ class ElasticCommunicator:
 
     Args:
         options: The elastic options.
-        group: This group's index.
+        group: This group's index; ``None`` for a standby until :meth:`stand_by` took a place.
         local: The job's own communicator (one group: the in-group collectives).
         describe: This rank's description for the admission check: a JSON-able dict of what must be equal in every
             group at this in-group position (model layout, sync options); called once per new quorum.
@@ -83,7 +85,7 @@ class ElasticCommunicator:
     def __init__(
         self,
         options: Elastic,
-        group: int,
+        group: int | None,
         local: ProcessGroupCommunicator,
         describe: Callable[[], Mapping[str, Any]],
         site_blocks: Mapping[int, Sequence[Sequence[int]]] | None = None,
@@ -122,7 +124,19 @@ class ElasticCommunicator:
 
     @property
     def group_index(self) -> int:
-        """This group's index (the ring lists groups by index)."""
+        """This group's index (the ring lists groups by index).
+
+        Raises:
+            FederationError: For a standby that has not taken a place yet.
+        """
+        if self._group is None:
+            raise FederationError("This standby group has no index yet: it takes one when a group of the federation"
+                                  " is gone (`stand_by`).")  # fmt: skip
+        return self._group
+
+    @property
+    def place(self) -> int | None:
+        """This group's index, or ``None`` for a standby that has not taken a place yet."""
         return self._group
 
     @property
@@ -196,7 +210,7 @@ class ElasticCommunicator:
             raise ValueError(
                 f"The elastic federation has no sites of {size} groups (it has {sorted(self.site_blocks)})."
             )
-        (row,) = [i for i, block in enumerate(blocks) if self._group in block]
+        (row,) = [i for i, block in enumerate(blocks) if self.group_index in block]
         rows = torch.zeros(len(blocks), tensor.numel(), dtype=tensor.dtype, device=tensor.device)  # (sites, numel)
         rows[row].copy_(tensor.reshape(-1))
         self.sum_over_groups(rows.view(-1))
@@ -211,7 +225,7 @@ class ElasticCommunicator:
         sends its message to every other; the terms are added in ring order). After a failure the result is garbage
         and the sync's vote fails.
         """
-        me = self._ring.index(self._group)
+        me = self._ring.index(self.group_index)
         gathered = torch.empty((len(self._ring), *tensor.shape), dtype=tensor.dtype, device=tensor.device)
         self.all_gather(gathered.view(-1), tensor.reshape(-1))
         terms = {j: gathered[j] for j in range(len(self._ring)) if j == me or matrix[me, j] > 0}
@@ -249,6 +263,84 @@ class ElasticCommunicator:
         training thread, inside :meth:`participants` (or :meth:`quorum`).
         """
         self._save, self._load = save, load
+
+    def stand_by(self, num_groups: int, poll: float = 0.5) -> int | None:
+        """A standby's wait: until a planned group of the running federation is gone, then take its place; collective.
+
+        Rank 0 reads the lighthouse's status page every ``poll`` seconds (no manager runs meanwhile: a standby is not
+        a member of any quorum). Once the federation trains and one of its ``num_groups`` planned groups has no live
+        manager, every rank takes that group's index and starts its manager, which heartbeats under the group's name
+        (see :meth:`_contested` for two standbys that take one place at once). The group then joins as any new job
+        does, at the federation's next sync (:meth:`quorum` with ``joining=True``), and heals from a peer.
+
+        Returns:
+            The index taken, or ``None`` if the federation ended (it trained, and none of its groups is alive) while
+            this standby waited.
+        """
+        import random
+
+        if self._group is not None:
+            return self._group
+        federation, address = self.options.federation, self.options.lighthouse_address()
+        chance = random.Random()  # not the training's seeded generator: two standbys must not draw alike
+
+        def free_place() -> int | None:
+            place = _free_place(status_page(address), federation, num_groups)
+            if place is None or place == -1:
+                return place
+            time.sleep(chance.uniform(0.0, 0.5))  # standbys that saw the place at once rarely take it at once
+            return _free_place(status_page(address), federation, num_groups)
+
+        while True:
+            place = self._rank0(free_place)
+            if place == -1:
+                return None
+            if place is None:
+                time.sleep(poll)
+                continue
+            self._group = place
+            try:
+                self._connect()
+            except FederationEnded:
+                return None
+            if not self._rank0(lambda: self._contested(address)):
+                log.info(f"Standby of federation {federation!r}: group {place} is gone, taking its place.")
+                return place
+            self.close()
+            self._group, self._manager_state = None, None
+
+    def _contested(self, address: str, beat: float = 0.3) -> bool:
+        """Whether this standby gives up the place it just took because another job took it too (rank 0).
+
+        The managers of the place heard from in the last ``beat`` seconds are its claimants. Alone, this one keeps the
+        place. Otherwise the claimant with the smallest uuid may keep it, once the others are silent: a claimant that
+        saw no one else kept the place before the others came, and one that is not the smallest gives it up at once
+        (its manager stops, and falls silent within ``beat``).
+        """
+        mine = _manager_uuid(self._manager)
+
+        def claimants() -> list[str]:
+            live = live_heartbeats(status_page(address), self.options.federation, within=beat)
+            return sorted(uuid for group, uuid in live if group == self._group)
+
+        deadline = time.monotonic() + max(5.0, 10 * beat)
+        while mine not in (found := claimants()) and time.monotonic() < deadline:
+            time.sleep(0.1)  # until the lighthouse lists this manager
+        time.sleep(beat)
+        found = claimants()
+        if found == [mine] or not found:
+            return False
+        if found[0] != mine:
+            return True
+        time.sleep(2 * beat)
+        return claimants() != [mine]
+
+    def _rank0(self, decide: Callable[[], Any]) -> Any:
+        """``decide()`` on this group's rank 0, the same answer on every rank of the group."""
+        answer = [decide() if dist.get_rank() == 0 else None]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(answer, src=0)
+        return answer[0]
 
     def quorum(self, joining: bool = False) -> tuple[int, ...]:
         """Ask the lighthouse for this sync's groups (the next :meth:`participants` returns them); collective.
@@ -299,7 +391,7 @@ class ElasticCommunicator:
         self._joined = joining or healed or manager.errored() is not None
         if ring != self._ring and self.on_new_members is not None:
             self.on_new_members(ring)
-        change = membership_change(self.options.federation, self._group, self._ring, ring, self._descriptions)
+        change = membership_change(self.options.federation, self.group_index, self._ring, ring, self._descriptions)
         if change is not None and self.on_membership is not None:
             self.on_membership(change)
         self._ring = ring
@@ -396,7 +488,7 @@ class ElasticCommunicator:
             rank=dist.get_rank(),
             world_size=dist.get_world_size(),
             lighthouse_addr=options.lighthouse_address(),
-            replica_id=f"{options.federation}_{self._group}",
+            replica_id=f"{options.federation}_{self.group_index}",
             port=options.manager_port,
             hostname=options.hostname or _hostname(),
             checkpoint_transport=heal_transport(HTTPTransport, timeout, options.hostname),
@@ -433,7 +525,11 @@ class ElasticCommunicator:
         self._trained = None if self.step > 0 else trained_federation(page[0], self.options.federation)
         if self._trained is not None and not self._trained.alive:
             self.close()
-            raise FederationError(second_start(self._trained, self._group, address, "none of its groups is running"))
+            if self.options.standby:
+                self._group = None
+                raise FederationEnded("the federation ended as this standby took a place in it")
+            when = "none of its groups is running"
+            raise FederationError(second_start(self._trained, self.group_index, address, when))
         running = federations_on(page[0])
         others = {name: groups for name, groups in running.items() if name != self.options.federation}
         if others:
@@ -503,13 +599,16 @@ class ElasticCommunicator:
             if verdict is None and self._trained is not None and self._rings.max_step == 0:
                 # The federation's groups were alive when this job looked, and ended before it reached them.
                 when = "its groups ended before this job could join them"
-                verdict = second_start(self._trained, self._group, self.options.lighthouse_address(), when)
+                verdict = second_start(self._trained, self.group_index, self.options.lighthouse_address(), when)
         # One decision for the whole group (its ranks sit on different rings): refused anywhere, retry anywhere, or go.
         code = torch.tensor([{None: 0, "retry": 1}.get(verdict, 2)], dtype=torch.int64)
         dist.all_reduce(code, op=dist.ReduceOp.MAX)
         if int(code) == 2:
             reason = verdict if verdict not in (None, "retry") else "another rank of this group was refused"
             self.close()
+            if self.options.standby and self._trained is not None and self._rings.max_step == 0:
+                self._group = None  # a standby that took a place just as its federation ended: it stands down
+                raise FederationEnded(reason)
             if reason.startswith("This job"):
                 raise FederationError(reason)
             raise FederationError(f"This job (elastic group {self._group}) was refused: {reason}.")
@@ -535,6 +634,19 @@ class ElasticCommunicator:
             return "too few groups or a peer's failed vote"
         original = getattr(error, "original_exception", error)
         return f"{type(original).__name__}: {str(original).splitlines()[0] if str(original) else ''}"
+
+
+def _manager_uuid(manager: Any) -> str:
+    """The uuid torchft 0.2.0 appended to this group's replica id (rank 0 publishes the id in the group's store)."""
+    return str(manager._store.get("replica_id").decode()).rpartition(":")[2]
+
+
+def _free_place(page: str, federation: str, num_groups: int) -> int | None:
+    """The place a standby takes now: the lowest free group index, ``-1`` if the federation ended, else ``None``."""
+    found = vacancies(page, federation, num_groups)
+    if found.ended:
+        return -1
+    return found.free[0] if found.free else None
 
 
 def _hostname() -> str:

@@ -13,7 +13,9 @@ from urllib.parse import urlparse
 #: A heartbeat line of the lighthouse's status page: ``<federation>_<group>:<uuid>: seen <seconds>s ago``.
 HEARTBEAT = re.compile(r"^\s*([A-Za-z0-9.\-]+)_(\d+):[0-9a-f\-]{36}: seen ([0-9.e\-]+)s ago", re.MULTILINE)
 #: A heartbeat entry with the lighthouse's own verdict: ``old`` once it is older than its heartbeat timeout.
-_HEARTBEAT_ENTRY = re.compile(r'class="heartbeat\s*(old)?\s*">\s*([A-Za-z0-9.\-]+)_(\d+):[0-9a-f\-]{36}: seen')
+_HEARTBEAT_ENTRY = re.compile(
+    r'class="heartbeat\s*(old)?\s*">\s*([A-Za-z0-9.\-]+)_(\d+):([0-9a-f\-]{36}): seen ([0-9.e\-]+)s ago'
+)
 #: A member of the lighthouse's last quorum: its replica id and its step (the syncs it had committed).
 _QUORUM_MEMBER = re.compile(r"<b>\s*([A-Za-z0-9.\-]+)_(\d+):[0-9a-f\-]{36}\s*</b>\s*<br/>\s*Step:\s*(\d+)")
 
@@ -57,8 +59,46 @@ def trained_federation(page: str, federation: str) -> TrainedFederation | None:
     syncs = max((step for _, step in members), default=0)
     if syncs == 0:
         return None
-    alive = {int(group) for old, name, group in _HEARTBEAT_ENTRY.findall(page) if name == federation and not old}
+    alive = {group for group, _ in live_heartbeats(page, federation)}
     return TrainedFederation(federation, syncs, tuple(sorted({g for g, _ in members})), tuple(sorted(alive)))
+
+
+def live_heartbeats(page: str, federation: str, within: float | None = None) -> list[tuple[int, str]]:
+    """``(group, uuid)`` of every manager of ``federation`` the lighthouse does not count as gone (not ``old``).
+
+    Two managers of one group index (two jobs that took the same place) show as two entries with different uuids.
+    With ``within``, only the managers heard from in the last ``within`` seconds (a manager that stopped a moment
+    ago stays listed as live until the lighthouse's heartbeat timeout).
+    """
+    return [
+        (int(group), uuid)
+        for old, name, group, uuid, age in _HEARTBEAT_ENTRY.findall(page)
+        if name == federation and not old and (within is None or float(age) <= within)
+    ]
+
+
+@dataclass(frozen=True)
+class Vacancies:
+    """What a standby group reads on the lighthouse: whether its federation trains, and the places free in it."""
+
+    #: The planned group indices with no live group (dead, hung, finished or not started), lowest first.
+    free: tuple[int, ...]
+    #: Whether the federation committed syncs and none of its groups is alive any more (it ended or failed).
+    ended: bool
+
+
+def vacancies(page: str, federation: str, num_groups: int) -> Vacancies:
+    """The places a standby may take in ``federation`` (planned for ``num_groups``), from the lighthouse's ``page``.
+
+    A place is free only once the federation trains (it committed a sync): before, a group that is not there yet is
+    still starting.
+    """
+    trained = trained_federation(page, federation)
+    if trained is None:
+        return Vacancies((), ended=False)
+    if not trained.alive:
+        return Vacancies((), ended=True)
+    return Vacancies(tuple(g for g in range(num_groups) if g not in trained.alive), ended=False)
 
 
 def second_start(trained: TrainedFederation, group: int, address: str, when: str) -> str:
@@ -87,9 +127,12 @@ def reachable(address: str, timeout: float = 2.0) -> bool:
 __all__ = [
     "HEARTBEAT",
     "TrainedFederation",
+    "Vacancies",
     "federations_on",
+    "live_heartbeats",
     "reachable",
     "second_start",
     "status_page",
     "trained_federation",
+    "vacancies",
 ]

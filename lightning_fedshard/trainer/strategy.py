@@ -63,6 +63,15 @@ class _TrainerHooks(FederatedArguments):
         if self.runtime.config.pace is not None:
             _keep_sigterm_in_group(trainer, self.runtime)
 
+    def _end_setup(self, trainer: Trainer) -> None:
+        """After Lightning's ``setup``: an elastic standby waits for a place, before ``fit`` splits the data by group.
+
+        The model, optimizers and data module are ready by then; if the federation ends first, ``fit`` stops without
+        training.
+        """
+        if trainer.state.fn == TrainerFn.FITTING and not self.runtime.stand_by():
+            trainer.should_stop = True
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The module's ``training_step``, unless this group skips the step (a per-group pace, see ``Pace``)."""
         module = self.lightning_module
@@ -102,9 +111,12 @@ class _TrainerHooks(FederatedArguments):
             and trainer.state.fn == TrainerFn.FITTING
             and trainer.training
             and not self.runtime.joined
+            and not self.runtime.standing_by
         ):
             self.runtime.set_optimizers(trainer.optimizers)
             self.runtime.join(trainer.global_step)
+            if self.runtime.standing_by:  # a standby whose federation ended as it took a place
+                trainer.should_stop = True
         return dataloader
 
     def teardown(self) -> None:
@@ -186,6 +198,7 @@ class _FederatedFSDPStrategy(_TrainerHooks, FSDP1Arguments, FSDPStrategy):
     def setup(self, trainer: Trainer) -> None:
         self._begin_setup(trainer)
         super().setup(trainer)
+        self._end_setup(trainer)
 
     @classmethod
     @override
@@ -224,6 +237,7 @@ class _FederatedFSDP2Strategy(_TrainerHooks, FSDP2Arguments, ModelParallelStrate
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+        self._end_setup(trainer)
 
     def _shard_and_materialize(self, model: Module) -> Module:
         # Private: Lightning's meta-device materialization (`to_empty` + `reset_parameters`), as ModelParallel uses it.

@@ -32,6 +32,8 @@ def test_elastic_options_are_checked_in_the_constructor():
         ({"lighthouse": "http://:29510"}, "`Elastic(lighthouse='http://:29510')` is not a lighthouse address"),
         ({"manager_port": 70000}, "`Elastic(manager_port=70000)` must be a port number in [0, 65535]"),
         ({"hostname": ""}, "`Elastic(hostname='')` must be a non-empty address"),
+        ({"standby": "yes"}, "`Elastic(standby=...)` must be True or False, got 'yes'"),
+        ({"standby": True, "group": 1}, "`Elastic(standby=True, group=1)`: a standby has no group of its own"),
     ]:
         with pytest.raises(ValueError, match=_escaped(message)):
             Elastic(**bad)
@@ -55,6 +57,8 @@ def test_the_group_index_comes_from_the_options_or_the_environment(monkeypatch):
     monkeypatch.setenv("FEDSHARD_GROUP", "x")
     with pytest.raises(ValueError, match=r"\$FEDSHARD_GROUP='x' is not a group index"):
         Elastic().group_index(3)
+    with pytest.raises(ValueError, match="A standby group has no index until it takes the place of a group"):
+        Elastic(standby=True).group_index(3)  # $FEDSHARD_GROUP does not count for a standby
 
 
 def test_the_lighthouse_comes_from_the_options_or_the_environment(monkeypatch):

@@ -82,6 +82,29 @@ def rejoin(root: Path) -> Iterator[dict[str, Job]]:
 
 
 @pytest.fixture(scope="module")
+def standbys(root: Path) -> Iterator[dict[str, Any]]:
+    """Three groups and two standby jobs started with them: group 2 is killed mid-round, a standby takes its place;
+    the other standby waits until the federation ends and trains nothing."""
+    cluster = Cluster(root / "standby", min_groups=1)
+    spec = {**BASE, "num_groups": 3, "start_groups": 3, "max_steps": STANDBY_STEPS}
+    jobs: dict[str, Any] = {
+        "0": cluster.start(0, spec),
+        "1": cluster.start(1, spec),
+        "dead": cluster.start(2, {**spec, **_fault(("kill", 6))}),
+        "a": cluster.start(-1, {**spec, "standby": True}, name="standby_a"),
+        "b": cluster.start(-1, {**spec, "standby": True}, name="standby_b"),
+    }
+    try:
+        jobs["dead"].wait(120)
+        jobs["died_at"] = time.time()
+        for key in ("0", "1", "a", "b"):
+            jobs[key].wait(240)
+        yield jobs
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
 def fabric_rejoin(root: Path) -> Iterator[dict[str, Job]]:
     """The same on Fabric, FSDP2, int4 with error feedback, two fragments, a sum overlapped with a step, and Nesterov
     momentum in the outer step (whose state the joining group takes too)."""
@@ -282,6 +305,51 @@ def test_with_a_new_group_the_anchors_equal_the_reference(rejoin):
     for record in records:
         for step, consensus in record["consensus"].items():
             assert _max_error(consensus, reference[step]) < 1e-6, (record["group"], step)
+
+
+# -- standby groups ----------------------------------------------------------------------------------------------
+
+
+STANDBY_STEPS = 40  # the standby detects the death after the lighthouse's heartbeat timeout (2 s, 8 steps)
+
+
+def _standby_that_took_over(standbys: dict[str, Any]) -> dict[str, Any]:
+    results = [standbys[k].result() for k in ("a", "b")]
+    assert all(r["error"] is None for r in results), [r["error"] for r in results]
+    took, idle = sorted(results, key=lambda r: r["joined_at"] is None)
+    assert took["joined_at"] is not None and idle["joined_at"] is None and idle["global_step"] == 0
+    return took
+
+
+def test_a_standby_takes_a_dead_groups_index_and_data_at_a_sync_and_is_bit_identical_after_it(standbys):
+    took, first = _standby_that_took_over(standbys), standbys["0"].result()
+    assert took["group"] == 2 and took["global_step"] == STANDBY_STEPS
+    join = took["syncs"][0]
+    assert join["step"] == took["joined_at"] > 6 and join["step"] % 4 == 0  # a sync after the death
+    assert join["joined"] == [2] and join["heal_seconds"] > 0 and took["trained_at"] > standbys["died_at"] - 1
+    for step, consensus in took["consensus"].items():
+        assert _equal(consensus, first["consensus"][step]), step
+    assert _equal(took["final"], first["final"])
+    expected = group_batches(2, 3, 1, STANDBY_STEPS)
+    assert sorted(took["batches"]) == list(range(took["joined_at"], STANDBY_STEPS))
+    for step, indices in took["batches"].items():
+        assert indices == expected[step][0], step  # the dead group's part of the data, at the federation's step
+        assert took["lrs"][step] == first["lrs"][step]
+
+
+def test_with_a_standby_the_anchors_equal_the_reference(standbys):
+    records = [standbys["0"].result(), standbys["1"].result(), _standby_that_took_over(standbys)]
+    reference = replay(timeline([r["syncs"] for r in records]), 3, 1, STANDBY_STEPS, initial_weights())
+    for record in records:
+        for step, consensus in record["consensus"].items():
+            assert _max_error(consensus, reference[step]) < 1e-6, (record["group"], step)
+
+
+def test_the_standby_that_found_no_place_ends_without_training_when_the_federation_ends(standbys):
+    logs = [standbys[k].log() for k in ("a", "b")]
+    assert sum("taking the place of group 2" in log for log in logs) == 1
+    assert any("it trained nothing" in log for log in logs), logs
+    assert standbys["a"].wait(1) == [0] and standbys["b"].wait(1) == [0]
 
 
 def test_fabric_fsdp2_group_with_compressed_fragments_rejoins(fabric_rejoin):

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_fedshard.elastic.lighthouse import HEARTBEAT, status_page, trained_federation
+from lightning_fedshard.elastic.lighthouse import (
+    HEARTBEAT,
+    Vacancies,
+    live_heartbeats,
+    status_page,
+    trained_federation,
+    vacancies,
+)
 
 
 def test_the_lighthouse_status_page_lists_the_federations_heartbeating():
@@ -38,3 +45,27 @@ def test_the_lighthouse_shows_whether_a_federation_trained_on_it_and_whether_its
         assert trained is not None and (trained.syncs, trained.alive) == (5, ())
     finally:
         lighthouse.shutdown()
+
+
+def _page(step: int, heartbeats: list[tuple[int, str, bool]]) -> str:
+    """A status page in the lighthouse's layout: a last quorum of group 0 at ``step``, then ``(group, uuid, old)``."""
+    member = f'<div class="member\n">\n  <b>tests_0:{"0" * 36}</b> <br/>\n  Step: {step} <br/>\n</div>\n'
+    beats = "".join(
+        f'<li class="heartbeat\n    {"old" if old else ""}\n  ">\n    tests_{g}:{u * 36}: seen 0.1s ago\n  </li>\n'
+        for g, u, old in heartbeats
+    )
+    return member + "<h2>Heartbeats</h2>\n<ul>\n" + beats + "</ul>"
+
+
+def test_a_standby_finds_the_places_of_groups_gone_only_once_the_federation_trains():
+    alive = [(0, "a", False), (1, "b", False), (2, "c", False)]
+    assert vacancies(_page(0, alive[:2]), "tests", 3) == Vacancies((), ended=False)  # still starting: no place
+    assert vacancies(_page(4, alive), "tests", 3) == Vacancies((), ended=False)
+    assert vacancies(_page(4, alive[:1] + [(1, "b", True)]), "tests", 3) == Vacancies((1, 2), ended=False)
+    assert vacancies(_page(4, [(0, "a", True), (1, "b", True)]), "tests", 3) == Vacancies((), ended=True)
+    assert vacancies(_page(4, alive), "other", 3) == Vacancies((), ended=False)
+
+
+def test_two_jobs_that_took_one_place_show_as_two_live_managers_of_it():
+    page = _page(4, [(1, "a", True), (1, "b", False), (1, "c", False), (2, "d", False)])
+    assert live_heartbeats(page, "tests") == [(1, "b" * 36), (1, "c" * 36), (2, "d" * 36)]

@@ -105,11 +105,16 @@ class Recorder(L.Callback):
         self.consensus: dict[int, dict[str, torch.Tensor]] = {}
         self.initial: dict[str, torch.Tensor] | None = None
         self.joined_at: int | None = None
+        self.trained_at: float | None = None
         self.started: dict[int, dict[str, Any]] = {}
         self._seen: Any = None
 
     def on_train_start(self, trainer, pl_module):
-        self.joined_at = trainer.global_step
+        if trainer.strategy.runtime.standing_by:  # a standby whose federation ended: nothing to record
+            return
+        import time
+
+        self.joined_at, self.trained_at = trainer.global_step, time.time()
         self.initial = _consensus(trainer)
         self._record(trainer)
 
@@ -128,7 +133,8 @@ class Recorder(L.Callback):
         self._record(trainer)
 
     def on_train_end(self, trainer, pl_module):
-        self._record(trainer)
+        if not trainer.strategy.runtime.standing_by:
+            self._record(trainer)
 
     def _record(self, trainer) -> None:
         for pending in getattr(trainer.strategy.runtime.federation.round, "sums", {}).values():
@@ -172,6 +178,7 @@ def _strategy(spec: dict[str, Any], cls: Any = None) -> Any:
         group_timeout=spec.get("group_timeout", 5.0),
         start_groups=spec.get("start_groups"),
         min_groups=spec.get("min_groups", 1),
+        standby=spec.get("standby", False),
     )
     keys = ("shard_size", "sync_every", "outer_optimizer", "fragments", "sync_delay", "reduce_dtype", "merge_alpha",
             "eager_updates")  # fmt: skip
@@ -224,7 +231,9 @@ def run(spec: dict[str, Any], out: Path) -> None:
         trainer.fit(module, data, ckpt_path=spec.get("resume"))
     except BaseException as e:  # recorded for the test (Lightning ends a run it got SIGTERM for with one)
         error = f"{type(e).__name__}: {e}"
-    _save(out, error, recorder, module, _consensus(trainer) if error is None else None, trainer.global_step)
+    runtime = trainer.strategy.runtime
+    final = _consensus(trainer) if error is None and not runtime.standing_by else None
+    _save(out, error, recorder, module, final, trainer.global_step, runtime.group_index)
 
 
 def run_fabric(spec: dict[str, Any], out: Path) -> None:
@@ -286,11 +295,14 @@ class _FabricTrainer:
         self.global_step = 0
 
 
-def _save(out: Path, error: str | None, recorder: Recorder, module: Module, final: Any, step: int) -> None:
+def _save(
+    out: Path, error: str | None, recorder: Recorder, module: Module, final: Any, step: int, group: int | None = None
+) -> None:
     result = {
         "error": error,
-        "group": int(os.environ["FEDSHARD_GROUP"]),
+        "group": int(os.environ["FEDSHARD_GROUP"]) if group is None else group,
         "joined_at": recorder.joined_at,
+        "trained_at": recorder.trained_at,
         "initial": recorder.initial,
         "syncs": recorder.syncs,
         "started": recorder.started,
