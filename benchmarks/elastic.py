@@ -11,6 +11,9 @@ every node's link. Each repeat runs, interleaved:
 - ``faultfree``: the elastic federation without faults;
 - ``faulted``: the same with 12 faults - 3 kills (SIGKILL), 3 hangs (SIGSTOP) and 6 restarts (a new job for a dead
   or hung group, which joins and heals) - at the steps of :data:`FAULTS`;
+- ``standby``: the same faults with standby groups: ``--standbys`` standby jobs start with the groups (on nodes of
+  their own), each takes the place of a group that is gone at the next sync, and every restart starts a new standby on
+  the node of the group it names instead of a new job for that group;
 - ``elastic_restart``: one group killed at step ``K`` and started again at once; the time until the federation
   reaches ``N`` steps;
 - ``checkpoint_restart``: the same federation in one job (the single-job mode), a checkpoint every ``C`` steps; one
@@ -48,6 +51,8 @@ FAULTED_STEPS = 160
 #: The restart comparison: N steps, a group (node) killed at step K, a checkpoint every C steps in one job.
 RESTART_STEPS, KILL_AT, CHECKPOINT_EVERY = 96, 50, 24
 LIGHTHOUSE_PORT = 29510
+#: The runs of one repeat, interleaved in this order.
+KINDS = ("faultfree", "faulted", "standby", "elastic_restart", "checkpoint_restart")
 
 
 def _env(cluster: EmulatedCluster, env: dict[str, str]) -> dict[str, str]:
@@ -62,10 +67,12 @@ def _env(cluster: EmulatedCluster, env: dict[str, str]) -> dict[str, str]:
     }
 
 
-def elastic_run(cluster: EmulatedCluster, out: Path, steps: int, faults: list[Fault]) -> dict[str, Any]:
-    """The elastic federation on the cluster, one group per node, with ``faults``; the demo's report."""
+def elastic_run(
+    cluster: EmulatedCluster, out: Path, steps: int, faults: list[Fault], standbys: int = 0
+) -> dict[str, Any]:
+    """The elastic federation on the cluster, one group per node, with ``faults`` and ``standbys``: the report."""
     return demo_run(cluster, out, DemoConfig(groups=NODES, ranks_per_group=RANKS, max_steps=steps, faults=faults,
-                                             timeout=15.0))  # fmt: skip
+                                             timeout=15.0, standbys=standbys))  # fmt: skip
 
 
 def lighthouse_argv(config: DemoConfig) -> list[str]:
@@ -207,9 +214,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--restart-steps", type=int, default=RESTART_STEPS)
     parser.add_argument("--kill-at", type=int, default=KILL_AT)
     parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY)
+    parser.add_argument("--standbys", type=int, default=2, help="standby jobs at the start of a `standby` run")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"runs of each repeat, of {','.join(KINDS)}")
     parser.add_argument("--out", type=Path, default=RESULTS / "elastic.json")
     parser.add_argument("--work", type=Path, default=Path("/tmp/fedshard-elastic-bench"))
     args = parser.parse_args(argv)
+    kinds = [k for k in args.kinds.split(",") if k]
+    if unknown := sorted(set(kinds) - set(KINDS)):
+        parser.error(f"--kinds: unknown runs {unknown}; known: {list(KINDS)}")
     if (reason := namespaces_available()) is not None:
         sys.exit(f"benchmarks.elastic: {reason}")
     _prepare_data()
@@ -219,12 +231,12 @@ def main(argv: list[str] | None = None) -> None:
     record = {"preset": "elastic", "machine": machine("benchmarks.elastic"), "link_mbit": LINK_MBIT,
               "nodes": NODES, "ranks_per_node": RANKS, "faults": args.faults, "faulted_steps": args.steps,
               "restart": {"steps": args.restart_steps, "kill_at": args.kill_at,
-                          "checkpoint_every": args.checkpoint_every},
+                          "checkpoint_every": args.checkpoint_every}, "standbys": args.standbys, "kinds": kinds,
               "runs": runs}  # fmt: skip
-    with EmulatedCluster(NODES) as cluster:
+    with EmulatedCluster(NODES + (args.standbys if "standby" in kinds else 0)) as cluster:
         cluster.set_bandwidth(LINK_MBIT)
         for repeat in range(args.repeats):
-            for kind in ("faultfree", "faulted", "elastic_restart", "checkpoint_restart"):
+            for kind in kinds:
                 work = args.work / f"{kind}.{repeat}"
                 started = time.time()
                 if kind == "checkpoint_restart":
@@ -232,6 +244,8 @@ def main(argv: list[str] | None = None) -> None:
                                                     args.checkpoint_every)  # fmt: skip
                 elif kind == "elastic_restart":
                     result = elastic_run(cluster, work, args.restart_steps, restart)
+                elif kind == "standby":
+                    result = elastic_run(cluster, work, args.steps, faults, standbys=args.standbys)
                 else:
                     result = elastic_run(cluster, work, args.steps, faults if kind == "faulted" else [])
                 runs.append({"kind": kind, "repeat": repeat, "started": started, "result": result})

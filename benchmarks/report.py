@@ -72,6 +72,8 @@ class Report:
             tables["horizon"] = overlap.horizon_table(horizon)
         if (elastic_results := self.results.get("elastic")) is not None:
             tables["elastic"] = elastic.table(elastic_results)
+        if (standby_results := self.results.get("elastic_standby")) is not None:
+            tables["elastic_standby"] = elastic.standby_table(standby_results)
         if (hetero_results := self.results.get("hetero")) is not None:
             tables["hetero"] = hetero.table(hetero_results)
         if (analysis := self.analyses["race"]) is not None:
@@ -119,7 +121,8 @@ def build(paths: dict[str, Path]) -> Report:
     rows += overlap.targets(eager, _configs(analyses["eager"]) or {}, race_results, hsdp, gossip)
     rows += topologies.targets(load_if_exists(paths.get("sites", RESULTS / "sites.json")))
     results["elastic"] = _load_json(paths.get("elastic", RESULTS / "elastic.json"))
-    rows += elastic.targets(results["elastic"])
+    results["elastic_standby"] = _load_json(paths.get("elastic_standby", RESULTS / "elastic_standby.json"))
+    rows += elastic.targets(results["elastic"], results["elastic_standby"])
     rows += torchft.targets(
         load_if_exists(paths.get("torchft", RESULTS / "torchft.json")),
         _load_json(paths.get("torchft_kill", torchft.KILL_RESULTS)),
@@ -182,6 +185,7 @@ def write_docs(report: Report, tables: dict[str, str]) -> None:
         ("race", "race"),
         ("race", "race_budgets"),
         ("elastic", "elastic"),
+        ("elastic_standby", "elastic_standby"),
         ("hetero", "hetero"),
     ):
         if table in tables:

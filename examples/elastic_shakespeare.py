@@ -8,8 +8,10 @@ Llama and Shakespeare, each group with its own part of the data), injects the fa
 ``stop:G@S`` (SIGSTOP: a hung group) and ``restart:G@S`` (a new job for group G, which joins and heals), once the
 furthest running group has done S optimizer steps - and writes a JSON report: per group its steps, syncs committed
 and lost, heals and exit codes; per fault how long the surviving groups stalled; every live group's final consensus
-checksum; the committed tokens per second. It prints a summary and ends every process it started. Needs the
-``elastic`` extra (``pip install lightning-fedshard[elastic]``).
+checksum; the committed tokens per second. With ``--standbys N``, N standby jobs start with the groups: each waits
+without training and takes the place of a group that is gone (its index and data) at the next sync, and every
+``restart:G@S`` starts a new standby instead of a job for group G. It prints a summary and ends every process it
+started. Needs the ``elastic`` extra (``pip install lightning-fedshard[elastic]``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, default=96, help="optimizer steps of every group")
     parser.add_argument("--sync-every", type=int, default=8)
     parser.add_argument("--faults", default="", help="e.g. kill:1@20,restart:1@30,stop:2@50")
+    parser.add_argument(
+        "--standbys", type=int, default=0,
+        help="standby jobs started with the groups; each takes a gone group's place, and `restart` starts a new one",
+    )  # fmt: skip
     parser.add_argument("--report", type=Path, default=Path("outputs/elastic/report.json"))
     parser.add_argument("--reduce-dtype", default="int4")
     parser.add_argument("--timeout", type=float, default=15.0, help="seconds a collective between groups may take")
@@ -44,6 +50,7 @@ def main() -> None:
         max_steps=args.max_steps,
         sync_every=args.sync_every,
         faults=parse_faults(args.faults, args.groups),
+        standbys=args.standbys,
         reduce_dtype=args.reduce_dtype,
         timeout=args.timeout,
         heartbeat=args.heartbeat,

@@ -29,7 +29,12 @@ from benchmarks.reports import plotting
 from lightning_fedshard.examples.elastic import BATCH, SEQ_LEN, committed_group_steps
 
 GOODPUT_BOUND = 0.95
+#: A standby's takeover is bounded by one round (the next sync) plus this many seconds.
+TAKEOVER_SLACK_S = 2.0
+#: A hung group's cost to the others is bounded by the grace window (the lighthouse's heartbeat timeout) plus this.
+STRAGGLER_SLACK_S = 1.0
 TARGET_IDS = ("elastic-goodput", "elastic-stall-kill-s", "elastic-vs-restart")
+STANDBY_TARGET_IDS = ("standby-join-s", "straggler-stall-s")
 
 Row = dict[str, Any]
 
@@ -50,9 +55,9 @@ def disturbed_repeats(results: dict[str, Any]) -> list[int]:
     return [repeat for repeat, run in sorted(_runs(results, "faultfree").items()) if disturbed(run)]
 
 
-def goodputs(results: dict[str, Any]) -> list[float]:
-    """Every repeat's goodput (faulted against the fault-free run of the same repeat, where that one was)."""
-    free, faulted = _runs(results, "faultfree"), _runs(results, "faulted")
+def goodputs(results: dict[str, Any], kind: str = "faulted") -> list[float]:
+    """Every repeat's goodput (a ``kind`` run against the fault-free run of the same repeat, where that one was)."""
+    free, faulted = _runs(results, "faultfree"), _runs(results, kind)
     values = []
     for repeat, run in sorted(faulted.items()):
         if repeat in free and not disturbed(free[repeat]):
@@ -61,11 +66,11 @@ def goodputs(results: dict[str, Any]) -> list[float]:
     return values
 
 
-def committed_shares(results: dict[str, Any]) -> list[float]:
+def committed_shares(results: dict[str, Any], kind: str = "faulted") -> list[float]:
     """Per faulted run, the committed tokens over the tokens its groups trained (the work the faults threw away)."""
     return [
         run["committed_tokens"] / run["trained_tokens"]
-        for _, run in sorted(_runs(results, "faulted").items())
+        for _, run in sorted(_runs(results, kind).items())
         if run.get("trained_tokens")
     ]
 
@@ -81,14 +86,35 @@ def replacements(results: dict[str, Any], key: str) -> list[float]:
     ]
 
 
-def stalls(results: dict[str, Any], kind: str) -> list[float]:
-    """The survivors' stall after every fault of ``kind`` in every faulted run."""
+def stalls(results: dict[str, Any], kind: str, run_kind: str = "faulted") -> list[float]:
+    """The survivors' stall after every fault of ``kind`` in every ``run_kind`` run."""
     return [
         f["stall_seconds"]
-        for run in _runs(results, "faulted").values()
+        for run in _runs(results, run_kind).values()
         for f in run["faults"]
         if f["kind"] == kind and f["stall_seconds"] is not None
     ]
+
+
+def takeovers(results: dict[str, Any]) -> list[float]:
+    """Every standby's seconds from its group's kill or hang to training in its place, in the standby runs."""
+    return [
+        job["takeover_seconds"]
+        for run in _runs(results, "standby").values()
+        for group in run["groups"]
+        for job in group["jobs"]
+        if job.get("standby") and job.get("takeover_seconds") is not None
+    ]
+
+
+def round_seconds(results: dict[str, Any]) -> float:
+    """The median seconds between two syncs of the fault-free runs (one round)."""
+    gaps = [
+        later["t"] - earlier["t"]
+        for run in _runs(results, "faultfree").values()
+        for earlier, later in zip(run["syncs"][1:], run["syncs"][2:])  # the first sync closes the start-up
+    ]
+    return statistics.median(gaps) if gaps else math.nan
 
 
 def restart_ratios(results: dict[str, Any]) -> list[float]:
@@ -103,21 +129,70 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def targets(results: dict[str, Any] | None) -> list[Row]:
-    """The three elastic targets, or rows that say the benchmark was not run."""
-    if results is None:
-        return [
-            {
-                "id": i,
-                "target": "elastic benchmark",
-                "measured": None,
-                "bound": None,
-                "met": False,
-                "runs": 0,
-                "note": "not run: python -m benchmarks.elastic",
-            }  # fmt: skip
-            for i in TARGET_IDS
+def targets(results: dict[str, Any] | None, standby: dict[str, Any] | None = None) -> list[Row]:
+    """The elastic targets, or rows that say the benchmark was not run.
+
+    With ``standby`` (the runs ``--kinds faultfree,standby``), ``elastic-goodput`` is the goodput with standby groups
+    (the goodput without them stays beside it), and the standby and straggler targets are added.
+    """
+    rows = _targets(results)
+    if standby is None:
+        return rows + [
+            _not_run(i, "python -m benchmarks.elastic --kinds faultfree,standby") for i in STANDBY_TARGET_IDS
         ]
+    with_standbys = _spread(goodputs(standby, "standby"))
+    goodput = rows[0]
+    goodput.update(
+        {
+            "target": "committed tokens/s through kills, hangs and restarts with standby groups over (fault-free"
+            " tokens/s x mean fraction of groups alive; a standby counts once it trains), 4 groups x 2 ranks,"
+            " 50 Mbit/s",
+            "measured": with_standbys["median"],
+            "met": with_standbys["median"] >= GOODPUT_BOUND,
+            "runs": len(goodputs(standby, "standby")),
+            "spread": with_standbys,
+            "standbys": standby["standbys"],
+            "committed_share_of_trained": _spread(committed_shares(standby, "standby")),
+            "without_standbys": {k: goodput.get(k) for k in ("measured", "spread", "runs")},
+        }
+    )
+    round_s = round_seconds(standby)
+    joins, hangs = _spread(takeovers(standby)), _spread(stalls(standby, "stop", "standby"))
+    config = next(iter(_runs(standby, "standby").values()))["config"]
+    return rows + [
+        {
+            "id": "standby-join-s",
+            "target": "a standby's seconds from its group's kill or hang to training in its place (median), against"
+            f" one round ({round_s:.1f} s, the fault-free runs' median) + {TAKEOVER_SLACK_S:g} s",
+            "measured": joins["median"],
+            "bound": round_s + TAKEOVER_SLACK_S,
+            "met": joins["median"] <= round_s + TAKEOVER_SLACK_S,
+            "runs": len(takeovers(standby)),
+            "spread": joins,
+        },
+        {
+            "id": "straggler-stall-s",
+            "target": "what a hung group (SIGSTOP) costs the others at their next sync (median), against the grace"
+            f" window a hung group gets (the lighthouse's heartbeat timeout, {config['heartbeat']:g} s)"
+            f" + {STRAGGLER_SLACK_S:g} s",
+            "measured": hangs["median"],
+            "bound": config["heartbeat"] + STRAGGLER_SLACK_S,
+            "met": hangs["median"] <= config["heartbeat"] + STRAGGLER_SLACK_S,
+            "runs": len(stalls(standby, "stop", "standby")),
+            "spread": hangs,
+        },
+    ]
+
+
+def _not_run(target_id: str, command: str) -> Row:
+    return {"id": target_id, "target": "elastic benchmark", "measured": None, "bound": None, "met": False, "runs": 0,
+            "note": f"not run: {command}"}  # fmt: skip
+
+
+def _targets(results: dict[str, Any] | None) -> list[Row]:
+    """The three targets of the runs without standbys."""
+    if results is None:
+        return [_not_run(i, "python -m benchmarks.elastic") for i in TARGET_IDS]
     bound = _stall_bound(results)
     goodput, kills = _spread(goodputs(results)), _spread(stalls(results, "kill"))
     ratios = _spread(restart_ratios(results))
@@ -206,6 +281,42 @@ def table(results: dict[str, Any]) -> str:
         lines.append(
             f"| {kind} | {len(values)} | {spread['median']:.2f} s | {spread['min']:.2f} s | {spread['max']:.2f} s |"
         )
+    return "\n".join(lines)
+
+
+def standby_table(results: dict[str, Any]) -> str:
+    """Per repeat of the standby runs: tokens/s without faults and with them, groups alive, goodput, takeovers."""
+    free, runs = _runs(results, "faultfree"), _runs(results, "standby")
+    lines = [
+        "| repeat | fault-free tokens/s | with faults and standbys, tokens/s | groups alive | goodput |"
+        " committed / trained | syncs lost | standby takeovers (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for repeat in sorted(runs):
+        run, base = runs[repeat], free.get(repeat)
+        good = (
+            run["committed_tokens_per_s"] / (base["committed_tokens_per_s"] * run["alive_fraction"]) if base else None
+        )
+        good_text = (
+            ""
+            if good is None
+            else f"{good:.3f}" + (" (baseline lost groups: not counted)" if base and disturbed(base) else "")
+        )
+        share = f"{run['committed_tokens'] / run['trained_tokens']:.3f}" if run.get("trained_tokens") else ""
+        times = sorted(
+            j["takeover_seconds"] for g in run["groups"] for j in g["jobs"] if j.get("takeover_seconds") is not None
+        )
+        lines.append(f"| {repeat} | {base['committed_tokens_per_s']:,.0f} |" if base else f"| {repeat} | |")
+        lines[-1] += (
+            f" {run['committed_tokens_per_s']:,.0f} | {run['alive_fraction']:.2f} | {good_text} | {share} |"
+            f" {sum(s['lost'] for s in run['syncs'])} | {', '.join(f'{t:.1f}' for t in times)} |"
+        )
+    hangs = _spread(stalls(results, "stop", "standby"))
+    lines += [
+        "",
+        f"One round (the fault-free runs' median time between syncs): {round_seconds(results):.1f} s. A hung group cost"
+        f" the others {hangs['median']:.2f} s at their next sync (median; {hangs['min']:.2f}-{hangs['max']:.2f} s).",
+    ]
     return "\n".join(lines)
 
 

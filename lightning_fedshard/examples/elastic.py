@@ -7,6 +7,10 @@ per fault how long the surviving groups stalled; the final consensus checksum of
 tokens per second. ``examples/elastic_shakespeare.py`` is its command line, and the tests and the elastic benchmark
 use it too.
 
+With ``standbys`` (:class:`DemoConfig`), that many standby jobs start with the groups; each takes the place of a
+group that is gone, and every ``restart:G@S`` fault starts a new standby (on group G's node) instead of a new job for
+group G. A standby counts as alive only once it trains.
+
 A group job (:func:`run_group`) writes one JSON line per event to ``<out>/group<g>.<incarnation>/events.jsonl``: its
 start, every optimizer step, every sync (the groups, who joined, whether it was lost, seconds spent healing and in the
 sync) and its end with the consensus checksum. The driver reads only these files and the exit codes.
@@ -89,7 +93,10 @@ def local_launch(group: int, argv: list[str], env: dict[str, str]) -> list[str]:
 
 @dataclass
 class Incarnation:
-    """One job of one group: a process session, its event log and what became of it."""
+    """One job of one group: a process session, its event log and what became of it.
+
+    A standby job has ``group == -1`` until it trains in a group's place (``trained_at``).
+    """
 
     group: int
     index: int
@@ -99,6 +106,16 @@ class Incarnation:
     ended: float | None = None
     stopped_at: float | None = None
     exit_code: int | None = None
+    standby: bool = False
+    trained_at: float | None = None
+
+    def took_place(self) -> bool:
+        """A standby: whether it now trains as a group (sets ``group`` and ``trained_at`` from its events)."""
+        if self.group < 0:
+            trained = next((e for e in self.events() if e["event"] == "trained"), None)
+            if trained is not None:
+                self.group, self.trained_at = int(trained["group"]), float(trained["t"])
+        return self.group >= 0
 
     def events(self) -> list[dict[str, Any]]:
         """The job's events so far."""
@@ -147,6 +164,7 @@ class DemoConfig:
     timeout: float = 15.0
     quorum_timeout: float = 120.0
     min_groups: int = 1
+    standbys: int = 0
     step_sleep: float = 0.0
     size: str = "xs"
     lr: float = 0.005
@@ -191,6 +209,8 @@ class ElasticDemo:
             address = self._start_lighthouse()
             for group in range(self.config.groups):
                 self._start(group, address)
+            for spare in range(self.config.standbys):
+                self._start(-1, address, node=self.config.groups + spare)
             pending = list(self.config.faults)
             deadline = time.monotonic() + timeout
             while any(j.running for j in self.jobs) or self._stopped_only():
@@ -231,27 +251,32 @@ class ElasticDemo:
         )
         return str(self._lighthouse.address())
 
-    def _start(self, group: int, lighthouse: str) -> Incarnation:
-        index = sum(j.group == group for j in self.jobs)
-        out = self.out / f"group{group}.{index}"
+    def _start(self, group: int, lighthouse: str, node: int | None = None) -> Incarnation:
+        """Start a job for ``group`` (``-1``: a standby) on ``node`` (default: the group's own)."""
+        node = group if node is None else node
+        standby = group < 0
+        index = sum(j.standby for j in self.jobs) if standby else sum(j.group == group for j in self.jobs)
+        out = self.out / (f"standby.{index}" if standby else f"group{group}.{index}")
         out.mkdir(parents=True, exist_ok=True)
         (out / "events.jsonl").unlink(missing_ok=True)  # left by an earlier run in the same folder
-        argv = [sys.executable, str(Path(__file__).resolve()), json.dumps(self._group_spec(group, lighthouse, out))]
+        spec = {**self._group_spec(group, lighthouse, out), "hostname": self.node_address(node)}
+        argv = [sys.executable, str(Path(__file__).resolve()), json.dumps(spec)]
         env = {
             **os.environ,
-            "MASTER_ADDR": self.node_address(group),
+            "MASTER_ADDR": self.node_address(node),
             "MASTER_PORT": str(_free_port()),
-            "FEDSHARD_GROUP": str(group),
             "OMP_NUM_THREADS": "1",
             "RUST_LOG": "warn",
             "PYTHONUNBUFFERED": "1",
         }
+        if not standby:
+            env["FEDSHARD_GROUP"] = str(group)
         log = open(out / "job.log", "wb")
         process = subprocess.Popen(
-            self.launch(group, argv, env), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            self.launch(node, argv, env), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         log.close()
-        job = Incarnation(group, index, out, process, time.time())
+        job = Incarnation(group, index, out, process, time.time(), standby=standby)
         self.jobs.append(job)
         return job
 
@@ -260,23 +285,35 @@ class ElasticDemo:
                 "hostname": self.node_address(group)}  # fmt: skip
 
     def _inject(self, fault: Fault, lighthouse: str) -> None:
+        self._reap()
         current = [j for j in self.jobs if j.group == fault.group and j.ended is None]
         record: dict[str, Any] = {**asdict(fault), "t": time.time()}
         if fault.kind == "stop":
             for job in current:
                 job.signal(signal.SIGSTOP)
                 job.stopped_at = record["t"]
+        elif fault.kind == "restart" and self.config.standbys:
+            for job in current:  # a hung job of the group ends; a standby that took the group's place trains on
+                if job.stopped_at is not None:
+                    self._end(job)
+            self._start(-1, lighthouse, node=fault.group)  # a new spare, on the group's node
         else:
             for job in current:
-                job.signal(signal.SIGKILL)
-                job.process.wait()
-                job.ended, job.exit_code = time.time(), job.process.returncode
+                self._end(job)
             if fault.kind == "restart":
                 self._start(fault.group, lighthouse)
         self.fault_log.append(record)
 
+    @staticmethod
+    def _end(job: Incarnation) -> None:
+        job.signal(signal.SIGKILL)
+        job.process.wait()
+        job.ended, job.exit_code = time.time(), job.process.returncode
+
     def _reap(self) -> None:
         for job in self.jobs:
+            if job.standby:
+                job.took_place()
             if job.ended is None and job.process.poll() is not None:
                 job.ended, job.exit_code = time.time(), job.process.returncode
 
@@ -296,7 +333,9 @@ class ElasticDemo:
 
     def report(self, wall: float) -> dict[str, Any]:
         """What the group jobs recorded, per group and per fault, and the committed tokens per second."""
-        events = {(j.group, j.index): j.events() for j in self.jobs}
+        for job in self.jobs:
+            job.took_place()
+        events = {(j.group, j.out.name): j.events() for j in self.jobs}
         syncs = _timeline(events)
         tokens_per_group_step = self.config.ranks_per_group * BATCH * SEQ_LEN
         committed = sum(committed_group_steps(s) for s in syncs) * tokens_per_group_step
@@ -317,13 +356,13 @@ class ElasticDemo:
             "committed_tokens_per_s": committed / span if span and span > 0 else math.nan,
             "alive_fraction": self._alive_fraction(min(starts, default=math.nan), max(ends, default=math.nan)),
             "checksums": {
-                f"{g}.{i}": e["checksum"] for (g, i), evs in events.items() for e in evs if e["event"] == "end"
+                name: e["checksum"] for (_, name), evs in events.items() for e in evs if e["event"] == "end"
             },
         }
 
-    def _group_report(self, group: int, events: dict[tuple[int, int], list[dict[str, Any]]]) -> dict[str, Any]:
-        jobs = [j for j in self.jobs if j.group == group]
-        mine = [e for j in jobs for e in events[(group, j.index)]]
+    def _group_report(self, group: int, events: dict[tuple[int, str], list[dict[str, Any]]]) -> dict[str, Any]:
+        jobs = sorted((j for j in self.jobs if j.group == group), key=lambda j: j.trained_at or j.started)
+        mine = [e for j in jobs for e in events[(group, j.out.name)]]
         syncs = [e for e in mine if e["event"] == "sync"]
         return {
             "group": group,
@@ -338,14 +377,27 @@ class ElasticDemo:
                     "started": j.started,
                     "ended": j.ended,
                     "exit_code": j.exit_code,
-                    **_job_timing(j, events[(group, j.index)]),
+                    **_job_timing(j, events[(group, j.out.name)]),
+                    **self._takeover(j),
                 }
                 for j in jobs
             ],
         }
 
+    def _takeover(self, job: Incarnation) -> dict[str, Any]:
+        """A standby's takeover: seconds from the fault that ended its group's last job to training in its place."""
+        if not job.standby:
+            return {}
+        gone = [f["t"] for f in self.fault_log if f["group"] == job.group and f["kind"] in ("kill", "stop")]
+        before = [t for t in gone if job.trained_at is not None and t <= job.trained_at]
+        return {
+            "standby": True,
+            "trained_at": job.trained_at,
+            "takeover_seconds": job.trained_at - max(before) if before and job.trained_at is not None else None,
+        }
+
     def _fault_report(
-        self, fault: dict[str, Any], events: dict[tuple[int, int], list[dict[str, Any]]]
+        self, fault: dict[str, Any], events: dict[tuple[int, str], list[dict[str, Any]]]
     ) -> dict[str, Any]:
         """The surviving groups' stall: how much longer their first sync after the fault took than their usual sync."""
         stalls = []
@@ -365,8 +417,11 @@ class ElasticDemo:
             return math.nan
         alive = 0.0
         for job in self.jobs:
+            first = job.trained_at if job.standby else job.started  # a standby is alive once it trains
+            if first is None:
+                continue
             last = job.stopped_at or job.ended or end
-            alive += max(0.0, min(last, end) - max(job.started, start))
+            alive += max(0.0, min(last, end) - max(first, start))
         return alive / (self.config.groups * (end - start))
 
 
@@ -387,7 +442,7 @@ def _job_timing(job: Incarnation, events: list[dict[str, Any]]) -> dict[str, Any
     }
 
 
-def _timeline(events: dict[tuple[int, int], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def _timeline(events: dict[tuple[int, str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Every sync once, from whichever groups took part, with the steps of the round it closed."""
     by_step: dict[int, dict[str, Any]] = {}
     for evs in events.values():
@@ -461,7 +516,11 @@ class EventLog(Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._write({"event": "trained", "step": trainer.global_step})
+        runtime = getattr(trainer.strategy, "runtime", None)
+        if runtime is not None and runtime.standing_by:
+            return  # a standby whose federation ended: it trains nothing
+        group = runtime.group_index if runtime is not None else 0
+        self._write({"event": "trained", "step": trainer.global_step, "group": group})
         self._sync(trainer)
 
     @override
@@ -480,6 +539,9 @@ class EventLog(Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        runtime = getattr(trainer.strategy, "runtime", None)
+        if runtime is not None and runtime.standing_by:
+            return
         self._sync(trainer)
         state = trainer.strategy.lightning_module_state_dict()  # the consensus (a collective inside the group)
         digest = hashlib.sha256()
@@ -526,9 +588,11 @@ def training(spec: dict[str, Any]) -> tuple[LlamaLM, ShakespeareDataModule]:
 
 def run_group(spec: dict[str, Any]) -> None:
     """Train one group of the demo's federation with the Trainer, logging its events (see the module docstring)."""
+    standby = spec["group"] < 0
     elastic = lightning_fedshard.Elastic(
         lighthouse=spec["lighthouse"],
-        group=spec["group"],
+        group=None if standby else spec["group"],
+        standby=standby,
         federation="shakespeare",
         min_groups=spec["min_groups"],
         start_groups=spec["groups"],  # the federation starts once every planned group joined

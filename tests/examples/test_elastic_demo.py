@@ -39,11 +39,11 @@ def test_a_bad_fault_is_refused_naming_it(spec, message):
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_the_demo_survives_a_kill_and_a_hang_and_reports_them(tmp_path):
+def test_the_demo_survives_a_kill_and_a_hang_a_standby_takes_the_killed_groups_place_and_it_reports_them(tmp_path):
     pytest.importorskip("torchft")
     report = tmp_path / "report.json"
-    args = ["--groups", "3", "--max-steps", "16", "--sync-every", "4", "--faults", "kill:1@5,stop:2@9",
-            "--step-sleep", "0.3", "--report", str(report)]  # fmt: skip
+    args = ["--groups", "3", "--max-steps", "24", "--sync-every", "4", "--faults", "kill:1@5,stop:2@9",
+            "--standbys", "1", "--step-sleep", "0.3", "--report", str(report)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     run = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "elastic_shakespeare.py"), *args],
@@ -52,16 +52,20 @@ def test_the_demo_survives_a_kill_and_a_hang_and_reports_them(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(report.read_text())
     groups = {g["group"]: g for g in result["groups"]}
-    assert groups[0]["steps"] == 16 and groups[0]["jobs"][0]["exit_code"] == 0
-    assert [j["exit_code"] for j in groups[1]["jobs"]] == [-9]  # killed
+    assert groups[0]["steps"] == 24 and groups[0]["jobs"][0]["exit_code"] == 0
+    killed, standby = groups[1]["jobs"]
+    assert killed["exit_code"] == -9 and not killed.get("standby")
+    # the standby took group 1's place at a sync after the kill, trained to the end and counts as alive from then on
+    assert standby["standby"] and standby["exit_code"] == 0 and 0 < standby["steps_trained"] < 24
+    assert standby["takeover_seconds"] > 0 and standby["join_seconds"] > 0
     assert [j["exit_code"] for j in groups[2]["jobs"]] == [-9]  # hung, ended by the demo at the end
     assert [f["kind"] for f in result["faults"]] == ["kill", "stop"]
     assert all(f["stall_seconds"] is not None for f in result["faults"])
     last = result["syncs"][-1]
-    assert last["step"] == 16 and last["members"] == [0] and not last["lost"]
-    assert list(result["checksums"]) == ["0.0"] and result["committed_tokens"] > 0
-    # group 0 trained 16 steps; the rounds in flight of the killed and the hung group were never committed
-    assert groups[0]["jobs"][0]["steps_trained"] == 16
+    assert last["step"] == 24 and last["members"] == [0, 1] and not last["lost"]
+    assert sorted(result["checksums"]) == ["group0.0", "standby.0"] and result["committed_tokens"] > 0
+    # the rounds in flight of the killed and the hung group were never committed
+    assert groups[0]["jobs"][0]["steps_trained"] == 24
     assert 0 < result["committed_tokens"] <= result["trained_tokens"]
     assert all(g["jobs"][0]["start_up_seconds"] > 0 for g in groups.values())
     # every group but the one the others took the first weights from healed when it joined

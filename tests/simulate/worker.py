@@ -87,7 +87,7 @@ def run(spec: dict[str, Any], root: Path) -> None:
     final = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
     if trainer.global_rank == 0:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        pace = trainer.strategy.federation.pace
+        pace = trainer.strategy.runtime.federation.pace  # type: ignore[attr-defined]
         merges = pace.merges if pace is not None else None
         torch.save({"final": final, "metrics": metrics, "merges": merges}, root / f"{spec['name']}.pt")
 
