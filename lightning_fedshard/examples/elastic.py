@@ -355,9 +355,7 @@ class ElasticDemo:
             "trained_tokens": trained_steps * tokens_per_group_step,
             "committed_tokens_per_s": committed / span if span and span > 0 else math.nan,
             "alive_fraction": self._alive_fraction(min(starts, default=math.nan), max(ends, default=math.nan)),
-            "checksums": {
-                name: e["checksum"] for (_, name), evs in events.items() for e in evs if e["event"] == "end"
-            },
+            "checksums": {name: e["checksum"] for (_, name), evs in events.items() for e in evs if e["event"] == "end"},
         }
 
     def _group_report(self, group: int, events: dict[tuple[int, str], list[dict[str, Any]]]) -> dict[str, Any]:
