@@ -99,6 +99,7 @@ class FederatedRuntime:
         self._optimizers: list[Optimizer] = []
         self._joined = False
         self._joining = False
+        self._standby_ended = False  # a standby whose federation ended before it trained
         self._fell_behind: FederationError | None = None
         self._resume_filter: Any = None  # the warnings filter of a heal, until the first step after it
         self._host_state: Callable[[], Any] | None = None
@@ -202,7 +203,11 @@ class FederatedRuntime:
 
     @property
     def group_index(self) -> int:
-        """Elastic: this job's group (a standby's once it took a place, until then 0); 0 in one job."""
+        """Elastic: this job's group (a standby's once it took a place; 0 if its federation ended); 0 in one job.
+
+        Raises:
+            RuntimeError: For a standby that has not waited for a place yet (its data part is not known).
+        """
         elastic = self.config.elastic
         if elastic is None:
             return 0
@@ -210,6 +215,11 @@ class FederatedRuntime:
             return elastic.group_index(self.num_groups)
         membership = self._membership
         group = membership.communicator.place if membership is not None else None
+        if group is None and not self._standby_ended:
+            raise RuntimeError(
+                "An elastic standby has no group yet, so no part of the data: the Trainer waits for a place before"
+                " it sets up the data; with Fabric call `fabric.strategy.stand_by()` before setting up data loaders."
+            )
         return 0 if group is None else group
 
     @property
@@ -231,6 +241,7 @@ class FederatedRuntime:
         membership = required(self._membership, "A standby waits only once its federation exists.")
         group = membership.communicator.stand_by(self.num_groups)
         if group is None:
+            self._standby_ended = True
             rank_zero_info(
                 f"{self.name}: standby of federation {elastic.federation!r}: the federation ended while this job"
                 " waited; it trained nothing."
@@ -415,6 +426,7 @@ class FederatedRuntime:
             membership = required(self._membership, "Only an elastic federation is joined.")
             self.step, stats = membership.join(step)
         except FederationEnded:
+            self._standby_ended = True
             rank_zero_info(f"{self.name}: the federation ended as this standby took a place in it; it trains nothing.")
             return None
         finally:

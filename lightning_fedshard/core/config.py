@@ -282,6 +282,12 @@ class FederationConfig:
             raise ValueError(f"`pace` must be a `lightning_fedshard.Pace` or None, got {self.pace!r}.")
         if isinstance(self.num_groups, int):
             self.pace.check(self.num_groups, self.sync_every)
+        if self.elastic is not None and self.pace.measured:
+            raise ValueError(
+                "A measured `Pace()` is agreed by every group of one job at every round's end; the groups of an"
+                " elastic federation change between syncs. Give the planned groups' speeds,"
+                " `Pace(speeds=(...))`, one per group of `num_groups`."
+            )
 
     def _check_elastic(self) -> None:
         if self.elastic is None:

@@ -123,7 +123,11 @@ class Federation:
         self.last_synced_step = self.last_step = step
         self.landed_at = [step] * self.config.fragments
         if self.config.pace is not None:
-            groups = len(self.communicator.participants())
+            # An elastic federation's speeds are given per planned group (asking for its participants is a quorum).
+            groups = (
+                self.config.num_groups if self.config.elastic is not None else len(self.communicator.participants())
+            )
+            assert groups is not None
             self.config.pace.check(groups, self.config.sync_every)
             self.pace = PaceSchedule(self.config.pace, groups, self.config.sync_every)
 

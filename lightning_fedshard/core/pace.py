@@ -66,7 +66,6 @@ class Pace:
         "sampled": Refusal("a mix of the weights themselves has no pseudo-gradient to weigh by the steps trained"),
         "mixing": Refusal("a mix of the weights themselves has no pseudo-gradient to weigh by the steps trained"),
         "sampled_outer_step": Refusal("the sampled groups' weights would need renormalizing over each round's sample"),
-        "elastic": Refusal("the groups of an elastic federation change between syncs; the pace is agreed in one job"),
         "error_feedback_weights": Refusal("the residual kept in the weights would count with the next round's weight"),
         "sparseloco": Refusal("its median clip and per-coordinate mean would re-weigh the groups' weighted updates"),
     }

@@ -24,6 +24,7 @@ from lightning_fedshard._arguments import (
     FSDP2Arguments,
     document_federation_args,
 )
+from lightning_fedshard.core.elastic import FederationEnded
 from lightning_fedshard.core.stats import SyncStats
 
 #: Key of the Fabric strategy's own counters in a checkpoint.
@@ -81,6 +82,8 @@ class _FabricHooks(FederatedArguments):
         """
         if self.runtime.config.elastic is None:
             return self.runtime.step
+        if self.runtime.standing_by and not self.stand_by():
+            raise FederationEnded("The federation ended while this standby waited: it has no group to train.")
         objects, stepped = dict(state or {}), dict(after_step or {})
         if set(objects) & set(stepped):
             raise ValueError(f"`state` and `after_step` both name {sorted(set(objects) & set(stepped))}.")
@@ -90,7 +93,21 @@ class _FabricHooks(FederatedArguments):
             lambda saved: _load_objects(everything, saved, stepped),
         )
         self.runtime.start(self.runtime.step)
+        if self.runtime.standing_by:
+            raise FederationEnded("The federation ended as this standby took a place in it: it has no group to train.")
         return self.runtime.step
+
+    def stand_by(self) -> bool:
+        """Elastic standby (``Elastic(standby=True)``): wait for a group of the federation to be gone, take its place.
+
+        Call it after setting up the model and optimizer and before setting up the data loaders, which take the
+        group's part of the data (``join`` calls it too, if it was not called). Collective inside this job.
+
+        Returns:
+            ``True`` once this job holds a group's index; ``False`` if the federation ended while it waited (there is
+            nothing to train). ``True`` at once for a job that is not a standby.
+        """
+        return self.runtime.stand_by()
 
     def teardown(self) -> None:
         self.runtime.close()  # elastic: this group leaves the federation

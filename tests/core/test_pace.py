@@ -212,3 +212,14 @@ def test_a_pace_that_does_not_fit_the_federation_is_refused() -> None:
         FederationConfig(num_groups=4, pace=Pace(), eager_updates=True)
     with pytest.raises(ValueError, match="must be a `lightning_fedshard.Pace`"):
         FederationConfig(num_groups=4, pace={"speeds": [1, 2]})  # type: ignore[arg-type]
+
+
+def test_an_elastic_federation_takes_a_pace_only_with_the_planned_groups_speeds() -> None:
+    from lightning_fedshard import Elastic
+
+    elastic = Elastic(lighthouse="http://localhost:29510", group=0)
+    FederationConfig(num_groups=4, pace=Pace(speeds=SLOW_LAST), elastic=elastic)
+    with pytest.raises(ValueError, match=r"A measured `Pace\(\)` is agreed by every group of one job"):
+        FederationConfig(num_groups=4, pace=Pace(), elastic=elastic)
+    with pytest.raises(ValueError, match=r"gives 4 speed\(s\) for 3 group\(s\)"):
+        FederationConfig(num_groups=3, pace=Pace(speeds=SLOW_LAST), elastic=elastic)

@@ -31,6 +31,7 @@ after which every group holds the anchor.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -99,6 +100,10 @@ def sampled_positions(groups_per_round: int, seed: int, round: int, members: int
     return sorted(torch.randperm(members, generator=generator)[:groups_per_round].tolist())
 
 
+def _paced_steps(speeds: Sequence[float], group: int, period: int) -> int:
+    return min(period, max(1, round(period * speeds[group] / max(speeds))))
+
+
 def replay(
     syncs: dict[int, dict[str, Any]],
     num_groups: int,
@@ -107,10 +112,14 @@ def replay(
     initial: dict[str, Tensor],
     sampled: tuple[int, int] | None = None,
     sync_every: int = 4,
+    paced: Sequence[float] | None = None,
 ) -> dict[int, dict[str, Tensor]]:
     """The anchor after every committed sync of the timeline ``syncs`` (see `timeline`); every group starts at 0.
 
     ``sampled``: ``(groups_per_round, seed)`` of sampled participation, whose rounds are ``sync_every`` steps long.
+    ``paced``: the planned groups' speeds of a per-group pace: in every round group ``g`` trains the first
+    ``clamp(round(sync_every v_g / max v), 1, sync_every)`` steps (a skipped step passes its batch and learning rate),
+    and the merge weighs each contributor by the steps it trained.
     """
     anchor = {k: v.clone() for k, v in initial.items()}
     batches = {g: group_batches(g, num_groups, ranks, total) for g in range(num_groups)}
@@ -126,11 +135,16 @@ def replay(
         if sync["lost"] or step == previous or not contributors:
             previous = step
             continue
-        deltas = []
+        deltas, counts = [], []
         for g in contributors:
-            weights = _train_round(anchor, batches[g][previous:step], lrs[previous:step])
+            trained = [
+                t for t in range(previous, step) if paced is None or t % sync_every < _paced_steps(paced, g, sync_every)
+            ]
+            weights = _train_round(anchor, [batches[g][t] for t in trained], [lrs[t] for t in trained])
             deltas.append({k: anchor[k] - weights[k] for k in anchor})
-        anchor = {k: anchor[k] - 1.0 * sum(d[k] for d in deltas) / len(deltas) for k in anchor}
+            counts.append(len(trained))
+        shares = [c / sum(counts) if paced is not None else 1.0 / len(deltas) for c in counts]
+        anchor = {k: anchor[k] - sum(share * d[k] for share, d in zip(shares, deltas)) for k in anchor}
         anchors[step] = _copy(anchor)
         previous = step
     return anchors

@@ -83,10 +83,11 @@ def rejoin(root: Path) -> Iterator[dict[str, Job]]:
 
 @pytest.fixture(scope="module")
 def standbys(root: Path) -> Iterator[dict[str, Any]]:
-    """Three groups and two standby jobs started with them: group 2 is killed mid-round, a standby takes its place;
-    the other standby waits until the federation ends and trains nothing."""
+    """Three groups at a per-group pace (group 2 half as fast: it trains 2 of every 4 steps) and two standby jobs
+    started with them: group 2 is killed mid-round, a standby takes its place (and its pace); the other standby waits
+    until the federation ends and trains nothing."""
     cluster = Cluster(root / "standby", min_groups=1)
-    spec = {**BASE, "num_groups": 3, "start_groups": 3, "max_steps": STANDBY_STEPS}
+    spec = {**BASE, "num_groups": 3, "start_groups": 3, "max_steps": STANDBY_STEPS, "pace": SPEEDS}
     jobs: dict[str, Any] = {
         "0": cluster.start(0, spec),
         "1": cluster.start(1, spec),
@@ -107,7 +108,8 @@ def standbys(root: Path) -> Iterator[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def fabric_rejoin(root: Path) -> Iterator[dict[str, Job]]:
     """The same on Fabric, FSDP2, int4 with error feedback, two fragments, a sum overlapped with a step, and Nesterov
-    momentum in the outer step (whose state the joining group takes too)."""
+    momentum in the outer step (whose state the joining group takes too); the new group is a standby Fabric job,
+    started with the others, that takes group 2's place."""
     cluster = Cluster(root / "fabric", min_groups=3)
     spec = {**BASE, "num_groups": 3, "fabric": True, "strategy": "fl_fsdp2", "reduce_dtype": "int4", "fragments": 2,
             "sync_delay": 1, "outer_optimizer": "nesterov"}  # fmt: skip
@@ -115,10 +117,10 @@ def fabric_rejoin(root: Path) -> Iterator[dict[str, Job]]:
         "0": cluster.start(0, spec),
         "1": cluster.start(1, spec),
         "dead": cluster.start(2, {**spec, **_fault(("kill", 6))}),
+        "2": cluster.start(-1, {**spec, "standby": True}, name="standby"),
     }
     try:
         jobs["dead"].wait(120)
-        jobs["2"] = cluster.start(2, spec)
         for job in jobs.values():
             job.wait(240)
         yield jobs
@@ -311,6 +313,7 @@ def test_with_a_new_group_the_anchors_equal_the_reference(rejoin):
 
 
 STANDBY_STEPS = 40  # the standby detects the death after the lighthouse's heartbeat timeout (2 s, 8 steps)
+SPEEDS = [1.0, 1.0, 0.5]  # the planned groups' pace in the standby scenario
 
 
 def _standby_that_took_over(standbys: dict[str, Any]) -> dict[str, Any]:
@@ -331,15 +334,17 @@ def test_a_standby_takes_a_dead_groups_index_and_data_at_a_sync_and_is_bit_ident
         assert _equal(consensus, first["consensus"][step]), step
     assert _equal(took["final"], first["final"])
     expected = group_batches(2, 3, 1, STANDBY_STEPS)
-    assert sorted(took["batches"]) == list(range(took["joined_at"], STANDBY_STEPS))
+    # at group 2's pace: the first 2 steps of every round of 4, on the dead group's part of the data
+    assert sorted(took["batches"]) == [t for t in range(took["joined_at"], STANDBY_STEPS) if t % 4 < 2]
     for step, indices in took["batches"].items():
         assert indices == expected[step][0], step  # the dead group's part of the data, at the federation's step
         assert took["lrs"][step] == first["lrs"][step]
 
 
-def test_with_a_standby_the_anchors_equal_the_reference(standbys):
+def test_with_a_standby_and_a_pace_the_anchors_equal_the_reference_weighted_by_the_steps_trained(standbys):
     records = [standbys["0"].result(), standbys["1"].result(), _standby_that_took_over(standbys)]
-    reference = replay(timeline([r["syncs"] for r in records]), 3, 1, STANDBY_STEPS, initial_weights())
+    syncs = timeline([r["syncs"] for r in records])
+    reference = replay(syncs, 3, 1, STANDBY_STEPS, initial_weights(), paced=SPEEDS)
     for record in records:
         for step, consensus in record["consensus"].items():
             assert _max_error(consensus, reference[step]) < 1e-6, (record["group"], step)
@@ -352,9 +357,9 @@ def test_the_standby_that_found_no_place_ends_without_training_when_the_federati
     assert standbys["a"].wait(1) == [0] and standbys["b"].wait(1) == [0]
 
 
-def test_fabric_fsdp2_group_with_compressed_fragments_rejoins(fabric_rejoin):
+def test_fabric_fsdp2_standby_with_compressed_fragments_takes_a_dead_groups_place(fabric_rejoin):
     first, joiner = fabric_rejoin["0"].result(), fabric_rejoin["2"].result()
-    assert first["error"] is None and joiner["error"] is None
+    assert first["error"] is None and joiner["error"] is None and joiner["group"] == 2
     assert joiner["joined_at"] == 7  # the others began a fragment's sum after step 7 (one step before it lands)
     assert joiner["consensus"] and all(_equal(c, first["consensus"][s]) for s, c in joiner["consensus"].items())
     assert _equal(joiner["final"], first["final"])

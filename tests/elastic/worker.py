@@ -191,6 +191,8 @@ def _strategy(spec: dict[str, Any], cls: Any = None) -> Any:
     if spec.get("gossip"):  # (peers, seed) of a gossip mixing
         peers, seed = spec["gossip"]
         kwargs["outer_topology"] = lightning_fedshard.Gossip(peers, seed=seed)
+    if spec.get("pace"):  # the planned groups' speeds
+        kwargs["pace"] = lightning_fedshard.Pace(speeds=tuple(spec["pace"]))
     if spec.get("hierarchical"):  # ([[period, groups], ...], sites) of a hierarchical outer topology
         levels, sites = spec["hierarchical"]
         kwargs["outer_topology"] = lightning_fedshard.Hierarchical(dict(levels), sites=sites)
@@ -253,6 +255,8 @@ def run_fabric(spec: dict[str, Any], out: Path) -> None:
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=spec.get("lr", 0.05)))
     total = spec["max_steps"]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / total)))
+    if spec.get("standby") and not strategy.stand_by():  # before the data: a standby's part is its group's
+        _save(out, None, Recorder(spec), module, None, 0, strategy.runtime.group_index)
     data = IndexedRegression()
     sampler = DistributedSampler(data, shuffle=True, seed=0, **strategy.distributed_sampler_kwargs)
     loader = StatefulDataLoader(data, batch_size=spec.get("batch_size", 4), sampler=sampler)
@@ -284,7 +288,7 @@ def run_fabric(spec: dict[str, Any], out: Path) -> None:
         recorder._record(shim)
     except Exception as e:  # recorded for the test
         error = f"{type(e).__name__}: {e}"
-    _save(out, error, recorder, module, _consensus(shim) if error is None else None, step)
+    _save(out, error, recorder, module, _consensus(shim) if error is None else None, step, strategy.runtime.group_index)
 
 
 class _FabricTrainer:
