@@ -20,7 +20,12 @@ every node's link. Each repeat runs, interleaved:
   node killed at step ``K`` and the job ended at once (as `srun --kill-on-bad-exit=1` does), then started again from
   its last checkpoint (an exact resume); the time until it reaches ``N`` steps, the restart included.
 
-Results go to ``benchmarks/results/elastic.json``.
+Results go to ``benchmarks/results/elastic.json``. The standby runs and their fault-free baseline, each node capped at
+0.4 core so that a job starting on one node does not slow the groups training on the others (the runs in
+``benchmarks/results/elastic_standby.json``)::
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.elastic --kinds faultfree,standby --node-cores 0.4 \
+        --out benchmarks/results/elastic_standby.json
 """
 
 from __future__ import annotations
@@ -32,10 +37,12 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.cluster import NODE_IFACE, EmulatedCluster, namespaces_available
+from benchmarks.harness.cpu import CpuQuotas, quotas_available
 from benchmarks.harness.machine import machine
 from benchmarks.harness.sweep import RESULTS
 from lightning_fedshard.examples.elastic import DemoConfig, ElasticDemo, Fault, parse_faults
@@ -68,11 +75,16 @@ def _env(cluster: EmulatedCluster, env: dict[str, str]) -> dict[str, str]:
 
 
 def elastic_run(
-    cluster: EmulatedCluster, out: Path, steps: int, faults: list[Fault], standbys: int = 0
+    cluster: EmulatedCluster,
+    out: Path,
+    steps: int,
+    faults: list[Fault],
+    standbys: int = 0,
+    quotas: CpuQuotas | None = None,
 ) -> dict[str, Any]:
     """The elastic federation on the cluster, one group per node, with ``faults`` and ``standbys``: the report."""
     return demo_run(cluster, out, DemoConfig(groups=NODES, ranks_per_group=RANKS, max_steps=steps, faults=faults,
-                                             timeout=15.0, standbys=standbys))  # fmt: skip
+                                             timeout=15.0, standbys=standbys), quotas)  # fmt: skip
 
 
 def lighthouse_argv(config: DemoConfig) -> list[str]:
@@ -87,8 +99,19 @@ def lighthouse_argv(config: DemoConfig) -> list[str]:
     ]  # fmt: skip
 
 
-def demo_run(cluster: EmulatedCluster, out: Path, config: DemoConfig) -> dict[str, Any]:
-    """The elastic demo's federation ``config`` on the cluster, one group per node, its lighthouse in the switch."""
+def demo_run(
+    cluster: EmulatedCluster, out: Path, config: DemoConfig, quotas: CpuQuotas | None = None
+) -> dict[str, Any]:
+    """The elastic demo's federation ``config`` on the cluster, one group per node, its lighthouse in the switch.
+
+    With ``quotas`` every node's jobs run inside its CPU quota, so that a job starting on one node does not take CPU
+    time from the groups training on the others (on this machine every emulated node shares its cores).
+    """
+
+    def launch(node: int, argv: list[str], env: dict[str, str]) -> list[str]:
+        command = cluster.command(node, argv, _env(cluster, env))
+        return command if quotas is None else quotas.wrap(node, command)
+
     lighthouse = subprocess.Popen(
         cluster.service_command(lighthouse_argv(config)),
         stdout=subprocess.DEVNULL,
@@ -100,7 +123,7 @@ def demo_run(cluster: EmulatedCluster, out: Path, config: DemoConfig) -> dict[st
         demo = ElasticDemo(
             config,
             out,
-            launch=lambda group, argv, env: cluster.command(group, argv, _env(cluster, env)),
+            launch=launch,
             lighthouse=f"http://{cluster.service_address}:{LIGHTHOUSE_PORT}",
             node_address=cluster.address,
         )
@@ -215,6 +238,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-at", type=int, default=KILL_AT)
     parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY)
     parser.add_argument("--standbys", type=int, default=2, help="standby jobs at the start of a `standby` run")
+    parser.add_argument(
+        "--node-cores", type=float, default=None,
+        help="CPU cores each emulated node may use (a cgroup quota per node); default: none, all nodes share the cores",
+    )  # fmt: skip
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"runs of each repeat, of {','.join(KINDS)}")
     parser.add_argument("--out", type=Path, default=RESULTS / "elastic.json")
     parser.add_argument("--work", type=Path, default=Path("/tmp/fedshard-elastic-bench"))
@@ -224,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--kinds: unknown runs {unknown}; known: {list(KINDS)}")
     if (reason := namespaces_available()) is not None:
         sys.exit(f"benchmarks.elastic: {reason}")
+    if args.node_cores is not None and (reason := quotas_available()) is not None:
+        sys.exit(f"benchmarks.elastic: --node-cores: {reason}")
     _prepare_data()
     faults = parse_faults(args.faults, NODES)
     restart = parse_faults(f"kill:1@{args.kill_at},restart:1@{args.kill_at + 1}", NODES)
@@ -232,8 +261,11 @@ def main(argv: list[str] | None = None) -> None:
               "nodes": NODES, "ranks_per_node": RANKS, "faults": args.faults, "faulted_steps": args.steps,
               "restart": {"steps": args.restart_steps, "kill_at": args.kill_at,
                           "checkpoint_every": args.checkpoint_every}, "standbys": args.standbys, "kinds": kinds,
+              "node_cores": args.node_cores,
               "runs": runs}  # fmt: skip
-    with EmulatedCluster(NODES + (args.standbys if "standby" in kinds else 0)) as cluster:
+    nodes = NODES + (args.standbys if "standby" in kinds else 0)
+    quota = CpuQuotas([args.node_cores] * nodes, prefix="fedshard-elastic") if args.node_cores else None
+    with EmulatedCluster(nodes) as cluster, quota if quota is not None else nullcontext() as quotas:
         cluster.set_bandwidth(LINK_MBIT)
         for repeat in range(args.repeats):
             for kind in kinds:
@@ -243,11 +275,11 @@ def main(argv: list[str] | None = None) -> None:
                     result = checkpoint_restart_run(cluster, work, args.restart_steps, args.kill_at,
                                                     args.checkpoint_every)  # fmt: skip
                 elif kind == "elastic_restart":
-                    result = elastic_run(cluster, work, args.restart_steps, restart)
+                    result = elastic_run(cluster, work, args.restart_steps, restart, quotas=quotas)
                 elif kind == "standby":
-                    result = elastic_run(cluster, work, args.steps, faults, standbys=args.standbys)
+                    result = elastic_run(cluster, work, args.steps, faults, standbys=args.standbys, quotas=quotas)
                 else:
-                    result = elastic_run(cluster, work, args.steps, faults if kind == "faulted" else [])
+                    result = elastic_run(cluster, work, args.steps, faults if kind == "faulted" else [], quotas=quotas)
                 runs.append({"kind": kind, "repeat": repeat, "started": started, "result": result})
                 print(f"{kind} #{repeat}: {time.time() - started:.0f} s", flush=True)
                 args.out.write_text(json.dumps(record, indent=1, default=str) + "\n")
