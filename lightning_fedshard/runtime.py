@@ -191,7 +191,9 @@ class FederatedRuntime:
         else:
             group = None if elastic.standby else elastic.group_index(self.num_groups)
             sites = self.config.site_blocks(self.num_groups)
-            communicator = ElasticCommunicator(elastic, group, self.mesh.communicator(), self._description, sites)
+            communicator = ElasticCommunicator(
+                elastic, group, self.mesh.communicator(), self._description, sites, num_groups=self.num_groups
+            )
             communicator.on_membership = self._log_membership
         federation = Federation(self.config, communicator)
         self._membership = None

@@ -35,6 +35,7 @@ from lightning_fedshard.elastic.lighthouse import (
     TrainedFederation,
     federations_on,
     live_heartbeats,
+    min_replicas,
     reachable,
     second_start,
     status_page,
@@ -74,6 +75,7 @@ class ElasticCommunicator:
             group at this in-group position (model layout, sync options); called once per new quorum.
         site_blocks: By block size, the sites of a hierarchical outer topology: the planned groups of each (see
             :meth:`~lightning_fedshard.core.outer_topology.Hierarchical.site_blocks`); empty without one.
+        num_groups: The groups the federation is planned for: a lighthouse that waits for more per quorum is refused.
     """
 
     #: Sites sum over the whole fed ring, a row per site (see :meth:`sum_over_site`), not over process groups of their
@@ -89,8 +91,10 @@ class ElasticCommunicator:
         local: ProcessGroupCommunicator,
         describe: Callable[[], Mapping[str, Any]],
         site_blocks: Mapping[int, Sequence[Sequence[int]]] | None = None,
+        num_groups: int | None = None,
     ) -> None:
         self.options = options
+        self.num_groups = num_groups
         self.site_blocks = {size: tuple(tuple(b) for b in blocks) for size, blocks in (site_blocks or {}).items()}
         self._group = group
         self._local = local
@@ -530,6 +534,14 @@ class ElasticCommunicator:
                 raise FederationEnded("the federation ended as this standby took a place in it")
             when = "none of its groups is running"
             raise FederationError(second_start(self._trained, self.group_index, address, when))
+        needed = min_replicas(page[0])
+        if self.num_groups is not None and needed is not None and needed > self.num_groups:
+            self.close()
+            raise FederationError(
+                f"The lighthouse at {address} waits for {needed} groups per sync (its `--min_replicas {needed}`), and"
+                f" this federation plans `num_groups={self.num_groups}`: no sync could ever run. Start the lighthouse"
+                f" with `--min_replicas` at most {self.num_groups} (the same as `Elastic(min_groups=...)`)."
+            )
         running = federations_on(page[0])
         others = {name: groups for name, groups in running.items() if name != self.options.federation}
         if others:

@@ -31,6 +31,16 @@ def status_page(address: str, timeout: float = 5.0) -> str:
         return ""
 
 
+#: The lighthouse's own minimum quorum, shown while it has fewer participants than that.
+_MIN_REPLICAS = re.compile(r"need min_replicas (\d+)")
+
+
+def min_replicas(page: str) -> int | None:
+    """The lighthouse's ``--min_replicas`` as its status ``page`` shows it (only while a quorum lacks participants)."""
+    found = _MIN_REPLICAS.search(page)
+    return int(found.group(1)) if found else None
+
+
 def federations_on(page: str, recent: float = 10.0) -> dict[str, set[int]]:
     """The federations whose groups heartbeat to the lighthouse (seen in the last ``recent`` s), from its page."""
     found: dict[str, set[int]] = {}
@@ -130,6 +140,7 @@ __all__ = [
     "Vacancies",
     "federations_on",
     "live_heartbeats",
+    "min_replicas",
     "reachable",
     "second_start",
     "status_page",

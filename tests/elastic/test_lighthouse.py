@@ -8,6 +8,7 @@ from lightning_fedshard.elastic.lighthouse import (
     HEARTBEAT,
     Vacancies,
     live_heartbeats,
+    min_replicas,
     status_page,
     trained_federation,
     vacancies,
@@ -69,3 +70,16 @@ def test_a_standby_finds_the_places_of_groups_gone_only_once_the_federation_trai
 def test_two_jobs_that_took_one_place_show_as_two_live_managers_of_it():
     page = _page(4, [(1, "a", True), (1, "b", False), (1, "c", False), (2, "d", False)])
     assert live_heartbeats(page, "tests") == [(1, "b" * 36), (1, "c" * 36), (2, "d" * 36)]
+
+
+def test_the_lighthouse_shows_the_groups_it_waits_for_while_a_quorum_lacks_them():
+    # A lighthouse that waits for more groups than the federation plans could never run a sync: a group refuses it.
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=3, join_timeout_ms=100, heartbeat_timeout_ms=1000)
+    try:
+        assert min_replicas(status_page(lighthouse.address())) == 3
+    finally:
+        lighthouse.shutdown()
+    assert min_replicas("Next quorum status: Fast quorum found!") is None
