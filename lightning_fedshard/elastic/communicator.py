@@ -310,6 +310,10 @@ class ElasticCommunicator:
             if not self._rank0(lambda: self._contested(address)):
                 log.info(f"Standby of federation {federation!r}: group {place} is gone, taking its place.")
                 return place
+            if dist.get_rank() == 0:
+                log.warning(f"Standby of federation {federation!r}: another job took group {place}'s place too; this"
+                            " one gives it up and waits again.")  # fmt: skip
+                _forget_manager(self._manager)  # the next manager's ranks must not find this one's address
             self.close()
             self._group, self._manager_state = None, None
 
@@ -646,6 +650,16 @@ class ElasticCommunicator:
             return "too few groups or a peer's failed vote"
         original = getattr(error, "original_exception", error)
         return f"{type(original).__name__}: {str(original).splitlines()[0] if str(original) else ''}"
+
+
+def _forget_manager(manager: Any) -> None:
+    """Remove what torchft 0.2.0's rank 0 published about its manager in the group's store (its address and id).
+
+    A new manager of the same job publishes them again; until it has, the other ranks wait for the keys instead of
+    reading the old manager's address and failing to connect to a server that is gone.
+    """
+    for key in ("manager_addr", "replica_id"):
+        manager._store.delete_key(key)
 
 
 def _manager_uuid(manager: Any) -> str:
