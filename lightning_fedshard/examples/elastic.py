@@ -383,15 +383,23 @@ class ElasticDemo:
         }
 
     def _takeover(self, job: Incarnation) -> dict[str, Any]:
-        """A standby's takeover: seconds from the fault that ended its group's last job to training in its place."""
+        """A standby's takeover: seconds from the fault that ended its group's last job to training in its place.
+
+        ``ready_at_fault``: whether the standby was loaded and waiting when that fault struck (else the takeover
+        includes the rest of its start-up).
+        """
         if not job.standby:
             return {}
         gone = [f["t"] for f in self.fault_log if f["group"] == job.group and f["kind"] in ("kill", "stop")]
         before = [t for t in gone if job.trained_at is not None and t <= job.trained_at]
+        ready = next((e["t"] for e in job.events() if e["event"] == "ready"), None)
+        fault = max(before) if before and job.trained_at is not None else None
         return {
             "standby": True,
+            "ready_at": ready,
             "trained_at": job.trained_at,
-            "takeover_seconds": job.trained_at - max(before) if before and job.trained_at is not None else None,
+            "takeover_seconds": None if fault is None or job.trained_at is None else job.trained_at - fault,
+            "ready_at_fault": None if fault is None or ready is None else ready <= fault,
         }
 
     def _fault_report(
@@ -511,6 +519,10 @@ class EventLog(Callback):
         self._seen: Any = None
         self._file = open(out / "events.jsonl", "a") if int(os.environ.get("LOCAL_RANK", 0)) == 0 else None
         self._write({"event": "start", "step": -1})
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._write({"event": "ready", "step": -1})  # loaded: a standby waits for a place from here on
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
