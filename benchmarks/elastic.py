@@ -13,7 +13,7 @@ every node's link. Each repeat runs, interleaved:
   or hung group, which joins and heals) - at the steps of :data:`FAULTS`;
 - ``standby``: the same faults with standby groups: ``--standbys`` standby jobs start with the groups (on nodes of
   their own), each takes the place of a group that is gone at the next sync, and every restart starts a new standby on
-  the node of the group it names instead of a new job for that group;
+  a node no running job holds instead of a new job for that group;
 - ``elastic_restart``: one group killed at step ``K`` and started again at once; the time until the federation
   reaches ``N`` steps;
 - ``checkpoint_restart``: the same federation in one job (the single-job mode), a checkpoint every ``C`` steps; one

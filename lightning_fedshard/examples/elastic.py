@@ -7,9 +7,9 @@ per fault how long the surviving groups stalled; the final consensus checksum of
 tokens per second. ``examples/elastic_shakespeare.py`` is its command line, and the tests and the elastic benchmark
 use it too.
 
-With ``standbys`` (:class:`DemoConfig`), that many standby jobs start with the groups; each takes the place of a
-group that is gone, and every ``restart:G@S`` fault starts a new standby (on group G's node) instead of a new job for
-group G. A standby counts as alive only once it trains.
+With ``standbys`` (:class:`DemoConfig`), that many standby jobs start with the groups (on nodes of their own); each
+takes the place of a group that is gone, and every ``restart:G@S`` fault starts a new standby, on a node no running job
+holds, instead of a new job for group G. A standby counts as alive only once it trains.
 
 A group job (:func:`run_group`) writes one JSON line per event to ``<out>/group<g>.<incarnation>/events.jsonl``: its
 start, every optimizer step, every sync (the groups, who joined, whether it was lost, seconds spent healing and in the
@@ -108,6 +108,7 @@ class Incarnation:
     exit_code: int | None = None
     standby: bool = False
     trained_at: float | None = None
+    node: int = 0
 
     def took_place(self) -> bool:
         """A standby: whether it now trains as a group (sets ``group`` and ``trained_at`` from its events)."""
@@ -276,7 +277,7 @@ class ElasticDemo:
             self.launch(node, argv, env), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         log.close()
-        job = Incarnation(group, index, out, process, time.time(), standby=standby)
+        job = Incarnation(group, index, out, process, time.time(), standby=standby, node=node)
         self.jobs.append(job)
         return job
 
@@ -296,13 +297,19 @@ class ElasticDemo:
             for job in current:  # a hung job of the group ends; a standby that took the group's place trains on
                 if job.stopped_at is not None:
                     self._end(job)
-            self._start(-1, lighthouse, node=fault.group)  # a new spare, on the group's node
+            self._start(-1, lighthouse, node=self._free_node(fault.group))
         else:
             for job in current:
                 self._end(job)
             if fault.kind == "restart":
                 self._start(fault.group, lighthouse)
         self.fault_log.append(record)
+
+    def _free_node(self, preferred: int) -> int:
+        """A node no running job holds (``preferred`` if it is free): a new spare must not share a training node."""
+        taken = {j.node for j in self.jobs if j.running}
+        nodes = range(self.config.groups + self.config.standbys)
+        return preferred if preferred not in taken else next((n for n in nodes if n not in taken), preferred)
 
     @staticmethod
     def _end(job: Incarnation) -> None:
