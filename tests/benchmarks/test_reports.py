@@ -95,7 +95,8 @@ def test_target_ids_are_unique_kebab_case_and_those_of_targets_json():
     assert len(set(TARGET_IDS)) == len(TARGET_IDS)
     assert all(KEBAB.match(target_id) and len(target_id) <= 60 for target_id in TARGET_IDS)
     recorded = json.loads((RESULTS / "targets.json").read_text())
-    every = (*TARGET_IDS, *OVERLAP_TARGET_IDS, *TOPOLOGY_TARGET_IDS, *elastic.TARGET_IDS, *torchft.TARGET_IDS)
+    every = (*TARGET_IDS, *OVERLAP_TARGET_IDS, *TOPOLOGY_TARGET_IDS, *elastic.TARGET_IDS, *elastic.STANDBY_TARGET_IDS)
+    every = (*every, *torchft.TARGET_IDS)
     every = (*every, *hetero.TARGET_IDS, *recipes.TARGET_IDS)
     assert [row["id"] for row in recorded] == list(every) and len(set(every)) == len(every)
     assert all(KEBAB.match(target_id) for target_id in (*OVERLAP_TARGET_IDS, *TOPOLOGY_TARGET_IDS))
@@ -198,3 +199,29 @@ def test_elastic_goodput_leaves_out_a_repeat_whose_fault_free_run_lost_a_group()
     assert elastic.committed_shares(results) == [0.9, 0.9]
     row = next(r for r in elastic.targets(results) if r["id"] == "elastic-goodput")
     assert row["measured"] == 0.9 and not row["met"] and row["repeats_without_a_fault_free_baseline"] == [1]
+
+
+def test_with_standbys_the_goodput_counts_the_standby_runs_and_a_takeover_counts_only_a_waiting_standby():
+    clean = _elastic_run([[0, 1], [0, 1], [0, 1]], [0, 0], 1000.0, 1.0)  # syncs 1 s apart: one round is 1 s
+    standby = _elastic_run([[0, 1], [0, 1]], [0, 0], 900.0, 0.9)
+    standby["groups"][1]["jobs"] += [
+        {"exit_code": 0, "standby": True, "takeover_seconds": 2.5, "ready_at_fault": True},
+        {"exit_code": 0, "standby": True, "takeover_seconds": 40.0, "ready_at_fault": False},  # no spare was waiting
+    ]
+    standby["faults"] = [{"kind": "stop", "stall_seconds": 2.5}, {"kind": "stop", "stall_seconds": 4.5}]
+    runs = {"standbys": 2, "runs": [{"kind": "faultfree", "repeat": 0, "result": clean},
+                                    {"kind": "standby", "repeat": 0, "result": standby}]}  # fmt: skip
+    old = {"faults": "kill:1@4", "runs": [{"kind": "faultfree", "repeat": 0, "result": clean},
+                                          {"kind": "faulted", "repeat": 0, "result": standby}]}  # fmt: skip
+    rows = {r["id"]: r for r in elastic.targets(old, runs)}
+    assert (
+        rows["elastic-goodput"]["measured"] == pytest.approx(900.0 / (1000.0 * 0.9)) and rows["elastic-goodput"]["met"]
+    )
+    assert rows["elastic-goodput"]["without_standbys"]["measured"] == pytest.approx(1.0)
+    join = rows["standby-join-s"]
+    assert (join["measured"], join["bound"], join["met"]) == (2.5, 3.0, True)
+    assert join["no_standby_ready"]["takeovers"] == 1
+    stall = rows["straggler-stall-s"]
+    assert (stall["measured"], stall["bound"], stall["met"]) == (3.5, 3.0, False)
+    assert "2.5, 40.0*" in elastic.standby_table(runs)
+    assert [r["id"] for r in elastic.targets(old)][-2:] == list(elastic.STANDBY_TARGET_IDS)  # not run: said so
