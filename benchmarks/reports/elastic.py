@@ -251,6 +251,19 @@ def _stall_bound(results: dict[str, Any]) -> float:
     return float(config["heartbeat"] + config["join"])
 
 
+def _goodput_text(run: dict[str, Any], base: dict[str, Any] | None) -> str:
+    """A faulted run's goodput against its repeat's fault-free ``base`` (empty without one), for the tables."""
+    if base is None:
+        return ""
+    good = run["committed_tokens_per_s"] / (base["committed_tokens_per_s"] * run["alive_fraction"])
+    return f"{good:.3f}" + (" (fault-free run lost groups: not counted)" if disturbed(base) else "")
+
+
+def _share_text(run: dict[str, Any]) -> str:
+    """Committed over trained tokens, for the tables (empty if nothing was trained)."""
+    return f"{run['committed_tokens'] / run['trained_tokens']:.3f}" if run.get("trained_tokens") else ""
+
+
 def table(results: dict[str, Any]) -> str:
     """Per repeat: tokens/s without and with faults, groups alive, goodput; stalls by fault kind; time to N steps."""
     free, faulted = _runs(results, "faultfree"), _runs(results, "faulted")
@@ -262,10 +275,8 @@ def table(results: dict[str, Any]) -> str:
     ]
     for repeat in sorted(faulted):
         f, ff = faulted[repeat], free.get(repeat)
-        good = f["committed_tokens_per_s"] / (ff["committed_tokens_per_s"] * f["alive_fraction"]) if ff else math.nan
-        good_text = f"{good:.3f}" + (" (fault-free run lost groups: not counted)" if ff and disturbed(ff) else "")
+        good_text, share = _goodput_text(f, ff), _share_text(f)
         lost = sum(s["lost"] for s in f["syncs"])
-        share = f"{f['committed_tokens'] / f['trained_tokens']:.3f}" if f.get("trained_tokens") else ""
         e, s = elastic.get(repeat), single.get(repeat)
         lines.append(
             f"| {repeat} | {ff['committed_tokens_per_s']:,.0f} | {f['committed_tokens_per_s']:,.0f} |"
@@ -303,15 +314,7 @@ def standby_table(results: dict[str, Any]) -> str:
     ]
     for repeat in sorted(runs):
         run, base = runs[repeat], free.get(repeat)
-        good = (
-            run["committed_tokens_per_s"] / (base["committed_tokens_per_s"] * run["alive_fraction"]) if base else None
-        )
-        good_text = (
-            ""
-            if good is None
-            else f"{good:.3f}" + (" (baseline lost groups: not counted)" if base and disturbed(base) else "")
-        )
-        share = f"{run['committed_tokens'] / run['trained_tokens']:.3f}" if run.get("trained_tokens") else ""
+        good_text, share = _goodput_text(run, base), _share_text(run)
         times = sorted(
             (j["takeover_seconds"], j.get("ready_at_fault") is False)
             for g in run["groups"]
