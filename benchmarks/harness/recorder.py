@@ -112,6 +112,13 @@ def pace_record(trainer: L.Trainer) -> dict[str, Any] | None:
     return None if pace is None else {k: v for k, v in pace.state_dict().items() if k != "merges"}
 
 
+def sigterm_groups(trainer: L.Trainer) -> list[list[int]]:
+    """The ranks of each process group this rank broadcasts the SIGTERM flag over at every step, in order."""
+    groups = trainer.strategy.runtime.fsdp_process_group  # type: ignore[attr-defined]
+    ordered = reversed(groups) if isinstance(groups, tuple) else (groups,)
+    return [dist.get_process_group_ranks(group) for group in ordered]
+
+
 def cpu_seconds() -> float:
     """CPU seconds of this process so far (all its threads)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -273,6 +280,7 @@ class BenchRecorder(L.Callback):
             # this rank's clock at its last step: its own pace when no sync made it wait for the others
             "own_train_seconds": self.steps[-1]["clock"] if self.steps else 0.0,
             "group": trainer.strategy.federation.communicator.group_index,  # type: ignore[attr-defined]
+            "sigterm_groups": sigterm_groups(trainer),
         }
 
     def _run_record(
@@ -299,6 +307,8 @@ class BenchRecorder(L.Callback):
             "strategy_syncs": [r["strategy_syncs"] for r in ranks],
             "own_train_seconds": [r["own_train_seconds"] for r in ranks],
             "group_of_rank": [r["group"] for r in ranks],
+            # the process groups Lightning's per-step SIGTERM flag is broadcast over (each group's own)
+            "sigterm_groups": sorted({tuple(g) for r in ranks for g in r["sigterm_groups"]}),
             "trained_steps": trained_steps(trainer),
             "pace": pace_record(trainer),
             "maxrss_mib": [r["maxrss_mib"] for r in ranks],

@@ -10,13 +10,17 @@ over TCP (:func:`lightning_fedshard.plan.framing.framed_bytes`):
   and three per sync window (two to open it, one to close it); plus Lightning's barrier before the first
   validation's dataloader (``_EvaluationLoop.setup_data``). gloo's dissemination barrier sends one empty message per
   rank and round, ``⌈log2 W⌉`` rounds.
-- **Lightning's SIGTERM check**: every training step, the Trainer broadcasts one int64 from rank 0 over the world
-  (``_TrainingEpochLoop._broadcast_sigterm_tensor``), gloo's binomial tree of ``W − 1`` messages.
+- **Lightning's SIGTERM check**: every training step, the Trainer broadcasts one int64
+  (``_TrainingEpochLoop._broadcast_sigterm_tensor``), gloo's binomial tree of ``n − 1`` messages over ``n`` ranks.
+  Lightning sends it from rank 0 over the world; the federated strategies send it inside each group (over its
+  replicas, then its shards), as the run records (``sigterm_groups``; runs recorded before that have none: the world).
 
 Only the messages between ranks of different nodes reach a link.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from lightning_fedshard.plan.framing import barrier_edges, broadcast_edges, framed_bytes
 
@@ -38,13 +42,30 @@ def barrier_bytes(world_size: int, devices_per_node: int, mtu: int) -> float:
     return framed_bytes(0, cross_node(barrier_edges(range(world_size)), devices_per_node), mtu)
 
 
-def sigterm_broadcast_bytes(world_size: int, devices_per_node: int, mtu: int) -> float:
-    """Link bytes of one of Lightning's SIGTERM broadcasts from rank 0: its cross-node messages, framed."""
-    messages = cross_node(broadcast_edges(range(world_size)), devices_per_node)
+def sigterm_broadcast_bytes(
+    world_size: int, devices_per_node: int, mtu: int, groups: Sequence[Sequence[int]] | None = None
+) -> float:
+    """Link bytes of one step's SIGTERM broadcasts: their cross-node messages, framed.
+
+    Args:
+        world_size: Ranks.
+        devices_per_node: Ranks per node.
+        mtu: The links' MTU.
+        groups: The process groups the flag is broadcast over, each from its first rank; default: the world.
+    """
+    groups = groups if groups is not None else [range(world_size)]
+    messages = sum(cross_node(broadcast_edges(list(group)), devices_per_node) for group in groups)
     return framed_bytes(messages * SIGTERM_FLAG_BYTES, messages, mtu)
 
 
-def harness_bytes(world_size: int, devices_per_node: int, steps: int, sync_windows: int, mtu: int) -> float:
+def harness_bytes(
+    world_size: int,
+    devices_per_node: int,
+    steps: int,
+    sync_windows: int,
+    mtu: int,
+    sigterm_groups: Sequence[Sequence[int]] | None = None,
+) -> float:
     """Link bytes of a run's training window that are not the training's: barriers and SIGTERM broadcasts.
 
     Args:
@@ -53,10 +74,10 @@ def harness_bytes(world_size: int, devices_per_node: int, steps: int, sync_windo
         steps: Training steps (one broadcast each).
         sync_windows: Sync windows the recorder opened during training (one per landing of a sync).
         mtu: The links' MTU.
+        sigterm_groups: The process groups of the SIGTERM flag (the run's ``sigterm_groups``); default: the world.
     """
     if world_size < 2:
         return 0.0
     barriers = RUN_BARRIERS + SYNC_WINDOW_BARRIERS * sync_windows
-    return barriers * barrier_bytes(world_size, devices_per_node, mtu) + steps * sigterm_broadcast_bytes(
-        world_size, devices_per_node, mtu
-    )
+    flag = sigterm_broadcast_bytes(world_size, devices_per_node, mtu, sigterm_groups)
+    return barriers * barrier_bytes(world_size, devices_per_node, mtu) + steps * flag

@@ -80,7 +80,10 @@ def byte_model(run: dict[str, Any]) -> tuple[float, float]:
     steps, landings = cfg["max_steps"], landings_in_training(run)
     training = steps * sum(c.link_bytes * c.calls for c in p.step_collectives) + landings * p.link_bytes_per_sync
     mtu = cluster.tcp_mtu or 0
-    harness = harness_bytes(cluster.world_size, cluster.devices_per_node, steps, landings, mtu) if mtu else 0.0
+    flag_groups = run.get("sigterm_groups")  # absent in runs recorded while the flag went over the world
+    harness = (
+        harness_bytes(cluster.world_size, cluster.devices_per_node, steps, landings, mtu, flag_groups) if mtu else 0.0
+    )
     return (training + harness) / steps, harness / steps
 
 

@@ -14,11 +14,10 @@ import torch.distributed as dist
 # Private names: Lightning types its own strategy hooks with them and exports no public alias.
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -36,12 +35,21 @@ from lightning_fedshard._arguments import (
 from lightning_fedshard.checkpoint import is_peer_failure, peer_failure_message, unsafe_to_save
 from lightning_fedshard.core.fsdp2 import parameter_roots
 from lightning_fedshard.trainer.callback import OuterSync
+from lightning_fedshard.trainer.meetings import (
+    decide_at_syncs,
+    keep_sigterm_in_group,
+    meetings_between_syncs,
+    restore_callbacks,
+)
 
 log = logging.getLogger(__name__)
 
 
 class _TrainerHooks(FederatedArguments):
     """The Trainer's hooks routed to the runtime, whatever shards the model (no @override: no such base here)."""
+
+    #: Callbacks whose per-batch decision waits for the ends of rounds while fitting (see `trainer/meetings.py`).
+    _deferred_callbacks: list[Callback] = []
 
     # Provided by Lightning's strategy classes.
     lightning_module: Any
@@ -60,8 +68,21 @@ class _TrainerHooks(FederatedArguments):
             self.runtime.release_model()
         if self.runtime.config.elastic is not None:
             self.runtime.set_host_state(lambda: _loop_state(trainer), lambda state: _load_loop_state(trainer, state))
-        if self.runtime.config.pace is not None:
-            _keep_sigterm_in_group(trainer, self.runtime)
+        keep_sigterm_in_group(trainer, lambda: self.runtime.fsdp_process_group)
+        if trainer.state.fn == TrainerFn.FITTING:
+            refuse_pace_with_manual_optimization(self.lightning_module, self.runtime.config.pace)
+            self._meet_only_at_syncs(trainer)
+
+    def _meet_only_at_syncs(self, trainer: Trainer) -> None:
+        """Keep Lightning's per-batch decisions off the steps between syncs; warn of settings that meet there."""
+        restore_callbacks(self._deferred_callbacks)
+        if self.runtime.topology.num_groups == 1:
+            self._deferred_callbacks = []
+            return  # one group in this world (one group, or an elastic group's own job): nothing to keep apart
+        period = self.runtime.config.outer_period
+        self._deferred_callbacks = decide_at_syncs(trainer, period)
+        for message in meetings_between_syncs(trainer, period):
+            rank_zero_warn(message)
 
     def _end_setup(self, trainer: Trainer) -> None:
         """After Lightning's ``setup``: an elastic standby waits for a place, before ``fit`` splits the data by group.
@@ -80,15 +101,16 @@ class _TrainerHooks(FederatedArguments):
         return super().training_step(*args, **kwargs)  # type: ignore[misc]
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """Lightning's reduce; with a per-group pace, metrics reduced while training stay inside the group.
+        """Lightning's reduce; while training, over the group's own ranks: a metric of the group.
 
-        A slow group skips steps (its ``training_step`` does not run), so a ``self.log(..., sync_dist=True)`` there
-        would wait for it; reduced over the group's own ranks, which skip alike, it never waits. Validation and the
-        other loops reduce over every group as usual.
+        ``self.log(..., sync_dist=True)`` in ``training_step`` reduces at every step; over every group it would make
+        all of them wait for the slowest at every step (and with a per-group pace for one that skips the step). The
+        value logged by global rank 0 is therefore group 0's. Validation and testing evaluate the consensus on a
+        validation set split over every rank, and reduce over every group as usual.
         """
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None) if module is not None else None
-        if group is None and self.runtime.config.pace is not None and trainer is not None and trainer.training:
+        if group is None and trainer is not None and trainer.training:
             process_groups = self.runtime.fsdp_process_group
             for process_group in process_groups if isinstance(process_groups, tuple) else (process_groups,):
                 tensor = super().reduce(tensor, group=process_group, reduce_op=reduce_op)  # type: ignore[misc]
@@ -120,6 +142,8 @@ class _TrainerHooks(FederatedArguments):
         return dataloader
 
     def teardown(self) -> None:
+        restore_callbacks(self._deferred_callbacks)
+        self._deferred_callbacks = []
         self.runtime.close()  # elastic: this group leaves (a later `fit` joins again)
         super().teardown()  # type: ignore[misc]
 
@@ -354,27 +378,22 @@ def _load_loop_state(trainer: Trainer, state: dict[str, Any]) -> None:
         config.scheduler.load_state_dict(saved)
 
 
-def _keep_sigterm_in_group(trainer: Trainer, runtime: Any) -> None:
-    """Propagate a SIGTERM inside each group instead of over the whole world at every batch.
+def refuse_pace_with_manual_optimization(module: LightningModule, pace: Any) -> None:
+    """Refuse a per-group pace for a module that steps its optimizers itself, before anything trains.
 
-    Lightning's training loop broadcasts a SIGTERM flag from global rank 0 to every rank before each batch: a
-    collective over every group at every step, which makes the fast groups wait for the slowest one at every step
-    and would undo a per-group pace. Here each group broadcasts the flag from its own first rank (a job scheduler
-    signals every rank of a job anyway); the groups still meet at every sync.
+    A pace skips a slow group's steps by not running ``training_step``; under manual optimization that is where the
+    optimizers step, so a skipped step would never be counted and the group would skip the same step forever.
+
+    Raises:
+        ValueError: If ``pace`` is set and ``module.automatic_optimization`` is off.
     """
-    loop = trainer.fit_loop.epoch_loop
-
-    def broadcast_in_group() -> None:
-        flag = torch.tensor(
-            [1 if getattr(trainer, "received_sigterm", False) else 0], device=trainer.strategy.root_device
+    if pace is not None and not module.automatic_optimization:
+        raise ValueError(
+            f"`pace={pace!r}` skips a slow group's steps by not running `training_step`, but"
+            f" `{type(module).__name__}` uses manual optimization (`automatic_optimization = False`): its"
+            " `training_step` steps the optimizers, so a skipped step would never be counted and the group would skip"
+            " it forever. Use automatic optimization with a pace, or leave `pace=None`."
         )
-        process_groups = runtime.fsdp_process_group
-        for group in reversed(process_groups) if isinstance(process_groups, tuple) else (process_groups,):
-            dist.broadcast(flag, src=dist.get_global_rank(group, 0), group=group)
-        if flag.item() == 1:
-            raise SIGTERMException()
-
-    loop._broadcast_sigterm_tensor = broadcast_in_group  # type: ignore[method-assign]
 
 
 def skipped_step_loss(module: LightningModule) -> Tensor:
@@ -402,4 +421,11 @@ def place_outer_sync_first(trainer: Trainer) -> None:
     callbacks.insert(0, given[0] if given else OuterSync())
 
 
-__all__ = ["FLFSDP2Strategy", "FLFSDPStrategy", "FLHSDP2Strategy", "FLHSDPStrategy", "place_outer_sync_first"]
+__all__ = [
+    "FLFSDP2Strategy",
+    "FLFSDPStrategy",
+    "FLHSDP2Strategy",
+    "FLHSDPStrategy",
+    "place_outer_sync_first",
+    "refuse_pace_with_manual_optimization",
+]

@@ -123,6 +123,12 @@ def test_the_harness_sends_barriers_and_lightnings_broadcast_across_nodes():
         8 + message
     )
     assert harness_bytes(1, 1, steps=16, sync_windows=0, mtu=1500) == 0
+    # The federated strategies broadcast the flag inside each group: two groups of two nodes, over the replicas
+    # (one message between the nodes per shard position) and then inside a node (none)
+    replicas, shards = [[0, 2], [1, 3], [4, 6], [5, 7]], [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert sigterm_broadcast_bytes(8, 2, 1500, replicas + shards) == 4 * (8 + message)
+    # one group per node: nothing reaches a link
+    assert sigterm_broadcast_bytes(8, 2, 1500, [[0, 1], [2, 3], [4, 5], [6, 7]]) == 0
 
 
 def _run(configuration: str, link: float | None) -> dict:

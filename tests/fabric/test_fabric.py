@@ -228,6 +228,34 @@ def test_every_sync_goes_through_the_runtime_entry_points(results):
             assert calls["after_optimizer_step"] == spec["max_steps"], name
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [s["name"] for s in SCENARIOS])
+def test_groups_never_meet_between_syncs_in_a_fabric_loop(results, name):
+    """Fabric issues no collective of its own in the user's loop: between syncs nothing spans two groups.
+
+    Every collective of every rank is recorded from any caller (``tests/collective_spy.py``); sums in flight on their
+    own thread (overlapped and eager syncs) are part of their sync.
+    """
+    for rank, r in enumerate(results[name]):
+        groups = [set(g) for g in r["groups"]]
+        wide = [(op, phase) for op, ranks, phase in r["collectives"] if not any(set(ranks) <= g for g in groups)]
+        assert not [c for c in wide if c[1] == "between"], f"rank {rank}: {wide}"
+        assert any(phase in ("sync", "background") for _, phase in wide), f"rank {rank}: the spy saw no sync"
+        assert sum(1 for c in r["collectives"] if c[2] == "between") >= 7, "the spy saw no training step"
+
+
+@pytest.mark.slow
+def test_a_paced_loop_that_never_asks_whether_it_trains_is_stopped_at_its_first_skipped_step(tmp_path):
+    """Two one-rank groups at speeds 1 and 0.5, ``sync_every=4``: the slow group skips steps 3 and 4 of each round."""
+    spec = {"name": "unchecked", "unchecked_pace": True, "strategy": "fl_fsdp2"}
+    launch(WORKER, [json.dumps([spec]), str(tmp_path)], num_nodes=2, devices=1, log_dir=tmp_path / "logs", timeout=120)
+    slow = torch.load(tmp_path / "unchecked" / "rank1.pt")
+    assert slow["steps"] == 2, "the slow group stepped past its first skipped step"
+    assert "Group 1 skips optimizer step 3" in slow["error"] and "fabric.strategy.trains()" in slow["error"]
+    fast = torch.load(tmp_path / "unchecked" / "rank0.pt")
+    assert fast["error"] is not None and fast["steps"] < 8, "the fast group merged with a group that was gone"
+
+
 def test_fabric_registry_and_early_errors():
     fabric = L.Fabric(accelerator="cpu", devices=2, num_nodes=2, strategy="fl_fsdp")
     assert isinstance(fabric.strategy, lightning_fedshard.fabric.FLFSDPStrategy)

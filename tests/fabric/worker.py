@@ -16,10 +16,12 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.utils.data import DataLoader
 
 import lightning_fedshard.fabric
-from tests import runtime_spy
+from tests import collective_spy, runtime_spy
 from tests.toy import IndexedRegression, loss_fn, make_net
 
 runtime_spy.install()
+collective_spy.install()
+collective_spy.label_runtime_calls()
 
 
 STRATEGIES = {
@@ -69,9 +71,11 @@ def run(spec: dict[str, Any], root: Path) -> None:
     loader = fabric.setup_dataloaders(DataLoader(IndexedRegression(), batch_size=spec["batch_size"], shuffle=True))
     micro_batches, steps, trained = [], 0, []
     stats = []
+    collective_spy.take()
     for idx, x, y in loader:
         if steps == spec["max_steps"]:
             break
+        collective_spy.set_phase("between", steps)  # a training step of the loop begins
         micro_batches.append(idx.tolist())
         if fabric.strategy.trains():  # False only for a slow group's last steps of a round (a per-group pace)
             fabric.backward(loss_fn(model, x, y))
@@ -82,6 +86,8 @@ def run(spec: dict[str, Any], root: Path) -> None:
         if fabric.strategy.last_sync_stats is not None:
             stats.append(fabric.strategy.last_sync_stats.num_syncs)
     last = fabric.strategy.finish()
+    collective_spy.set_phase("outside")
+    topology = fabric.strategy.runtime.topology
     torch.save(
         {
             "micro_batches": micro_batches,
@@ -94,6 +100,8 @@ def run(spec: dict[str, Any], root: Path) -> None:
             "runtime_calls": runtime_spy.take(),
             "num_syncs": fabric.strategy.federation.outer.num_syncs,
             "fragment_names": fabric.strategy.fragment_parameter_names,
+            "collectives": [(c.op, c.ranks, c.phase) for c in collective_spy.take()],
+            "groups": [topology.group_ranks(g) for g in range(topology.num_groups)],
         },
         out / f"rank{rank}.pt",
     )
@@ -145,6 +153,35 @@ def run_resume(spec: dict[str, Any], root: Path) -> None:
                out / f"rank{os.environ['RANK']}.pt")  # fmt: skip
 
 
+def run_unchecked_pace(spec: dict[str, Any], root: Path) -> None:
+    """A loop that never asks ``fabric.strategy.trains()``, as adding ``pace=`` to an existing script gives."""
+    out = root / spec["name"]
+    out.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ["RANK"])
+    strategy = STRATEGIES[spec["strategy"]](num_groups=2, sync_every=4, reduce_dtype="float32",
+                                            pace=lightning_fedshard.Pace(speeds=(1.0, 0.5)))  # fmt: skip
+    fabric = L.Fabric(accelerator="cpu", devices=1, num_nodes=2, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup_module(make_net())
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.01))
+    data = IndexedRegression()
+    error, steps = None, 0
+    try:
+        for step in range(8):
+            idx = torch.arange(4) + 4 * (rank + 2 * step)
+            fabric.backward(loss_fn(model, data.x[idx], data.y[idx]))
+            optimizer.step()
+            optimizer.zero_grad()
+            steps += 1
+    except RuntimeError as exc:  # the slow group, at its first skipped step; the fast one then finds it gone
+        error = str(exc)
+    torch.save({"error": error, "steps": steps}, out / f"rank{rank}.pt")
+    os._exit(0)  # the other group may still wait in a collective: leave without tearing down
+
+
 if __name__ == "__main__":
     for spec in json.loads(sys.argv[1]):
-        (run_resume if spec.get("resume") else run)(spec, Path(sys.argv[2]))
+        if spec.get("unchecked_pace"):
+            run_unchecked_pace(spec, Path(sys.argv[2]))
+        else:
+            (run_resume if spec.get("resume") else run)(spec, Path(sys.argv[2]))

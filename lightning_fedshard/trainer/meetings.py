@@ -1,0 +1,131 @@
+"""Where Lightning's own loop and callbacks would make the groups meet between syncs, and what the strategies do.
+
+A federation only pays off if nothing makes one group wait for another between two syncs. Lightning's training loop
+and some of its callbacks issue collectives over the whole world on their own:
+
+- before every training batch the loop broadcasts a SIGTERM flag from global rank 0 (:func:`keep_sigterm_in_group`
+  broadcasts it inside each group instead);
+- ``self.log(..., sync_dist=True)`` in ``training_step`` reduces over the world (the strategies' ``reduce`` keeps it
+  inside the group while training);
+- ``Timer`` (``Trainer(max_time=...)``) and ``ModelCheckpoint(train_time_interval=...)`` broadcast a decision from
+  global rank 0 after every batch (:func:`decide_at_syncs` lets them decide only at the steps where every group meets
+  anyway, the ends of the federation's rounds);
+- validation and ``ModelCheckpoint(every_n_train_steps=N)`` involve every group by nature (the validation set is
+  split over every rank, a checkpoint holds every group's state): :func:`meetings_between_syncs` names the settings
+  that put them between syncs, for a warning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+#: The instance attribute that marks a callback hook this module replaced, so it can be put back.
+_DEFERRED = "_fedshard_decides_at_syncs"
+
+
+def keep_sigterm_in_group(trainer: Trainer, process_groups: Callable[[], Any]) -> None:
+    """Propagate a SIGTERM inside each group instead of over the whole world at every batch.
+
+    Lightning's training loop broadcasts a SIGTERM flag from global rank 0 to every rank before each batch, so that all
+    ranks stop at the same batch. Over a federation that is a collective across every group at every step: the groups
+    would wait for the slowest one at every step. Here each group broadcasts the flag from its own first rank (over its
+    shard group, then its replicas). A job scheduler signals every rank of a job anyway; a group that stops alone is
+    found gone by the others at their next sync, like a failed group (see docs/concepts.md).
+
+    Args:
+        trainer: The Trainer whose fit loop broadcasts the flag.
+        process_groups: Returns the group's FSDP process group(s) (an ``(intra, inter)`` tuple with HSDP).
+    """
+    loop = trainer.fit_loop.epoch_loop
+
+    def broadcast_in_group() -> None:
+        flag = torch.tensor(
+            [1 if getattr(trainer, "received_sigterm", False) else 0], device=trainer.strategy.root_device
+        )
+        groups = process_groups()
+        for group in reversed(groups) if isinstance(groups, tuple) else (groups,):
+            dist.broadcast(flag, src=dist.get_global_rank(group, 0), group=group)
+        if flag.item() == 1:
+            raise SIGTERMException()
+
+    loop._broadcast_sigterm_tensor = broadcast_in_group  # type: ignore[method-assign]
+
+
+def decide_at_syncs(trainer: Trainer, period: int) -> list[Callback]:
+    """Let the callbacks that broadcast a decision after every batch decide only every ``period`` optimizer steps.
+
+    ``Timer`` with ``interval="step"`` (what ``Trainer(max_time=...)`` adds) and ``ModelCheckpoint`` with a
+    ``train_time_interval`` broadcast "stop?" / "save?" from global rank 0 after every training batch. Their decision
+    must be the same in every group (a group that stops or saves alone would leave the others waiting at the next
+    sync), so it stays a broadcast over the world, but only at the ends of the federation's rounds, where every group
+    meets anyway. A time limit or a checkpoint interval is then honoured up to ``period - 1`` steps late.
+
+    Returns:
+        The callbacks whose ``on_train_batch_end`` now runs only at those steps (see :func:`restore_callbacks`).
+    """
+    deferred = []
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector
+        if _decides_every_batch(callback) and _DEFERRED not in vars(callback):
+            hook = callback.on_train_batch_end
+
+            def at_round_ends(trainer: Trainer, *args: Any, _hook: Any = hook, **kwargs: Any) -> None:
+                if trainer.global_step % period == 0:
+                    _hook(trainer, *args, **kwargs)
+
+            callback.on_train_batch_end = at_round_ends  # type: ignore[method-assign]
+            setattr(callback, _DEFERRED, True)
+            deferred.append(callback)
+    return deferred
+
+
+def restore_callbacks(callbacks: list[Callback]) -> None:
+    """Give the callbacks changed by :func:`decide_at_syncs` their own ``on_train_batch_end`` back."""
+    for callback in callbacks:
+        vars(callback).pop("on_train_batch_end", None)
+        vars(callback).pop(_DEFERRED, None)
+
+
+def _decides_every_batch(callback: Callback) -> bool:
+    if isinstance(callback, Timer):
+        return callback._interval == "step" and callback._duration is not None  # private: no public accessor
+    if isinstance(callback, ModelCheckpoint):
+        return callback._train_time_interval is not None  # private: no public accessor
+    return False
+
+
+def meetings_between_syncs(trainer: Trainer, period: int) -> list[str]:
+    """The Trainer's settings that make every group meet at steps that are not ends of the federation's rounds.
+
+    Args:
+        trainer: The Trainer about to fit.
+        period: Optimizer steps between two ends of a round (``sync_every``, or a hierarchical topology's largest
+            period).
+
+    Returns:
+        One sentence per setting, naming its value and the multiple to use instead.
+    """
+    found = []
+    batches = period * trainer.accumulate_grad_batches
+    interval = trainer.val_check_interval
+    if trainer.limit_val_batches != 0 and isinstance(interval, int) and interval % batches:
+        found.append(
+            f"`val_check_interval={interval}` validates after batches where the groups do not sync (every {batches}"
+            " batches): validation reduces over every group, so all of them meet there, and it evaluates the"
+            f" consensus of the last sync. Use a multiple of {batches}."
+        )
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        every = getattr(callback, "_every_n_train_steps", 0) if isinstance(callback, ModelCheckpoint) else 0
+        if every and every % period:
+            found.append(
+                f"`ModelCheckpoint(every_n_train_steps={every})` saves at steps where the groups do not sync (every"
+                f" {period} optimizer steps): a checkpoint holds every group's state, so all of them meet there. Use a"
+                f" multiple of {period}."
+            )
+    return found
