@@ -6,6 +6,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 # Private names: Lightning types its own strategy hooks with them and exports no public alias.
@@ -59,9 +60,35 @@ class _FabricHooks(FederatedArguments):
                 " `fabric.strategy.join(...)` after setting up the model and optimizer (and loading a checkpoint), and"
                 " start the loop at the step it returns."
             )
+        if not self.runtime.trains():
+            self._refuse_gradients_of_a_skipped_step(optimizer)
         output = super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
         self.runtime.after_optimizer_step()
         return output
+
+    def _refuse_gradients_of_a_skipped_step(self, optimizer: Optimizable) -> None:
+        """A per-group pace: this group skips the next step, so no gradient may reach ``optimizer.step()``.
+
+        A loop that does not ask :meth:`trains` would train every step and be merged as if it trained only the steps
+        of its pace: neither the paced result nor the barrier's. The ranks of the group agree (one tiny sum inside
+        the group, on skipped steps only), so all of them raise together.
+
+        Raises:
+            RuntimeError: If a gradient of this group is not zero.
+        """
+        params = [p for group in optimizer.param_groups for p in group["params"]]  # type: ignore[attr-defined]
+        found = any(p.grad is not None and bool(p.grad.ne(0).any()) for p in params)
+        flag = torch.tensor([float(found)], device=self.root_device)  # type: ignore[attr-defined]
+        self.runtime.federation.communicator.sum_in_group(flag)
+        if flag.item() > 0:
+            step, group = self.runtime.step + 1, self.runtime.federation.communicator.group_index
+            raise RuntimeError(
+                f"Group {group} skips optimizer step {step} (a per-group pace, `pace={self.runtime.config.pace!r}`),"
+                " but `optimizer.step()` found gradients: the loop ran a backward pass on a step its group skips, and"
+                " the group would be merged as if it trained only the steps of its pace. Ask"
+                " `fabric.strategy.trains()` before the forward and backward of every step, and call `optimizer.step()`"
+                " either way (see docs/pace.md)."
+            )
 
     def join(self, state: dict[str, Any] | None = None, after_step: dict[str, Any] | None = None) -> int:
         """Elastic: enter the federation; returns the optimizer step to continue from (collective over the groups).
