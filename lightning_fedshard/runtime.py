@@ -69,6 +69,8 @@ class FederatedRuntime:
             :mod:`lightning_fedshard.core.listeners`); default: the compute-utilization clock.
         mesh: Builds this rank's federation mesh from the topology, the device type and the site blocks; default:
             process groups of the default world (:func:`~lightning_fedshard.core.mesh.build_federation_mesh`).
+        shape: How :meth:`describe` names the groups (default: the topology's groups x replicas x shards), e.g. a
+            simulation's groups on one device.
     """
 
     def __init__(
@@ -80,8 +82,10 @@ class FederatedRuntime:
         communicator: Callable[[FederationMesh], Communicator] | None = None,
         listeners: Sequence[SyncListener] | None = None,
         mesh: Callable[..., FederationMesh] | None = None,
+        shape: str | None = None,
     ) -> None:
         self.config = config
+        self.shape = shape
         self.hybrid = hybrid
         self.name = name
         self.backend = backend
@@ -129,7 +133,7 @@ class FederatedRuntime:
             shape = f"{self.topology.num_replicas} replica(s) x {self.topology.shard_size} shard(s)"
             return f"{self.name}: {elastic.describe(group, self.num_groups)}, {shape} here; {self.config.describe()}"
         one_group = " (one group: nothing to federate)" if self.syncs_are_identity else ""
-        return f"{self.name}: {self.topology}{one_group}; {self.config.describe()}"
+        return f"{self.name}: {self.shape or self.topology}{one_group}; {self.config.describe()}"
 
     @property
     def num_groups(self) -> int:
@@ -181,7 +185,7 @@ class FederatedRuntime:
         build = self._build_mesh or build_federation_mesh
         self._mesh = build(topology, device.type, self.config.site_blocks(topology.num_groups))
         self._federation = self._new_federation()
-        log.info(f"{self.name}: rank {self._mesh.rank} at {self._mesh.coords} of {topology}")
+        log.info(f"{self.name}: rank {self._mesh.rank} at {self._mesh.coords} of {self.shape or topology}")
 
     def _new_federation(self) -> Federation:
         """A federation over this rank's communicator: the mesh's, or (elastic) torchft's around the job's mesh."""

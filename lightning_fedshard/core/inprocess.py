@@ -234,12 +234,18 @@ class Baton:
         self._lock.release()
 
     def current_state(self) -> tuple[Any, ...]:
-        """The generator states of the group whose thread holds the baton (call it from that thread)."""
-        return _rng_state()
+        """The generator states of the group whose thread holds the baton (call it from that thread).
+
+        Made of tensors and plain Python values only, so a checkpoint holding them loads with ``weights_only=True``.
+        """
+        cpu, cuda, python, (name, keys, position, has_gauss, gauss) = _rng_state()
+        return cpu, cuda, python, (name, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, gauss)
 
     def restore_state(self, state: Sequence[Any]) -> None:
         """Set the generator states of the group whose thread holds the baton (call it from that thread)."""
-        _set_rng_state(state)
+        cpu, cuda, python, (name, keys, *rest) = state
+        keys = keys.numpy().astype(np.uint32) if isinstance(keys, Tensor) else keys
+        _set_rng_state((cpu, cuda, python, (name, keys, *rest)))
 
 
 def _rng_state() -> tuple[Any, ...]:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from lightning_fedshard._arguments import FederatedArguments
@@ -49,9 +51,12 @@ def main(argv: list[str] | None = None) -> Any:
         parser().print_help()
         return None
     from lightning_fedshard.cli import cli
-    from lightning_fedshard.simulate.simulator import Simulator
+    from lightning_fedshard.simulate.simulator import Simulator, _info_silenced, refuse_unsimulated
 
-    built = cli(rest, run=False, parser_kwargs={"prog": "fedshard simulate"})
+    # The arguments are passed on as `args`: LightningCLI would warn that the process has command-line arguments too.
+    # The Trainer it builds is not the one that trains: its "GPU available" lines would show twice.
+    with _command_line(sys.argv[:1]), _info_silenced():
+        built = cli(rest, run=False, parser_kwargs={"prog": "fedshard simulate"})
     trainer_args = dict(vars(built.config_init["trainer"]))
     strategy = trainer_args.pop("strategy")
     if not isinstance(strategy, FederatedArguments):
@@ -59,14 +64,19 @@ def main(argv: list[str] | None = None) -> Any:
             f"`trainer.strategy` is {strategy!r}: the simulator simulates a federated strategy ('fl_fsdp', 'fl_hsdp',"
             " ...) and takes its federation options."
         )
-    topology = strategy.runtime.resolve_topology(trainer_args.pop("num_nodes"), _devices(trainer_args.pop("devices")))
-    config = strategy.runtime.config
-    groups = own.groups or topology.num_groups
-    simulator = Simulator(
-        dataclasses.replace(config, num_groups=groups),
-        ranks_per_group=own.ranks_per_group or topology.group_size,
-        **trainer_args,
-    )
+    try:
+        refuse_unsimulated(strategy)
+        topology = strategy.runtime.resolve_topology(
+            trainer_args.pop("num_nodes"), _devices(trainer_args.pop("devices"))
+        )
+        groups = own.groups or topology.num_groups
+        simulator = Simulator(
+            dataclasses.replace(strategy.runtime.config, num_groups=groups),
+            ranks_per_group=own.ranks_per_group or topology.group_size,
+            **trainer_args,
+        )
+    except ValueError as error:  # a value of the command line or the config that cannot be simulated
+        parser().error(str(error))
     result = simulator.fit(built.model, datamodule=built.datamodule, ckpt_path=own.ckpt_path)
     picture = result.plot_validation()
     if picture is not None:
@@ -74,6 +84,16 @@ def main(argv: list[str] | None = None) -> Any:
     for name, value in sorted(result.metrics.items()):
         print(f"{name}: {value:.4g}")
     return result
+
+
+@contextmanager
+def _command_line(argv: list[str]) -> Iterator[None]:
+    saved = sys.argv
+    sys.argv = argv
+    try:
+        yield
+    finally:
+        sys.argv = saved
 
 
 def _devices(devices: Any) -> int:

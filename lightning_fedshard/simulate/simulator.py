@@ -32,6 +32,7 @@ from lightning_fedshard.core.mesh import FederationMesh
 from lightning_fedshard.core.sharding import UNSHARDED
 from lightning_fedshard.runtime import FederatedRuntime
 from lightning_fedshard.simulate.strategy import InProcessMesh, SimulatedStrategy
+from lightning_fedshard.trainer.strategy import refuse_pace_with_manual_optimization
 
 #: Trainer arguments the simulator sets itself: every group trains on one device of this process.
 _OWN_TRAINER_ARGS = ("strategy", "devices", "num_nodes")
@@ -213,6 +214,7 @@ class Simulator:
             datamodule: As ``Trainer.fit`` takes it (copied for every group).
             ckpt_path: A checkpoint this simulator wrote (``ModelCheckpoint`` or ``save_checkpoint``), to resume.
         """
+        refuse_pace_with_manual_optimization(model, self.config.pace)
         models = [model] + [copy.deepcopy(model) for _ in range(self.num_groups - 1)]
         datamodules = [datamodule] + [copy.deepcopy(datamodule) for _ in range(self.num_groups - 1)]
         groups = InProcessGroups(self.num_groups, self.config.site_blocks(self.num_groups))
@@ -242,6 +244,10 @@ class Simulator:
             name="fl_simulated",
             backend=UNSHARDED,
             mesh=lambda topology, device_type, sites: cast(FederationMesh, InProcessMesh(groups, group)),
+            shape=(
+                f"{self.num_groups} group(s) on one {device.type} device, a group's step the batches of"
+                f" {self.ranks_per_group} rank(s) (`ranks_per_group={self.ranks_per_group}`)"
+            ),
         )
         strategy = SimulatedStrategy(runtime, groups, group, device, baton, self.settings)
         callbacks = kwargs.pop("callbacks", None) or []
@@ -267,6 +273,17 @@ def _config_of(federation: FederationConfig | FederatedArguments) -> FederationC
         raise TypeError(
             f"`federation` must be a FederationConfig or a federated strategy, not {type(federation).__name__}."
         )
+    refuse_unsimulated(federation)
+    return config
+
+
+def refuse_unsimulated(federation: FederationConfig | FederatedArguments) -> None:
+    """Refuse the federation options a simulation cannot run, naming them.
+
+    Raises:
+        ValueError: For an elastic federation, a measured pace, or a strategy's ``plan`` check.
+    """
+    config = federation.runtime.config if isinstance(federation, FederatedArguments) else federation
     if config.elastic is not None:
         raise ValueError(
             "`elastic=...` is for groups that run as separate jobs and join over the network; the simulator runs a"
@@ -283,7 +300,6 @@ def _config_of(federation: FederationConfig | FederatedArguments) -> FederationC
             "`plan=...` checks a run's pace against a cluster's prediction; a simulation runs on one device and has"
             " no cluster pace to check. Drop `plan`."
         )
-    return config
 
 
 def _num_groups(config: FederationConfig, num_groups: int | None) -> int:

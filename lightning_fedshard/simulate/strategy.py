@@ -2,14 +2,16 @@
 
 Each group of a simulated federation is a Lightning ``Trainer`` running in a thread of its own with a
 :class:`SimulatedStrategy`. To Lightning the strategy is rank ``g`` of a world of ``num_groups`` ranks: the data
-loaders get a ``DistributedSampler`` for the group's part, metrics logged with ``sync_dist=True`` are averaged over
-the groups, only group 0 draws the progress bar and writes logs. The federation itself is the strategies' own
+loaders get a ``DistributedSampler`` for the group's part, validation metrics logged with ``sync_dist=True`` are
+averaged over the groups (training metrics stay each group's own, as on a cluster), only group 0 draws the progress
+bar and writes logs. The federation itself is the strategies' own
 (:class:`~lightning_fedshard.runtime.FederatedRuntime` with its :class:`~lightning_fedshard.OuterSync` callback) over
 an in-process communicator.
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,18 +20,25 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_fedshard.checkpoint.atomic import save_file
-from lightning_fedshard.core.inprocess import Baton, InProcessGroups
+from lightning_fedshard.core.inprocess import GROUP_THREAD_PREFIX, Baton, InProcessGroups
 from lightning_fedshard.core.topology import FederationTopology
 from lightning_fedshard.elastic.heal import cloned
 from lightning_fedshard.runtime import FederatedRuntime
-from lightning_fedshard.trainer.strategy import place_outer_sync_first, skipped_step_loss
+from lightning_fedshard.trainer.strategy import (
+    place_outer_sync_first,
+    refuse_pace_with_manual_optimization,
+    skipped_step_loss,
+)
 
 #: Version of the simulator's checkpoint files.
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
+#: The key of a checkpoint of the consensus under which the simulation (every group's own state) is stored.
+SIMULATION_KEY = "fedshard_simulation"
 
 
 class InProcessMesh:
@@ -140,6 +149,8 @@ class SimulatedStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         place_outer_sync_first(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            refuse_pace_with_manual_optimization(trainer.lightning_module, self.runtime.config.pace)
         assert self.model is not None
         self.model_to_device()
         self.model = self.runtime.wrap(self.model, lambda module: module)
@@ -161,7 +172,19 @@ class SimulatedStrategy(ParallelStrategy):
     # -- collectives over the groups' threads ------------------------------------------------------------------------
 
     def gather_objects(self, obj: Any) -> list[Any]:
-        """Every group's ``obj``, in group order (collective)."""
+        """Every group's ``obj``, in group order (collective).
+
+        Raises:
+            RuntimeError: When called outside the simulation's group threads (one group's ``Trainer`` used alone after
+                the simulation), where it would wait forever for the other groups.
+        """
+        if self.groups.num_groups > 1 and not threading.current_thread().name.startswith(GROUP_THREAD_PREFIX):
+            raise RuntimeError(
+                f"Group {self.group}'s Trainer met the other groups (a barrier, a broadcast or a metric reduced over"
+                " the groups) outside the simulation: the groups of a simulation run together, and alone it would wait"
+                " for them forever. Call `result.validate(...)`, `result.test(...)` or `result.run('predict', ...)`"
+                " of the `SimulationResult`, which run every group at once."
+            )
         return self.groups.host.exchange(self.group, obj, lambda posted: posted)
 
     @override
@@ -176,14 +199,14 @@ class SimulatedStrategy(ParallelStrategy):
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         """Sum or average a tensor over the groups (in group order: every group gets the same bits).
 
-        With a per-group pace a metric reduced while training stays in its group (a slow group skips steps), as on
-        the cluster: a group is one rank here, so it is the group's own value.
+        A metric reduced while training stays in its group, as on the cluster (groups do not meet between syncs): a
+        group is one rank here, so it is the group's own value.
         """
         if not isinstance(tensor, Tensor):
             return tensor
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None) if module is not None else None
-        if self.runtime.config.pace is not None and trainer is not None and trainer.training:
+        if trainer is not None and trainer.training:
             return tensor
         op = str(reduce_op).lower().removeprefix("reduceop.") if reduce_op is not None else "mean"
         posted = self.gather_objects(tensor.detach().clone())
@@ -213,8 +236,17 @@ class SimulatedStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Every group hands its state to group 0, which writes one file atomically (never half-written)."""
+        """Every group hands its state to group 0, which writes one file atomically (never half-written).
+
+        The file is a Lightning checkpoint of the consensus (``state_dict``, the loops, the hyper-parameters: what
+        ``LightningModule.load_from_checkpoint``, a plain ``Trainer`` and ``export_consensus`` read) holding every
+        group's own checkpoint beside it, which resuming the simulation reads.
+        """
         federation = self.runtime.federation
+        module = self.lightning_module
+        assert module is not None
+        with self.runtime.consensus_weights():  # collective with a mixing topology: every group takes part
+            consensus = {k: v.detach().clone() for k, v in module.state_dict().items()}
         mine = {
             **checkpoint,
             "fedshard_simulated": {
@@ -226,7 +258,11 @@ class SimulatedStrategy(ParallelStrategy):
         states = self.gather_objects(mine)
         if self.group == 0:
             Path(filepath).parent.mkdir(parents=True, exist_ok=True)
-            save_file({"version": CHECKPOINT_VERSION, "settings": self.settings, "groups": states}, Path(filepath))
+            simulation = {"version": CHECKPOINT_VERSION, "settings": self.settings, "groups": states}
+            # The consensus, as a checkpoint of the federation's model: each group's inner optimizer state is its own.
+            plain = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            save_file({**plain, "state_dict": consensus, "optimizer_states": [], SIMULATION_KEY: simulation},
+                      Path(filepath))  # fmt: skip
         self.barrier()
 
     @override
@@ -265,12 +301,14 @@ def all_(values: list[bool]) -> bool:
 
 
 def read_checkpoint(path: Path, settings: dict[str, Any], num_groups: int) -> dict[str, Any]:
-    """A simulation checkpoint, checked against this simulation's settings before anything is restored.
+    """Every group's own part of a simulation checkpoint, checked against this simulation's settings first.
 
     Raises:
         ValueError: If the file is not a simulation checkpoint, or was written with other settings.
     """
-    saved = torch.load(path, map_location="cpu", weights_only=False)
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    # Version 1 held the simulation alone; version 2 holds it inside a checkpoint of the consensus.
+    saved = checkpoint.get(SIMULATION_KEY, checkpoint) if isinstance(checkpoint, dict) else None
     if not isinstance(saved, dict) or "groups" not in saved or "settings" not in saved:
         raise ValueError(f"{str(path)!r} is not a checkpoint of `fedshard simulate` (it holds no groups).")
     differences = {

@@ -78,3 +78,41 @@ def test_help_names_its_own_options_and_defers_the_rest_to_fit(capsys: pytest.Ca
     out = capsys.readouterr().out
     assert exit.value.code == 0
     assert "--groups" in out and "--ranks_per_group" in out and "`fedshard fit` argument" in out
+
+
+def _paced_hsdp(**extra: object) -> dict:
+    args = {"num_groups": 2, "shard_size": 1, "sync_every": 2, "reduce_dtype": "float32", **extra}
+    return {"class_path": "lightning_fedshard.FLHSDPStrategy", "init_args": args}
+
+
+def test_a_plan_check_is_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = _config(tmp_path, _paced_hsdp(plan="leonardo-512"))
+    with pytest.raises(SystemExit) as exit:
+        main(["--config", str(config)])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "`plan=...` checks a run's pace" in err and "Traceback" not in err
+
+
+def test_groups_that_a_pace_does_not_fit_are_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pace = {"class_path": "lightning_fedshard.Pace", "init_args": {"speeds": [1.0, 0.5]}}
+    with pytest.raises(SystemExit) as exit:
+        main(["--config", str(_config(tmp_path, _paced_hsdp(pace=pace))), "--groups", "3"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "fedshard simulate: error:" in err and "Traceback" not in err
+    assert "3" in err and "speeds" in err
+
+
+def test_a_run_says_what_it_simulates_once_and_nothing_the_user_did_not_cause(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, recwarn: pytest.WarningsRecorder, monkeypatch
+) -> None:
+    monkeypatch.setattr("sys.argv", ["fedshard", "simulate", "--config", "x.yaml"])  # as the console script sees it
+    with caplog.at_level("INFO"):
+        main(["--config", str(_config(tmp_path, _paced_hsdp()))])
+    assert sum("GPU available" in r.getMessage() for r in caplog.records) == 1
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fl_simulated:")]
+    summary = [line for line in lines if "outer step every" in line]
+    assert len(summary) == 1 and "a group's step the batches of 2 rank(s) (`ranks_per_group=2`)" in summary[0]
+    assert not any("replica(s)" in line for line in lines), lines
+    assert not [w for w in recwarn if "command line arguments" in str(w.message)]

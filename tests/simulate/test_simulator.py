@@ -145,3 +145,57 @@ def test_the_boring_model_with_the_trainers_defaults_fits_then_validates_and_tes
     assert len(result.validate()) == 1 and len(result.test()) == 1  # one result per dataloader, groups in step
     assert all(t.validate_loop.batch_progress.total.completed == 32 for t in result.trainers)  # each its half of 64
     assert all(torch.equal(a, b) for a, b in zip(*(m.parameters() for m in result.modules)))
+
+
+class _Manual(Module):
+    """Steps its optimizer itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        optimizer.step()
+
+
+def test_a_pace_with_manual_optimization_is_refused_before_any_group_is_built() -> None:
+    simulator = Simulator(FederationConfig(num_groups=2, sync_every=4, pace=Pace(speeds=(1.0, 0.5))), max_steps=8,
+                          **QUIET)  # fmt: skip
+    with pytest.raises(ValueError, match=r"manual optimization \(`automatic_optimization = False`\)"):
+        simulator.fit(_Manual(), data())
+    # without a pace, manual optimization trains (each `optimizer.step()` counts one step)
+    result = Simulator(FederationConfig(num_groups=2, sync_every=4), max_steps=8, enable_checkpointing=False,
+                       **QUIET).fit(_Manual(), data())  # fmt: skip
+    assert result.trainers[0].global_step == 8
+
+
+def test_a_checkpoint_is_a_lightning_checkpoint_of_the_consensus(tmp_path: Path) -> None:
+    """``load_from_checkpoint``, ``torch.load(...)["state_dict"]`` and ``export_consensus`` read the consensus."""
+    from lightning_fedshard import export_consensus
+
+    every = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=3, save_top_k=-1)
+    config = FederationConfig(num_groups=3, sync_every=2, reduce_dtype="float32")
+    result = fit(6, callbacks=[every], config=config)
+    # step 6 ends with a sync: every group holds the consensus
+    loaded = Module.load_from_checkpoint(tmp_path / "step=6.ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), result.modules[0].parameters()))
+    exported = torch.load(export_consensus(tmp_path / "step=6.ckpt", tmp_path / "export"))
+    assert all(torch.equal(exported[k], v) for k, v in result.modules[0].state_dict().items())
+    # step 3 is mid-round: the file's model is the anchor of the sync at step 2, not group 0's own weights
+    mid = torch.load(tmp_path / "step=3.ckpt", weights_only=False)
+    own = mid["fedshard_simulation"]["groups"][0]["state_dict"]
+    assert mid["global_step"] == 3 and mid["pytorch-lightning_version"] and mid["optimizer_states"] == []
+    assert any(not torch.equal(mid["state_dict"][k], own[k]) for k in own), "the file holds group 0's own weights"
+    anchors = [mid["fedshard_simulation"]["groups"][g]["fedshard_simulated"]["federation"] for g in range(3)]
+    assert anchors[0] is not None
+
+
+def test_one_groups_trainer_alone_after_the_simulation_fails_fast_naming_the_result_methods() -> None:
+    result = fit(4, enable_checkpointing=False)
+    val = DataLoader(IndexedRegression(24, seed=7), batch_size=4)
+    with pytest.raises(RuntimeError, match=r"outside the simulation.*`result.validate\(...\)`"):
+        result.trainers[0].validate(result.modules[0], val)
+    assert len(result.validate(val)) == 1  # every group at once
