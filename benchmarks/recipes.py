@@ -62,6 +62,7 @@ class Recipe:
     options: dict[str, Any] = field(default_factory=dict)
     groups: int = GROUPS
     ranks_per_group: int = 1
+    steps: int = STEPS
 
     def federation(self) -> Any:
         """The options as the simulator takes them (outer optimizers given by name and learning rate)."""
@@ -98,7 +99,7 @@ class Recipe:
             "batch": BATCH,
             "seq_len": SEQ_LEN,
             "sync_every": SYNC_EVERY,
-            "steps": STEPS,
+            "steps": self.steps,
             "val_every": VAL_EVERY,
             "val_windows": VAL_WINDOWS,
             "lr": LR,
@@ -144,7 +145,7 @@ RECIPES = {
 }
 
 
-def run_one(recipe: Recipe, seed: int, work: Path) -> dict[str, Any]:
+def run_one(recipe: Recipe, seed: int, work: Path, module: str = "benchmarks.recipes") -> dict[str, Any]:
     """Run (or resume) one simulation and return its result (the validation curve and what it cost)."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -164,7 +165,7 @@ def run_one(recipe: Recipe, seed: int, work: Path) -> dict[str, Any]:
         recipe.federation(),
         ranks_per_group=recipe.ranks_per_group,
         accelerator="cpu",
-        max_steps=STEPS,
+        max_steps=recipe.steps,
         val_check_interval=VAL_EVERY,
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
@@ -192,7 +193,7 @@ def run_one(recipe: Recipe, seed: int, work: Path) -> dict[str, Any]:
         "cpu_seconds": cpu,
         "resumed": resumed,  # the wall and CPU time then count from the resume
         "finished_at": time.time(),
-        "command": f"PYTHONPATH=. python -m benchmarks.recipes --only {recipe.name} --seeds {seed}",
+        "command": f"PYTHONPATH=. python -m {module} --only {recipe.name} --seeds {seed}",
     }
 
 
@@ -211,9 +212,9 @@ def _validation_curve(metrics: Path) -> list[list[float]]:
     return [[step, seen[step]] for step in sorted(seen)]
 
 
-def result_path(name: str, seed: int) -> Path:
-    """Where the result of one run goes."""
-    return RESULTS / f"{name}-s{seed}.json"
+def result_path(name: str, seed: int, results: Path | None = None) -> Path:
+    """Where the result of one run goes (in ``results``, default: the study's folder)."""
+    return (RESULTS if results is None else results) / f"{name}-s{seed}.json"
 
 
 def load_results() -> list[dict[str, Any]]:
@@ -227,7 +228,9 @@ def load_results() -> list[dict[str, Any]]:
     return results
 
 
-def pending(names: list[str], seeds: list[int]) -> list[tuple[str, int]]:
+def pending(
+    names: list[str], seeds: list[int], recipes: dict[str, Recipe] | None = None, results: Path | None = None
+) -> list[tuple[str, int]]:
     """The runs still to do, seed-major (every recipe's first seed before any second one).
 
     Raises:
@@ -236,31 +239,47 @@ def pending(names: list[str], seeds: list[int]) -> list[tuple[str, int]]:
     todo = []
     for seed in seeds:
         for name in names:
-            path = result_path(name, seed)
+            path = result_path(name, seed, results)
             if not path.exists():
                 todo.append((name, seed))
                 continue
-            if json.loads(path.read_text())["settings"] != RECIPES[name].settings():
+            if json.loads(path.read_text())["settings"] != (recipes or RECIPES)[name].settings():
                 raise ValueError(f"{path} holds a run with other settings than recipe {name!r}; remove it to rerun.")
     return todo
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Command line entry point: run what is missing, two runs at a time."""
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--work", type=Path, default=Path("/tmp/fedshard-recipes"), help="checkpoints and logs")
-    parser.add_argument("--only", nargs="*", choices=sorted(RECIPES), help="recipes to run (default: all)")
+def main(
+    argv: list[str] | None = None,
+    recipes: dict[str, Recipe] | None = None,
+    results: Path | None = None,
+    module: str = "benchmarks.recipes",
+    description: str | None = None,
+) -> None:
+    """Command line entry point: run what is missing, two runs at a time.
+
+    Args:
+        argv: The command line (default: ``sys.argv``).
+        recipes: The study's recipes, by name.
+        results: Where each run's result goes.
+        module: The module a run is started as (``python -m module --one RECIPE SEED``).
+        description: The study's one-line description.
+    """
+    recipes, results = recipes or RECIPES, results or RESULTS
+    parser = argparse.ArgumentParser(description=description or (__doc__ or "").splitlines()[0])
+    parser.add_argument("--work", type=Path, default=Path(f"/tmp/fedshard-{module.rsplit('.', 1)[-1]}"),
+                        help="checkpoints and logs")  # fmt: skip
+    parser.add_argument("--only", nargs="*", choices=sorted(recipes), help="recipes to run (default: all)")
     parser.add_argument("--seeds", nargs="*", type=int, default=list(SEEDS))
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time (one core each)")
     parser.add_argument("--one", nargs=2, metavar=("RECIPE", "SEED"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one is not None:
         name, seed = args.one[0], int(args.one[1])
-        result = run_one(RECIPES[name], seed, args.work)
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        result_path(name, seed).write_text(json.dumps(result, indent=1) + "\n")
+        result = run_one(recipes[name], seed, args.work, module)
+        results.mkdir(parents=True, exist_ok=True)
+        result_path(name, seed, results).write_text(json.dumps(result, indent=1) + "\n")
         return
-    todo = pending(args.only or list(RECIPES), args.seeds)
+    todo = pending(args.only or list(recipes), args.seeds, recipes, results)
     print(f"{len(todo)} run(s) to do: {', '.join(f'{n}-s{s}' for n, s in todo)}", flush=True)
     running: list[tuple[str, subprocess.Popen[bytes]]] = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
@@ -269,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
             name, seed = todo.pop(0)
             log = args.work / f"{name}-s{seed}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
-            command = [sys.executable, "-m", "benchmarks.recipes", "--work", str(args.work), "--one", name, str(seed)]
+            command = [sys.executable, "-m", module, "--work", str(args.work), "--one", name, str(seed)]
             running.append((f"{name}-s{seed}", subprocess.Popen(command, env=env, stdout=log.open("wb"), stderr=-2)))
         time.sleep(5)
         for label, proc in list(running):

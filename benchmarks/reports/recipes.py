@@ -329,28 +329,41 @@ def _row(target_id: str, what: str, measured: float | None, bound: float, runs: 
 MEASURED_MODULE = Path(__file__).parents[2] / "lightning_fedshard" / "plan" / "measured.py"
 
 
-def planner_factors(results: list[dict[str, Any]]) -> dict[tuple[object, ...], tuple[float, str, tuple[float, ...]]]:
-    """``{option key: (median factor, recipe, per-seed factors)}`` of every recipe the planner can express.
+def planner_factors(
+    results: list[dict[str, Any]],
+) -> dict[tuple[object, ...], tuple[float, str, tuple[float, ...], bool]]:
+    """``{option key: (median factor, recipe, per-seed factors, looser)}`` of every recipe the planner can express.
 
-    A recipe counts when every seed reached float32 fedavg's final loss and its options are ones the planner sets
-    (a named codec, ``"fedavg"`` or ``"nesterov"`` at its default learning rate, or plain FSDP).
+    A recipe's factor per seed is its tokens to float32 fedavg's final loss over fedavg's; where a seed never reached
+    that loss within the run, the factor at the looser target it did reach, its own final loss (:func:`at_own_final`;
+    ``looser`` is then true: the factor at the real target is larger). Its options must be ones the planner sets (a
+    named codec, ``"fedavg"`` or ``"nesterov"`` at its default learning rate, or plain FSDP).
     """
     runs = by_recipe(results)
-    out: dict[tuple[object, ...], tuple[float, str, tuple[float, ...]]] = {}
+    out: dict[tuple[object, ...], tuple[float, str, tuple[float, ...], bool]] = {}
     for name, recipe in RECIPES.items():
-        per_seed = ratios(runs, name, REFERENCE)
-        if not per_seed or any(v is None for v in per_seed.values()):
-            continue
         key = _planner_key(recipe)
-        if key is not None:
-            values = tuple(float(v) for _, v in sorted(per_seed.items()) if v is not None)
-            out[key] = (statistics.median(values), name, values)
+        reached = ratios(runs, name, REFERENCE)
+        if key is None or not reached:
+            continue
+        above = at_own_final(runs, name, REFERENCE)
+        per_seed = {seed: value if value is not None else above.get(seed) for seed, value in reached.items()}
+        if any(v is None for v in per_seed.values()):
+            continue  # a seed that did not even reach its own final loss against the reference: nothing measured
+        values = tuple(round(float(v), 4) for _, v in sorted(per_seed.items()) if v is not None)
+        out[key] = (round(statistics.median(values), 4), name, values, bool(above))
     return out
+
+
+#: Recipe options the planner's keys carry (a recipe with any other, e.g. a pace, is not the planner's setup).
+PLANNER_OPTIONS = frozenset({"reduce_dtype", "outer", "sync_delay", "eager_updates", "fragments"})
 
 
 def _planner_key(recipe: Any) -> tuple[object, ...] | None:
     if recipe.groups == 1:
         return ("fsdp",)
+    if set(recipe.options) - PLANNER_OPTIONS:
+        return None
     outer = recipe.options.get("outer")
     if outer not in (None, (0.7,)):
         return None  # a learning rate the planner's names do not carry
@@ -379,13 +392,19 @@ def write_planner_factors(results: list[dict[str, Any]], path: Path = MEASURED_M
         '"""Tokens-to-target factors measured by the recipe study (written by ``python -m benchmarks.report``)."""',
         "",
         f"STUDY = {_literal(study)}  # noqa: E501",
-        "FACTORS: dict[tuple[object, ...], tuple[float, str, tuple[float, ...]]] = {",
-        *(f"    {_literal(k)}: {_literal(v)}," for k, v in sorted(factors.items(), key=lambda kv: kv[1][1])),
+        "#: {option key: (median factor, recipe, per-seed factors, measured at the recipe's own final loss)}",
+        "FACTORS: dict[tuple[object, ...], tuple[float, str, tuple[float, ...], bool]] = {",
+        *(_fit_line(f"    {_literal(k)}: {_literal(v)},") for k, v in sorted(factors.items(), key=lambda kv: kv[1][1])),
         "}",
         "",
     ]
     path.write_text("\n".join(lines))
     return path
+
+
+def _fit_line(line: str) -> str:
+    """A generated line, marked for the linter when it is longer than the project's 120 characters."""
+    return f"{line}  # noqa: E501" if len(line) > 120 else line
 
 
 def _literal(value: Any) -> str:

@@ -13,13 +13,15 @@ tokens per group step:
 Over ``rounds`` rounds of a *measured* pace the first round is the barrier's (nothing was measured yet): the pace is
 then the tokens of both kinds of round over their time.
 
-Pure arithmetic, no Lightning.
+Pure arithmetic on the planner's predictions, no Lightning.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from lightning_fedshard.plan.predict import Prediction
 
 
 @dataclass(frozen=True)
@@ -78,3 +80,22 @@ def heterogeneous_pace(
     pace = tokens * tokens_per_group_step / (first[1] + later * paced_round[1])
     attainable = sum(tokens_per_group_step / t for t in step_seconds)
     return HeterogeneousPace(barrier=barrier, pace=pace, attainable=attainable, steps=steps)
+
+
+def heterogeneous(p: Prediction, node_speeds: Sequence[float]) -> HeterogeneousPace | None:
+    """A federated prediction's pace when its nodes compute at ``node_speeds`` (a group at its slowest node's).
+
+    A slower node stretches a step's compute only: a step bound by its collectives or a run bound by its syncs
+    loses less to it than a compute-bound one.
+    """
+    if not p.setup.federated:
+        return None
+    groups = p.topology.num_groups
+    per_group = len(node_speeds) // groups
+    speeds = [min(node_speeds[g * per_group : (g + 1) * per_group]) for g in range(groups)]
+    training = p.step_seconds - p.exposed_sync_seconds  # a step without its share of the sync
+    others = training - p.compute_seconds
+    tokens = p.tokens_per_second * p.step_seconds / groups
+    sync = p.exposed_sync_seconds * p.setup.federation.sync_every
+    steps = [p.compute_seconds / v + others for v in speeds]
+    return heterogeneous_pace(steps, tokens, p.setup.federation.sync_every, sync_seconds=sync)

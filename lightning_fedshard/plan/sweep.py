@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
+from lightning_fedshard.plan.hetero import heterogeneous
 from lightning_fedshard.plan.predict import Prediction, predict
 from lightning_fedshard.plan.quality import tokens_to_target
 from lightning_fedshard.plan.specs import ClusterSpec, ModelSpec, TrainSetup
@@ -119,6 +120,7 @@ def sweep(
     base: TrainSetup,
     top: int = 10,
     rank: str = "tokens_per_s",
+    node_speeds: Sequence[float] | None = None,
     **grid: Sequence,
 ) -> list[Prediction]:
     """The ``top`` federated setups among those that fit in device memory, best first.
@@ -127,7 +129,9 @@ def sweep(
     send between nodes, fewest first. A larger ``sync_every`` or a coarser ``reduce_dtype`` may cost perplexity per
     token, which this ignores. ``rank="time_to_target"``: the setups whose sync options have a measured
     tokens-to-target factor (:mod:`~lightning_fedshard.plan.quality`) by ``factor / tokens per second``, then the
-    others by tokens/s.
+    others by tokens/s. With ``node_speeds`` (each node's speed relative to the cluster's device) the tokens/s are
+    the barrier's with those speeds (:func:`~lightning_fedshard.plan.hetero.heterogeneous`): a slow node slows a
+    compute-bound setup more than one bound by its links.
 
     Raises:
         ValueError: If the given ``num_groups`` or ``shard_size`` of ``base`` cannot cut the cluster's ranks, or for
@@ -152,10 +156,11 @@ def sweep(
     if not predictions:
         return []
     # Within 0.5% of each other, setups are equally fast: prefer the one that sends fewer bytes between nodes.
-    best = max(p.tokens_per_second for p in predictions)
-    predictions.sort(key=lambda p: (-math.floor(p.tokens_per_second / best * 200), p.link_bytes_per_step))
+    speed = {id(p): throughput(p, node_speeds) for p in predictions}
+    best = max(speed.values())
+    predictions.sort(key=lambda p: (-math.floor(speed[id(p)] / best * 200), p.link_bytes_per_step))
     if rank == "time_to_target":
-        predictions.sort(key=_time_to_target_order)  # stable: the unmeasured keep their throughput order
+        predictions.sort(key=lambda p: _time_to_target_order(p, node_speeds))  # stable: the unmeasured keep order
     return predictions[:top]
 
 
@@ -163,12 +168,20 @@ def sweep(
 RANKS = ("tokens_per_s", "time_to_target")
 
 
-def relative_time_to_target(prediction: Prediction) -> float | None:
+def throughput(prediction: Prediction, node_speeds: Sequence[float] | None = None) -> float:
+    """Predicted tokens/s; with ``node_speeds``, the barrier's with nodes of those speeds."""
+    if node_speeds is None:
+        return prediction.tokens_per_second
+    paced = heterogeneous(prediction, node_speeds)
+    return prediction.tokens_per_second if paced is None else paced.barrier
+
+
+def relative_time_to_target(prediction: Prediction, node_speeds: Sequence[float] | None = None) -> float | None:
     """Measured tokens-to-target factor over predicted tokens/s (seconds per target token), or ``None``."""
     measured = tokens_to_target(prediction.setup)
-    return None if measured is None else measured.factor / prediction.tokens_per_second
+    return None if measured is None else measured.factor / throughput(prediction, node_speeds)
 
 
-def _time_to_target_order(prediction: Prediction) -> tuple[int, float]:
-    time = relative_time_to_target(prediction)
+def _time_to_target_order(prediction: Prediction, node_speeds: Sequence[float] | None) -> tuple[int, float]:
+    time = relative_time_to_target(prediction, node_speeds)
     return (1, 0.0) if time is None else (0, time)

@@ -11,9 +11,9 @@ from lightning_fedshard.plan import CLUSTERS, MODELS, TrainSetup, quality, sweep
 from lightning_fedshard.plan.sweep import relative_time_to_target
 
 FACTORS = {
-    (8, 1, "float32", 0, None, "fedavg"): (1.0, "fedavg_f32", (1.0, 1.0)),
-    (8, 1, "int4", 0, None, "fedavg"): (1.5, "int4ef", (1.4, 1.6)),
-    ("fsdp",): (0.9, "fsdp", (0.9, 0.9)),
+    (8, 1, "float32", 0, None, "fedavg"): (1.0, "fedavg_f32", (1.0, 1.0), False),
+    (8, 1, "int4", 0, None, "fedavg"): (1.5, "int4ef", (1.4, 1.6), True),
+    ("fsdp",): (0.9, "fsdp", (0.9, 0.9), False),
 }
 
 
@@ -24,7 +24,7 @@ def _factors(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_setup_gets_the_factor_of_its_sync_options_and_only_those() -> None:
     int4 = TrainSetup("fl_fsdp", FederationConfig(sync_every=8))
-    assert quality.tokens_to_target(int4) == quality.TokensToTarget(1.5, "int4ef", (1.4, 1.6))
+    assert quality.tokens_to_target(int4) == quality.TokensToTarget(1.5, "int4ef", (1.4, 1.6), looser=True)
     assert quality.tokens_to_target(TrainSetup("fsdp")).factor == 0.9  # type: ignore[union-attr]
     assert quality.tokens_to_target(TrainSetup("fl_fsdp", FederationConfig(sync_every=32))) is None
     nesterov = TrainSetup("fl_fsdp", FederationConfig(sync_every=8, outer_optimizer="nesterov"))
@@ -46,3 +46,27 @@ def test_the_sweep_ranks_measured_setups_by_time_to_target_then_the_others_by_to
     assert [p.setup for p in ranked[len(measured) :]] == unmeasured  # in the throughput ranking's order
     with pytest.raises(ValueError, match="`rank='perplexity'` must be one of"):
         sweep(model, cluster, replace(base), rank="perplexity")
+
+
+def test_node_speeds_rank_by_the_barriers_pace_a_slow_node_hurting_compute_bound_setups_most() -> None:
+    """A slow link (50 Mbit/s): float32 syncs are link-bound, int4 ones compute-bound (factors 1.0 and 1.5 here)."""
+    from lightning_fedshard.plan.command import _cluster
+
+    cluster = _cluster("emulated-4x2", None, None, None, None, 0.1, None, None, None, 0.05, None, None, None)
+    base = TrainSetup("fl_fsdp", micro_batch=4, param_bytes=4, grad_bytes=4, federation=FederationConfig(num_groups=4))
+    grid = dict(sync_every=(8,), fragments=(1,), reduce_dtypes=("float32", "int4"), sync_delays=(0,))
+    grid["eager_updates"] = (False,)
+    even = sweep(MODELS["xs"], cluster, base, top=10, rank="time_to_target", **grid)
+    slow = sweep(MODELS["xs"], cluster, base, top=10, rank="time_to_target", node_speeds=[1, 1, 1, 0.1], **grid)
+    dtypes = [[str(p.setup.federation.effective_reduce_dtype) for p in ranked] for ranked in (even, slow)]
+    assert dtypes[0][0] == "int4" and dtypes[1][0] == "float32", dtypes
+    with_speeds = [relative_time_to_target(p, [1, 1, 1, 0.1]) for p in slow]
+    assert all(t is not None and t > relative_time_to_target(p) for t, p in zip(with_speeds, slow))  # type: ignore[operator]
+
+
+def test_a_factor_measured_at_a_looser_target_is_marked_in_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_fedshard.plan.command import plan
+
+    plan(model="xs", cluster="emulated-4x2", sweep=True, top=30, num_groups=4)
+    out = capsys.readouterr().out
+    assert "(1.500* tokens)" in out and "(1.000 tokens)" in out and "a factor marked * is measured" in out
