@@ -173,8 +173,9 @@ class FederationConfig:
             or ``on_nonfinite`` policy, the outer period not divisible by ``fragments``, ``sync_delay`` outside ``[0,
             period / fragments)``, ``merge_alpha`` outside ``[0, 1]``, ``quant_block_size < 1``, a
             ``quant_block_size`` with a codec that does not use it (``"sparse"``, a codec object),
-            ``error_feedback=False`` with ``"sparse"``, ``error_feedback=True`` or ``"weights"`` with a float
-            ``reduce_dtype``, error feedback with a mixing, or two options that do not compose (see above).
+            ``error_feedback=False`` with a sparse codec (``"sparse"``, ``SparseLoCo``) that drops values,
+            ``error_feedback=True`` or ``"weights"`` with a float ``reduce_dtype``, error feedback with a mixing, or two
+            options that do not compose (see above).
     """
 
     num_groups: int | None = None
@@ -266,13 +267,14 @@ class FederationConfig:
                 f" `lightning_fedshard.{type(codec).__name__}({_size_argument(codec)}=...)` (in YAML a `class_path`"
                 " with `init_args`)."
             )
-        if self.error_feedback is False and isinstance(codec, SparseTopK) and codec.kept < codec.chunk_size:
-            lost = Fraction(codec.chunk_size - codec.kept, codec.chunk_size)
+        sent = _sent_per_chunk(codec)
+        if self.error_feedback is False and sent is not None and sent[0] < sent[1]:
+            kept, chunk = sent
             raise ValueError(
-                f"`reduce_dtype={self.reduce_dtype!r}` with `error_feedback=False` sends {codec.kept} of every"
-                f" {codec.chunk_size} values and drops the others for good: {lost} of every update would be lost."
-                " Leave `error_feedback` unset (on with 'sparse'), set it to True, or use 'int8' / 'int4'"
-                " (which send every value)."
+                f"`reduce_dtype={self.reduce_dtype!r}` with `error_feedback=False` sends {kept} of every"
+                f" {chunk} values and drops the others for good: {Fraction(chunk - kept, chunk)} of every update would"
+                " be lost. Leave `error_feedback` unset (on with a sparse codec), set it to True, or use 'int8' /"
+                " 'int4' (which send every value)."
             )
 
     def _check_pace(self) -> None:
@@ -380,7 +382,12 @@ class FederationConfig:
     def describe(self) -> str:
         """The sync options in one line, e.g. for the log at the start of training."""
         outer = self.outer_optimizer if isinstance(self.outer_optimizer, str) else repr(self.outer_optimizer)
-        dtype = self.codec.describe()
+        codec = self.codec
+        dtype = (
+            codec.describe(feedback=self.error_feedback is not False)
+            if isinstance(codec, SparseLoCo)
+            else codec.describe()
+        )
         if self.mixing is not None and not self.codec.exact:
             dtype += " mix messages, what they drop kept in the weights"
         elif self.compressed:
@@ -485,6 +492,15 @@ class FederationConfig:
         block_size = None if isinstance(self.reduce_dtype, Codec) else self.quant_block_size
         feedback = self.error_feedback if isinstance(self.error_feedback, bool) else self.feedback_in_weights or None
         return make_reducer(self.effective_reduce_dtype, block_size, feedback, residual_device)
+
+
+def _sent_per_chunk(codec: Codec) -> tuple[int, int] | None:
+    """``(values sent, values)`` of each chunk of a sparse codec (``SparseTopK``, ``SparseLoCo``), else ``None``."""
+    if isinstance(codec, SparseTopK):
+        return codec.kept, codec.chunk_size
+    if isinstance(codec, SparseLoCo):
+        return codec.top_k, codec.chunk_size
+    return None
 
 
 def _size_argument(codec: ChunkCodec) -> str:

@@ -1,4 +1,7 @@
-"""How a sync mode says that it does not run an option (standard library only: the elastic options declare one)."""
+"""How a sync mode says that it does not run an option, or runs it but advises against it.
+
+Standard library only: the elastic options declare one too.
+"""
 
 from __future__ import annotations
 
@@ -17,3 +20,14 @@ class Refusal:
 
     reason: str
     impossible: bool = False
+
+
+@dataclass(frozen=True)
+class Advice:
+    """Why a sync mode runs an option but advises against it: the pair trains, worse than either option alone.
+
+    Attributes:
+        reason: One clause saying why, with what was measured, for the warning and the compatibility table.
+    """
+
+    reason: str

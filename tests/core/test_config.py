@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 
+from lightning_fedshard import SparseLoCo
 from lightning_fedshard._arguments import FederatedArguments
 from lightning_fedshard.core.config import FederationConfig, resolve_outer_optimizer
 from lightning_fedshard.core.reducers import AllReduceSum
@@ -188,6 +189,9 @@ def test_merge_alpha_is_refused_with_a_mixing_that_has_no_anchor_to_merge_toward
         (dict(reduce_dtype="sparse", error_feedback=False),
          "`reduce_dtype='sparse'` with `error_feedback=False` sends 64 of every 4096 values and drops the others for"
          " good: 63/64 of every update would be lost."),
+        (dict(reduce_dtype=SparseLoCo(), error_feedback=False),
+         "with `error_feedback=False` sends 64 of every 4096 values and drops the others for good: 63/64 of every"
+         " update would be lost."),
     ],
 )  # fmt: skip
 def test_sparse_options_that_would_do_nothing_useful_are_refused(kwargs, message):
@@ -203,6 +207,9 @@ def test_sparse_keeps_its_valid_neighbours():
     assert FederationConfig(reduce_dtype="sparse", error_feedback="weights").feedback_in_weights
     # Nothing is dropped when every value is sent: no feedback is then a choice, not a loss.
     assert FederationConfig(reduce_dtype=SparseTopK(density=1.0), error_feedback=False).reducer().feedback is None
+    every = FederationConfig(reduce_dtype=SparseLoCo(top_k=8, chunk_size=8), error_feedback=False)
+    assert every.reducer().feedback is None and "feedback decay" not in every.describe()
+    assert "feedback decay 0.95" in FederationConfig(reduce_dtype=SparseLoCo()).describe()
     assert FederationConfig(reduce_dtype="int4", quant_block_size=64).codec.block_size == 64
 
 

@@ -1,14 +1,17 @@
 """Which sync options compose, derived from what each sync mode declares it refuses.
 
 A *switch* is one option set away from its default (``fragments > 1``, ``eager_updates``, an outer topology, ...).
-Each sync mode (a round, or the elastic federation) declares the switches it refuses, with a :class:`Refusal`: why,
-and whether the pair is impossible or only not built yet. A configuration is refused when a switch it sets refuses
-another one it sets; everything else composes. :func:`check_compatible` raises for the first such pair, naming only
-the two options at fault; :func:`compatibility_table` renders the same declarations as the table in the docs.
+Each sync mode (a round, a codec, or the elastic federation) declares the switches it refuses, with a
+:class:`Refusal`: why, and whether the pair is impossible or only not built yet; and the switches it runs with but
+advises against, with an :class:`Advice` that says what was measured. A configuration is refused when a switch it sets
+refuses another one it sets; everything else composes. :func:`check_compatible` raises for the first such pair, naming
+only the two options at fault, and warns for each pair advised against; :func:`compatibility_table` renders the same
+declarations as the table in the docs.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +20,7 @@ from lightning_fedshard.core.codecs import SparseLoCo
 from lightning_fedshard.core.elastic import Elastic
 from lightning_fedshard.core.outer_topology import Gossip, Hierarchical, Mixing, Sampled, resolve_outer_topology
 from lightning_fedshard.core.pace import Pace
+from lightning_fedshard.core.refusal import Advice
 from lightning_fedshard.core.rounds.base import Refusal
 from lightning_fedshard.core.rounds.eager import EagerRound
 from lightning_fedshard.core.rounds.mixing import MixingRound
@@ -165,6 +169,11 @@ MODES: Mapping[str, Mapping[str, Refusal]] = {
     "sparseloco": SparseLoCo.refuses,
 }
 
+#: The sync modes that run with some switches but advise against them, by the switch that selects them.
+ADVICE: Mapping[str, Mapping[str, Advice]] = {
+    "sparseloco": SparseLoCo.advises_against,
+}
+
 #: Switches that are alternatives of one option: never set together, so not a pair of the table.
 ALTERNATIVES: tuple[frozenset[str], ...] = (
     frozenset({"hierarchical", "gossip", "sampled", "sampled_outer_step", "mixing"}),
@@ -180,34 +189,59 @@ def refusal(a: str, b: str) -> tuple[str, Refusal] | None:
     return None
 
 
+def advice(a: str, b: str) -> tuple[str, Advice] | None:
+    """Whether a mode advises against switches ``a`` and ``b`` together: ``None``, or the mode, and why."""
+    for mode, other in ((a, b), (b, a)):
+        declared = ADVICE.get(mode, {}).get(other)
+        if declared is not None:
+            return mode, declared
+    return None
+
+
 def check_compatible(config: Config) -> None:
-    """Raise ``ValueError`` for the first pair of switches ``config`` sets that a mode refuses.
+    """Raise ``ValueError`` for the first pair of switches ``config`` sets that a mode refuses; warn of the others.
 
     The message names the two options as given, says which to drop, and whether the pair is impossible (and why) or
-    not built yet.
+    not built yet. A pair that a mode runs but advises against gets a ``UserWarning`` that says what was measured.
     """
-    by_name = {s.name: s for s in SWITCHES}
     on = [s for s in SWITCHES if s.is_set(config)]
     for i, first in enumerate(on):
         for second in on[i + 1 :]:
+            _warn_if_advised_against(config, first, second)
             found = refusal(first.name, second.name)
-            if found is None:
-                continue
-            mode, why = found
-            refused = by_name[second.name if mode == first.name else first.name]
-            chosen = by_name[mode]
-            kind = "cannot be combined" if why.impossible else "are not built to run together yet"
-            raise ValueError(
-                f"{chosen.given(config)} and {refused.given(config)} {kind}: {why.reason}. Drop one of them"
-                f" ({refused.default}, or {chosen.default}); docs/configuration.md lists which options compose."
-            )
+            if found is not None:
+                raise ValueError(_refusal_message(config, first, second, *found))
+
+
+def _refusal_message(config: Config, first: Switch, second: Switch, mode: str, why: Refusal) -> str:
+    chosen, refused = (first, second) if mode == first.name else (second, first)
+    kind = "cannot be combined" if why.impossible else "are not built to run together yet"
+    return (
+        f"{chosen.given(config)} and {refused.given(config)} {kind}: {why.reason}. Drop one of them"
+        f" ({refused.default}, or {chosen.default}); docs/configuration.md lists which options compose."
+    )
+
+
+def _warn_if_advised_against(config: Config, first: Switch, second: Switch) -> None:
+    advised = advice(first.name, second.name)
+    if advised is None:
+        return
+    mode, why = advised
+    chosen, other = (first, second) if mode == first.name else (second, first)
+    warnings.warn(
+        f"{chosen.given(config)} with {other.given(config)} runs, but is not advised: {why.reason}."
+        " docs/configuration.md lists which options compose.",
+        UserWarning,
+        stacklevel=5,
+    )
 
 
 def compatibility_table() -> str:
     """The Markdown table of which switches compose, from the modes' declarations (as docs/configuration.md shows it).
 
-    ``ok`` composes; ``no`` is impossible; ``not yet`` is not built yet; ``-`` are alternatives of one option. The
-    reasons follow the table, one line per refused pair.
+    ``ok`` composes; ``not advised`` runs, worse than either option alone (measured); ``no`` is impossible; ``not
+    yet`` is not built yet; ``-`` are alternatives of one option. The reasons follow the table, one line per refused
+    or advised-against pair.
     """
     names = [s.name for s in SWITCHES]
     labels = {s.name: s.label for s in SWITCHES}
@@ -217,18 +251,31 @@ def compatibility_table() -> str:
     for a in names:
         cells = []
         for b in names:
-            if a == b or any({a, b} <= group for group in ALTERNATIVES):
-                cells.append("-")
-                continue
-            found = refusal(a, b)
-            cells.append("ok" if found is None else ("no" if found[1].impossible else "not yet"))
-            if found is not None and names.index(a) < names.index(b):
-                mode, why = found
-                other = b if mode == a else a
-                state = "impossible" if why.impossible else "not built yet"
-                reasons.append(f"- `{labels[mode]}` with `{labels[other]}` ({state}): {why.reason}.")
+            cell, reason = _pair(a, b, labels)
+            cells.append(cell)
+            if reason is not None and names.index(a) < names.index(b):
+                reasons.append(reason)
         rows.append(f"| `{labels[a]}` | " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n\n" + "\n".join(reasons) + "\n"
+
+
+def _pair(a: str, b: str, labels: Mapping[str, str]) -> tuple[str, str | None]:
+    """The table's cell for switches ``a`` and ``b``, and the line of reasons under the table, if any."""
+    if a == b or any({a, b} <= group for group in ALTERNATIVES):
+        return "-", None
+    found, advised = refusal(a, b), advice(a, b)
+    if found is not None:
+        mode, why = found
+        state = "impossible" if why.impossible else "not built yet"
+        line = f"- `{labels[mode]}` with `{labels[b if mode == a else a]}` ({state}): {why.reason}."
+        return ("no" if why.impossible else "not yet"), line
+    if advised is not None:
+        mode, advise = advised
+        return (
+            "not advised",
+            f"- `{labels[mode]}` with `{labels[b if mode == a else a]}` (runs, not advised): {advise.reason}.",
+        )
+    return "ok", None
 
 
 def refused_pairs() -> list[tuple[str, str]]:
@@ -239,4 +286,15 @@ def refused_pairs() -> list[tuple[str, str]]:
         for i, a in enumerate(names)
         for b in names[i + 1 :]
         if not any({a, b} <= group for group in ALTERNATIVES) and refusal(a, b) is not None
+    ]
+
+
+def advised_pairs() -> list[tuple[str, str]]:
+    """Every pair of switches (in table order) that runs but that a mode advises against."""
+    names = [s.name for s in SWITCHES]
+    return [
+        (a, b)
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+        if refusal(a, b) is None and advice(a, b) is not None
     ]

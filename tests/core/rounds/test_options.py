@@ -15,7 +15,15 @@ from lightning_fedshard.core.elastic import Elastic
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.inprocess import InProcessGroups
 from lightning_fedshard.core.nonfinite import NonFiniteOuterGradientError
-from lightning_fedshard.core.rounds.options import ALTERNATIVES, SWITCHES, compatibility_table, refusal, refused_pairs
+from lightning_fedshard.core.rounds.options import (
+    ALTERNATIVES,
+    SWITCHES,
+    advice,
+    advised_pairs,
+    compatibility_table,
+    refusal,
+    refused_pairs,
+)
 
 GROUPS, STEPS, UNITS = 4, 14, 3
 RING = [[0.5, 0.25, 0, 0.25], [0.25, 0.5, 0.25, 0], [0, 0.25, 0.5, 0.25], [0.25, 0, 0.25, 0.5]]
@@ -72,9 +80,19 @@ def test_a_refused_pair_is_refused_naming_only_its_two_options(a, b):
 
 def test_the_table_marks_every_pair_once_and_refuses_at_most_what_it_lists():
     table = compatibility_table()
-    assert table.count("\n- `") + 1 == len(refused_pairs()) + 1  # one reason per refused pair
-    for a, b in refused_pairs():
+    # one reason per refused or advised-against pair
+    assert table.count("\n- `") + 1 == len(refused_pairs()) + len(advised_pairs()) + 1
+    for a, b in refused_pairs() + advised_pairs():
         assert not any({a, b} <= group for group in ALTERNATIVES)
+    assert table.count("(runs, not advised)") == len(advised_pairs())
+
+
+@pytest.mark.parametrize(("a", "b"), advised_pairs())
+def test_a_pair_advised_against_runs_and_warns_with_what_was_measured(a, b):
+    mode, why = advice(a, b)
+    with pytest.warns(UserWarning, match="runs, but is not advised") as caught:
+        FederationConfig(**_options(a, b))
+    assert why.reason in str(caught[0].message)
 
 
 def _update(g: int, step: int, w: list[Tensor]) -> list[Tensor]:
