@@ -203,3 +203,20 @@ def test_the_compatibility_table_in_the_docs_is_the_one_the_modes_declare():
         "regenerate the table in docs/configuration.md from"
         " `lightning_fedshard.core.rounds.options.compatibility_table()`"
     )
+
+
+def test_the_main_jobs_perplexity_is_quoted_as_one_range_that_holds_every_quoted_run():
+    """The last digits depend on the CPU: every page quotes the README's range, and every sample run lies in it."""
+    import re
+
+    low, high = map(float, re.search(r"4191\.2 -> ([\d.]+) to ([\d.]+) with the", _read("README.md")).groups())
+    started = _read("docs/getting-started.md")
+    assert f"{low} to {high} on the machines" in started
+    pairs = re.findall(r"-> ([\d.]+) after training|`val_ppl: ([\d.]+)`", started)
+    quoted = [float(after or bar) for after, bar in pairs]
+    assert quoted and all(low <= v <= high for v in quoted), quoted
+    simulate = _read("docs/simulate.md")
+    assert f"reaches {low} to {high} on the same machines" in simulate
+    sim_low, sim_high = map(float, re.search(r"perplexity ([\d.]+) to ([\d.]+) after 96 steps", simulate).groups())
+    seen = [float(v) for v in re.search(r"\(([\d.]+), ([\d.]+) and ([\d.]+) on three machines", simulate).groups()]
+    assert min(seen) == sim_low and max(seen) == sim_high
