@@ -48,8 +48,11 @@ CHECKPOINT_EVERY = 100
 
 
 def _nesterov(lr: float, momentum: float = 0.9) -> Callable[..., Any]:
+    """The outer step of a recipe's ``outer=(lr, momentum)``: Nesterov SGD, or plain SGD at ``momentum=0``."""
     import torch
 
+    if momentum == 0:
+        return functools.partial(torch.optim.SGD, lr=lr)
     return functools.partial(torch.optim.SGD, lr=lr, momentum=momentum, nesterov=True)
 
 
@@ -63,6 +66,7 @@ class Recipe:
     groups: int = GROUPS
     ranks_per_group: int = 1
     steps: int = STEPS
+    sync_every: int = SYNC_EVERY
 
     def federation(self) -> Any:
         """The options as the simulator takes them (outer optimizers given by name and learning rate)."""
@@ -72,7 +76,7 @@ class Recipe:
         outer = options.pop("outer", None)
         if outer is not None:
             options["outer_optimizer"] = _nesterov(*outer)
-        return FederationConfig(num_groups=self.groups, sync_every=SYNC_EVERY, **options)
+        return FederationConfig(num_groups=self.groups, sync_every=self.sync_every, **options)
 
     @property
     def trained_share(self) -> float:
@@ -82,8 +86,8 @@ class Recipe:
             return 1.0
         from lightning_fedshard.core.pace import PaceSchedule
 
-        steps = PaceSchedule(pace, self.groups, SYNC_EVERY).steps(0)
-        return sum(steps) / (self.groups * SYNC_EVERY)
+        steps = PaceSchedule(pace, self.groups, self.sync_every).steps(0)
+        return sum(steps) / (self.groups * self.sync_every)
 
     @property
     def tokens_per_step(self) -> float:
@@ -98,13 +102,44 @@ class Recipe:
             "ranks_per_group": self.ranks_per_group,
             "batch": BATCH,
             "seq_len": SEQ_LEN,
-            "sync_every": SYNC_EVERY,
+            "sync_every": self.sync_every,
             "steps": self.steps,
             "val_every": VAL_EVERY,
             "val_windows": VAL_WINDOWS,
             "lr": LR,
         }
 
+
+def _outer_cell(name: str, outer: tuple[float, float] | None, sync_every: int, groups: int = GROUPS) -> Recipe:
+    """One cell of the outer-step sweep: float32 traffic, outer SGD ``(lr, momentum)`` (``None``: averaging)."""
+    if outer is None:
+        what = "plain averaging"
+    elif outer[1] == 0:
+        what = f"outer SGD {outer[0]:g} without momentum"
+    else:
+        what = f"outer Nesterov ({outer[0]:g}, {outer[1]:g}), an effective step of {outer[0] / (1 - outer[1]):g}"
+    shape = f"{groups} groups" if groups > 1 else "one group of 4 ranks (the FSDP batch)"
+    options: dict[str, Any] = {"reduce_dtype": "float32", **({"outer": outer} if outer is not None else {})}
+    ranks = 1 if groups > 1 else GROUPS
+    return Recipe(name, f"float32, {what}, sync every {sync_every}, {shape}", options, groups=groups,
+                  ranks_per_group=ranks, sync_every=sync_every)  # fmt: skip
+
+
+#: The outer step by H and the number of groups M (docs/benchmarks.md, "The outer step by H and M").
+OUTER_SWEEP = (
+    _outer_cell("sgd07_f32", (0.7, 0.0), 8),
+    _outer_cell("nesterov02_f32", (0.2, 0.9), 8),
+    _outer_cell("nesterov05m05_f32", (0.5, 0.5), 8),
+    _outer_cell("h32_fedavg_f32", None, 32),
+    _outer_cell("h32_sgd07_f32", (0.7, 0.0), 32),
+    _outer_cell("h32_nesterov01_f32", (0.1, 0.9), 32),
+    _outer_cell("h32_nesterov02_f32", (0.2, 0.9), 32),
+    _outer_cell("h32_nesterov04_f32", (0.4, 0.9), 32),
+    _outer_cell("h32_nesterov07_f32", (0.7, 0.9), 32),
+    _outer_cell("m1_h32_nesterov02", (0.2, 0.9), 32, groups=1),
+    _outer_cell("m1_h32_nesterov04", (0.4, 0.9), 32, groups=1),
+    _outer_cell("m1_h32_nesterov07", (0.7, 0.9), 32, groups=1),
+)
 
 RECIPES = {
     r.name: r
@@ -141,6 +176,7 @@ RECIPES = {
             "the defaults with the last group half as fast: it trains 4 of every 8 steps (Pace), merged by tokens",
             {"pace": Pace(speeds=(1.0, 1.0, 1.0, 0.5))},
         ),
+        *OUTER_SWEEP,
     )
 }
 
