@@ -67,6 +67,7 @@ CONFIGURATIONS = _catalogue(
     Configuration("fl_fsdp-nosync", "fl_fsdp", {**FLOAT32, **NOSYNC}),
     Configuration("fl_hsdp-nosync", "fl_hsdp", {**FLOAT32, **FL_HSDP, **NOSYNC}),
     Configuration("fl_fsdp-int4ef", "fl_fsdp"),  # the package's default sync
+    Configuration("fl_hsdp-int4ef", "fl_hsdp", FL_HSDP),
     Configuration("fl_fsdp-int4ef-d1", "fl_fsdp", {"sync_delay": 1}),
     Configuration("fl_fsdp-int4ef-f4-d1", "fl_fsdp", {"fragments": 4, "sync_delay": 1}),
     Configuration("fl_fsdp-int8", "fl_fsdp", INT8),
@@ -99,7 +100,8 @@ CONFIGURATIONS = _catalogue(
     Configuration("fl_fsdp-defaults", "fl_fsdp"),
 )
 
-Cell = tuple[Configuration, float | None]
+#: (configuration, link rate in Mbit/s or ``None``), or with a round trip added between nodes (ms) as a third item.
+Cell = tuple[Configuration, float | None] | tuple[Configuration, float | None, float]
 
 
 @dataclass(frozen=True)
@@ -113,13 +115,16 @@ class Preset:
         num_nodes: Emulated nodes.
         devices: Ranks per node.
         training: ``RunConfig`` fields every run shares.
-        cells: One repeat: (configuration, link rate in Mbit/s or ``None`` for unthrottled), in order.
+        cells: One repeat: (configuration, link rate in Mbit/s or ``None`` for unthrottled[, round trip in ms]), in
+            order.
         repeats: Repeats of the cells.
         timeout: Seconds one run may take.
         sites: Sites of the emulated cluster (consecutive nodes; 1: every node behind one switch).
         between_sites_mbit: The rate of every uplink between sites (Mbit/s; ``None``: unthrottled).
         seed_per_repeat: Repeat ``r`` trains with seed ``r`` (data order and initial weights), so that the repeats
             also give the perplexity's spread over seeds; otherwise every repeat uses the training's seed.
+        latency: The cluster's switch is the user-space relay that adds the cells' round trips
+            (:mod:`benchmarks.harness.relay`); every cell of such a preset runs through it, at 0 ms too.
     """
 
     name: str
@@ -134,6 +139,7 @@ class Preset:
     sites: int = 1
     between_sites_mbit: float | None = None
     seed_per_repeat: bool = False
+    latency: bool = False
 
     def jobs(self, work: Path, repeats: int | None = None) -> list[Job]:
         """Every run, round robin over the cells, the order reversed every other repeat."""
@@ -141,11 +147,12 @@ class Preset:
 
     def job(self, work: Path, cell: Cell, repeat: int) -> Job:
         """The run of ``cell`` in repeat ``repeat``, its files under ``work``."""
-        configuration, link = cell
-        name = f"{configuration.name}-{link_slug(link)}-r{repeat}"
+        configuration, link, *rest = cell
+        rtt = float(rest[0]) if rest else 0.0
+        name = f"{configuration.name}-{link_slug(link)}{f'-rtt{rtt:g}ms' if self.latency else ''}-r{repeat}"
         seeds = {"seed": repeat, "init_seed": repeat} if self.seed_per_repeat else {}
         config = configuration.run_config(self.shape(work), out=str(work / name), **seeds)
-        return Job(name, RunIdentity(self.name, configuration.name, repeat, link, config.seed), config)
+        return Job(name, RunIdentity(self.name, configuration.name, repeat, link, config.seed, rtt), config)
 
     def shape(self, work: Path) -> dict[str, Any]:
         """The settings every run shares, with the cluster's shape and the data cache under ``work``."""
@@ -256,6 +263,12 @@ HETERO = (
     Configuration("hetero-allfast", "fl_fsdp", {}, {"cpu_quota": (FAST_CORES,) * 4}),
 )
 
+#: Latency between nodes: the 4 x 2 cluster at 20 Mbit/s through the relay, every configuration at a round trip of 0
+#: and of 100 ms (across the Atlantic, or between US coasts).
+LATENCY_MBIT = 20.0
+LATENCY_RTTS_MS = (0.0, 100.0)
+LATENCY_OPTIONS = ("fl_fsdp-nosync", "fl_fsdp-int4ef", "fl_hsdp-int4ef", "fsdp")
+
 PRESETS: dict[str, Preset] = {
     preset.name: preset
     for preset in (
@@ -346,6 +359,17 @@ PRESETS: dict[str, Preset] = {
             {},
             ((SMOKE, 20.0),),
             timeout=120.0,
+        ),
+        Preset(
+            "latency",
+            "a 100 ms round trip between nodes against none, at 20 Mbit/s: no-sync pace, a sync, FL+HSDP and FSDP",
+            40,
+            4,
+            2,
+            TRAINING_4X2,
+            tuple((CONFIGURATIONS[name], LATENCY_MBIT, rtt) for name in LATENCY_OPTIONS for rtt in LATENCY_RTTS_MS),
+            repeats=3,
+            latency=True,
         ),
         Preset(
             "hetero",

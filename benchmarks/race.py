@@ -171,7 +171,7 @@ def open_results(path: Path) -> ResultsFile:
     """The race's results so far (older records brought to the current form), or a new file."""
     if not path.exists():
         return ResultsFile.new(path, RACE.name, "benchmarks.race")
-    results = ResultsFile(path, records.load(path))
+    results = ResultsFile(path, records.load(path, runs="all"))  # resuming: every run on record stays
     results.data["machine"] = machine("benchmarks.race")
     return results
 

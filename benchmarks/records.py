@@ -31,12 +31,40 @@ FLAT_DEFAULTS: dict[str, Any] = {
 _FLAT_ONLY = ("num_groups",)
 
 
-def load(path: Path) -> dict[str, Any]:
-    """A results file with every run (and the race's stage runs) in the current form."""
+def load(path: Path, runs: str = "latest") -> dict[str, Any]:
+    """A results file with its runs (and the race's stage runs) in the current form.
+
+    Args:
+        path: The results file.
+        runs: Which runs a report uses: ``"latest"`` (the rule every report follows) keeps, for each cell of the sweep
+            (configuration, link and round trip), the runs of the latest invocation that ran that cell, so a cell
+            measured again after a change is judged on its new runs while the earlier ones stay in the file;
+            ``"all"`` keeps every run.
+
+    Raises:
+        ValueError: For an unknown ``runs``.
+    """
+    if runs not in ("latest", "all"):
+        raise ValueError(f"`runs={runs!r}` must be 'latest' or 'all'.")
     results: dict[str, Any] = json.loads(Path(path).read_text())
     for run in results["runs"]:
         upgrade_run(run, results["preset"])
+    if runs == "latest":
+        results["runs"] = latest_runs(results["runs"])
     return results
+
+
+def latest_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each cell (configuration, link, round trip), the runs of the latest invocation that ran it, in order."""
+
+    def cell(run: dict[str, Any]) -> tuple[Any, ...]:
+        identity = run["identity"]
+        return identity["configuration"], identity["link_mbit"], identity.get("rtt_ms", 0.0)
+
+    latest: dict[tuple[Any, ...], int] = {}
+    for run in runs:
+        latest[cell(run)] = max(latest.get(cell(run), 0), run.get("invocation", 0))
+    return [run for run in runs if run.get("invocation", 0) == latest[cell(run)]]
 
 
 def load_if_exists(path: Path) -> dict[str, Any] | None:

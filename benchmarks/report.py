@@ -26,6 +26,7 @@ from benchmarks.records import load, load_if_exists
 from benchmarks.reports import (
     elastic,
     hetero,
+    latency,
     overlap,
     race,
     recipes,
@@ -76,6 +77,8 @@ class Report:
             tables["elastic_standby"] = elastic.standby_table(standby_results)
         if (hetero_results := self.results.get("hetero")) is not None:
             tables["hetero"] = hetero.table(hetero_results)
+        if (latency_results := self.results.get("latency")) is not None:
+            tables["latency"] = latency.table(latency_results)
         if (analysis := self.analyses["race"]) is not None:
             moments = race.wall_time_table(analysis)
             tables["race"] = f"{race.link_table(analysis)}\n\n<details><summary>Every moment compared</summary>\n\n"
@@ -101,7 +104,7 @@ def build(paths: dict[str, Path]) -> Report:
     results = {"throughput": throughput_results} | {
         name: load_if_exists(path)
         for name, path in paths.items()
-        if name not in ("throughput", "hsdp_fed_bytes", "gossip_bytes", "elastic", "hetero")
+        if name not in ("throughput", "hsdp_fed_bytes", "gossip_bytes", "elastic", "hetero", "latency")
     }
     configs = sweep.analyze(throughput_results)
     compute = sweep.compute_times(configs["configs"])
@@ -129,6 +132,8 @@ def build(paths: dict[str, Path]) -> Report:
     )
     results["hetero"] = load_if_exists(paths.get("hetero", RESULTS / "hetero.json"))
     rows += hetero.targets(results["hetero"])
+    results["latency"] = load_if_exists(paths.get("latency", RESULTS / "latency.json"))
+    rows += latency.targets(results["latency"])
     exact = _load_json(recipes.EXACT_RESULTS)
     differences = list(exact["max_abs_difference"].values()) if exact else []
     rows += recipes.targets(recipe_results(), max(differences) if differences else None, len(differences))
@@ -187,6 +192,7 @@ def write_docs(report: Report, tables: dict[str, str]) -> None:
         ("elastic", "elastic"),
         ("elastic_standby", "elastic_standby"),
         ("hetero", "hetero"),
+        ("latency", "latency"),
     ):
         if table in tables:
             sections[table] = f"{tables[table]}\n\n{report.note(name)}"

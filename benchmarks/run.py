@@ -5,7 +5,8 @@ Run as root from the repository root (``benchmarks.presets`` defines the presets
     sudo PYTHONPATH=. python -m benchmarks.run --preset throughput
 
 Every run writes ``<work>/<name>/`` (rank 0's ``run.json``, every node's log, Lightning's CSV metrics); the driver
-collects the runs into ``benchmarks/results/<preset>.json``, rewritten after every run, failed ones included. The
+adds the runs to ``benchmarks/results/<preset>.json`` (earlier invocations' runs stay), rewritten after every run,
+failed ones included. The
 cluster is removed at the end, also after a failure or Ctrl-C. The command exits with an error naming the runs that
 failed; ``python -m benchmarks.report`` turns the results into the docs' tables.
 """
@@ -38,7 +39,7 @@ def run_preset(preset: Preset, jobs: list[Job], results: ResultsFile, prefix: st
     """Run ``jobs`` on a new cluster of ``preset``'s shape; return the names of the runs that failed."""
     failed = []
     names = {} if prefix is None else {"prefix": prefix}
-    cluster = EmulatedCluster(preset.num_nodes, sites=preset.sites, **names)
+    cluster = EmulatedCluster(preset.num_nodes, sites=preset.sites, latency=preset.latency, **names)
     with cluster:
         for index, job in enumerate(jobs):
             print(f"[{index + 1}/{len(jobs)}] {job.name}", flush=True)
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     if not jobs:
         raise SystemExit(f"No job of preset {preset.name!r} is named {args.only}.")
     path = args.results or RESULTS / f"{preset.name}.json"
-    results = ResultsFile.new(path, preset.name, "benchmarks.run")
+    results = ResultsFile.open(path, preset.name, "benchmarks.run")  # earlier runs stay; this invocation adds to them
     args.work.mkdir(parents=True, exist_ok=True)
     prepare_data(jobs[0].config, args.work)
     failed = run_preset(preset, jobs, results, args.prefix)

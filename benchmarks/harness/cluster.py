@@ -15,9 +15,10 @@ switch reaches a core switch through one uplink (a veth pair) that all traffic b
 Every node's link is a veth pair; a ``tc tbf`` qdisc on both ends limits its upload (node side) and download
 (switch side) to the chosen rate, and the uplinks get the rate between sites the same way. Ranks of one node reach
 each other through the node's own address, which the kernel routes over ``lo``: intra-node traffic stays fast and
-only cross-node traffic pays the link. ``netem``
-(delay, loss) is not available on the machines this was written for, so links have bandwidth but no added
-latency.
+only cross-node traffic pays the link. ``netem`` (delay, loss) is not available on the machines this was written
+for: with ``latency=True`` a user-space relay (:mod:`benchmarks.harness.relay`) takes the bridge's place between the
+node ports and delays every frame between two nodes by half the round trip set with :meth:`EmulatedCluster.set_rtt`
+(one site only; it needs ``ethtool`` to turn the ports' offloads off).
 
 Needs root (``ip netns``). :class:`EmulatedCluster` is a context manager that removes everything it created, also
 when the body raises or the process receives SIGTERM.
@@ -29,9 +30,12 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType, TracebackType
 
 SUBNET = "10.77.0"
@@ -75,11 +79,16 @@ class EmulatedCluster:
     num_nodes: int
     prefix: str = field(default_factory=lambda: f"fsb{os.getpid() % 100000}")
     sites: int = 1
+    latency: bool = False
     _created: list[str] = field(default_factory=list, init=False)
     _rate_mbit: float | None = field(default=None, init=False)
     _between_sites_mbit: float | None = field(default=None, init=False)
+    _rtt_ms: float = field(default=0.0, init=False)
+    _relay: subprocess.Popen[bytes] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
+        if self.latency and self.sites > 1:
+            raise ValueError(f"`latency=True` emulates one switch; got `sites={self.sites}`.")
         if self.num_nodes < 2:
             raise ValueError(f"An emulated cluster needs at least 2 nodes, got `num_nodes={self.num_nodes}`.")
         if self.sites < 1 or self.num_nodes % self.sites:
@@ -155,15 +164,71 @@ class EmulatedCluster:
             self._add_namespace(node)
             switch, port = self._node_switch(index), self._switch_port(index)
             _run("ip", "link", "add", port, "netns", switch, "type", "veth", "peer", NODE_IFACE, "netns", node)
-            _run("ip", "-n", switch, "link", "set", port, "master", "br0", "up")
+            if self.latency:  # the relay forwards between node ports
+                _run("ip", "-n", switch, "link", "set", port, "up")
+            else:
+                _run("ip", "-n", switch, "link", "set", port, "master", "br0", "up")
             _run("ip", "-n", node, "addr", "add", f"{self.address(index)}/24", "dev", NODE_IFACE)
             _run("ip", "-n", node, "link", "set", NODE_IFACE, "up")
             _run("ip", "-n", node, "link", "set", "lo", "up")
         _run("ip", "-n", self.switch, "addr", "add", f"{self.service_address}/24", "dev", "br0")
+        if self.latency:
+            self._start_relay()
         self._wait_for_links()
+
+    # -- latency -----------------------------------------------------------------------------------------------------
+
+    @property
+    def _relay_ports(self) -> tuple[str, str]:
+        """The veth pair between the relay (its service port) and the bridge that holds the service address."""
+        return f"{self.prefix}r", f"{self.prefix}b"
+
+    @property
+    def _delay_file(self) -> Path:
+        return Path(tempfile.gettempdir()) / f"{self.prefix}-relay-delay-ms"
+
+    def _start_relay(self) -> None:
+        relay_side, bridge_side = self._relay_ports
+        _run("ip", "-n", self.switch, "link", "add", relay_side, "type", "veth", "peer", bridge_side)
+        _run("ip", "-n", self.switch, "link", "set", bridge_side, "master", "br0", "up")
+        _run("ip", "-n", self.switch, "link", "set", relay_side, "up")
+        ports = [self._switch_port(i) for i in range(self.num_nodes)]
+        for namespace, iface in [*((self.node(i), NODE_IFACE) for i in range(self.num_nodes)),
+                                 *((self.switch, p) for p in [*ports, relay_side, bridge_side, "br0"])]:  # fmt: skip
+            _no_offloads(namespace, iface)
+        self._delay_file.write_text("0")
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+        argv = [sys.executable, "-m", "benchmarks.harness.relay", "--ports", *ports, "--service", relay_side,
+                "--delay-file", str(self._delay_file)]  # fmt: skip
+        self._relay = subprocess.Popen(self.service_command(argv), env=env)
+
+    @property
+    def rtt_ms(self) -> float:
+        """The round trip added between two nodes (ms; 0 without ``latency``)."""
+        return self._rtt_ms
+
+    def set_rtt(self, rtt_ms: float) -> None:
+        """Delay every frame between two nodes by half of ``rtt_ms`` (needs ``latency=True``).
+
+        Raises:
+            ClusterError: Without the relay, or for a negative round trip.
+        """
+        if not self.latency and rtt_ms:
+            raise ClusterError(f"A round trip of {rtt_ms} ms needs a cluster made with `latency=True`.")
+        if rtt_ms < 0:
+            raise ClusterError(f"The round trip must be at least 0 ms, got {rtt_ms}.")
+        if self.latency:
+            self._delay_file.write_text(f"{rtt_ms / 2:g}")
+            time.sleep(2 * 0.2)  # the relay reads the file every 0.2 s
+        self._rtt_ms = rtt_ms
 
     def destroy(self) -> None:
         """Kill what still runs in the namespaces and delete them (their veth pairs go with them)."""
+        if self._relay is not None:
+            self._relay.kill()
+            self._relay.wait()
+            self._relay = None
+            self._delay_file.unlink(missing_ok=True)
         for name in reversed(self._created):
             for pid in _run("ip", "netns", "pids", name, check=False).split():
                 try:
@@ -189,7 +254,9 @@ class EmulatedCluster:
             _run("ip", "-n", switch, "link", "set", port, "master", "br0", "up")
 
     def _bridge_ports(self) -> list[tuple[str, str]]:
-        """Every (switch namespace, port) of the cluster."""
+        """Every (switch namespace, port) of the cluster's bridges."""
+        if self.latency:
+            return [(self.switch, self._relay_ports[1])]
         ports = [(self._node_switch(i), self._switch_port(i)) for i in range(self.num_nodes)]
         for site in range(self.sites if self.sites > 1 else 0):
             inside, core = self._uplink(site)
@@ -263,6 +330,20 @@ class EmulatedCluster:
     def service_command(self, argv: Sequence[str]) -> list[str]:
         """``argv`` wrapped to run in the switch, reachable by every node at :attr:`service_address`."""
         return ["ip", "netns", "exec", self.switch, *argv]
+
+
+def _no_offloads(namespace: str, iface: str) -> None:
+    """Segmentation, receive aggregation and checksums in software: the relay forwards frames as they are."""
+    _run(
+        "ip", "netns", "exec", namespace, "ethtool", "-K", iface, "tx", "off", "tso", "off", "gso", "off", "gro", "off"
+    )
+
+
+def latency_available() -> str | None:
+    """``None`` if a cluster with ``latency=True`` can be made here (besides the namespaces), else why not."""
+    if shutil.which("ethtool") is None:
+        return "the relay needs `ethtool` to turn the ports' offloads off (Debian: apt-get install ethtool)"
+    return None
 
 
 def _throttle(namespace: str, iface: str, rate_mbit: float | None) -> None:

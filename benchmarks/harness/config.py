@@ -34,6 +34,7 @@ class RunIdentity:
         repeat: Index of the repeat within the sweep (the race: the seed).
         link_mbit: The link rate the run trained on (Mbit/s; ``None``: unthrottled).
         seed: The run's seed (data order and initial weights).
+        rtt_ms: The round trip added between two nodes (ms; runs recorded before it existed have 0).
     """
 
     preset: str
@@ -41,6 +42,7 @@ class RunIdentity:
     repeat: int
     link_mbit: float | None
     seed: int
+    rtt_ms: float = 0.0
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> RunIdentity:

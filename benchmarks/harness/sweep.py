@@ -1,9 +1,12 @@
 """Running jobs on an emulated cluster and keeping their results on disk, shared by every sweep command.
 
-A results file is one JSON object: ``preset``, ``machine`` (:func:`~benchmarks.harness.machine.machine`),
-``started`` / ``finished``, ``runs`` (each rank 0's ``run.json`` plus its ``name``, ``identity``, the driver's view and
-the machine's load) and ``failed`` (each failed run's name and error). It is rewritten after every run, failed ones
-included, so an interrupted sweep keeps what it measured.
+A results file is one JSON object: ``preset``, ``invocations`` (one per command that added to it: its ``machine``
+record, :func:`~benchmarks.harness.machine.machine`, with the commit, and ``started`` / ``finished``), ``runs`` (each
+rank 0's ``run.json`` plus its ``name``, ``identity``, the driver's view, the machine's load and the ``invocation``
+that ran it) and ``failed`` (each failed run's name, error and invocation); ``machine`` and ``started`` repeat the
+latest invocation's. A new command adds to the file: no run is ever replaced or removed, and a rerun is another run
+(``benchmarks.records.load`` selects which runs a report uses, by a documented rule). The file is rewritten after
+every run, failed ones included, so an interrupted sweep keeps what it measured.
 """
 
 from __future__ import annotations
@@ -42,8 +45,38 @@ class ResultsFile:
     @classmethod
     def new(cls, path: Path, preset: str, module: str) -> ResultsFile:
         """An empty results file of ``preset``, recorded as measured by ``python -m module``."""
-        data = {"preset": preset, "machine": machine(module), "started": time.time(), "runs": [], "failed": []}
+        invocation = {"machine": machine(module), "started": time.time()}
+        data = {"preset": preset, **invocation, "invocations": [invocation], "runs": [], "failed": []}
         return cls(path, data)
+
+    @classmethod
+    def open(cls, path: Path, preset: str, module: str) -> ResultsFile:
+        """``preset``'s results file at ``path`` with a new invocation (``python -m module``) to add runs to.
+
+        Every run already there stays. A file written before invocations were recorded becomes invocation 0.
+
+        Raises:
+            ValueError: If the file holds another preset's runs.
+        """
+        if not path.exists():
+            return cls.new(path, preset, module)
+        data = json.loads(path.read_text())
+        if data.get("preset") != preset:
+            raise ValueError(f"{path} holds the runs of preset {data.get('preset')!r}, not {preset!r}.")
+        if "invocations" not in data:
+            first = {key: data[key] for key in ("machine", "started", "finished") if key in data}
+            data["invocations"] = [first]
+            for record in [*data["runs"], *data["failed"]]:
+                record.setdefault("invocation", 0)
+        invocation = {"machine": machine(module), "started": time.time()}
+        data["invocations"].append(invocation)
+        data.update(invocation)
+        return cls(path, data)
+
+    @property
+    def invocation(self) -> int:
+        """The index of this command's invocation."""
+        return len(self.data.get("invocations", [None])) - 1
 
     @property
     def runs(self) -> list[dict[str, Any]]:
@@ -56,14 +89,21 @@ class ResultsFile:
 
     def add_run(self, run: dict[str, Any]) -> None:
         """Keep a finished run and write the file."""
+        run["invocation"] = self.invocation
         self.runs.append(run)
-        self.data["finished"] = time.time()
+        self._finished()
         self.write()
 
     def add_failure(self, name: str, error: RunFailed) -> None:
         """Keep a failed run's error and write the file."""
-        self.data["failed"].append({"name": name, "error": str(error)[-2000:]})
+        self.data["failed"].append({"name": name, "error": str(error)[-2000:], "invocation": self.invocation})
+        self._finished()
         self.write()
+
+    def _finished(self) -> None:
+        self.data["finished"] = time.time()
+        if self.data.get("invocations"):
+            self.data["invocations"][-1]["finished"] = self.data["finished"]
 
     def write(self) -> None:
         """Write atomically (a reader never sees half a file)."""
@@ -116,6 +156,8 @@ def run_job(
         RunFailed: After keeping the failure.
     """
     cluster.set_bandwidth(job.identity.link_mbit, between_sites_mbit)
+    if cluster.latency or job.identity.rtt_ms:
+        cluster.set_rtt(job.identity.rtt_ms)
     load_before = list(os.getloadavg())
     try:
         run = launch(cluster, job.config, job.identity, port=BASE_PORT + index % PORTS, timeout=timeout)

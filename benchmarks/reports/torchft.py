@@ -28,8 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks import metrics
-from benchmarks.harness.sweep import RESULTS, ResultsFile
+from benchmarks import metrics, records
+from benchmarks.harness.sweep import RESULTS
 
 #: Each of this package's configurations, and the torchft configuration it is paired with.
 PAIRS = {
@@ -213,8 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     table, if its results exist."""
     args = sys.argv[1:] if argv is None else argv
     path = Path(args[0]) if args else RESULTS / "torchft.json"
-    results = ResultsFile(path, json.loads(path.read_text()))
-    out = rows(results.runs)
+    out = rows(records.load(path)["runs"])  # the latest invocation's runs of each cell
     print(table(out))
     plot(out, IMAGE)
     print(f"plot: {IMAGE}")

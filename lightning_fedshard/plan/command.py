@@ -35,6 +35,7 @@ def plan(
     intra_latency_us: float | None = None,
     inter_gbit_per_s: float | None = None,
     inter_latency_us: float | None = None,
+    rtt_ms: float | None = None,
     nodes_per_site: int | None = None,
     site_mbit_per_s: float | None = None,
     num_groups: int | None = None,
@@ -78,7 +79,9 @@ def plan(
         intra_gbytes_per_s: Rank-to-rank bandwidth inside a node (GB/s).
         intra_latency_us: Latency of a message inside a node (microseconds).
         inter_gbit_per_s: Network bandwidth of one node (Gbit/s), shared by its ranks.
-        inter_latency_us: Latency of a message between nodes (microseconds).
+        inter_latency_us: Latency of a message between nodes (microseconds), one way.
+        rtt_ms: Round trip between two nodes (milliseconds), e.g. 70-100 across the Atlantic: a message between
+            nodes then takes half of it (instead of ``inter_latency_us``).
         nodes_per_site: Consecutive nodes that form a site (default: the preset's; ``emulated-2x2x2`` has 2).
         site_mbit_per_s: Bandwidth of each site's uplink to the other sites (Mbit/s).
         num_groups: Federation groups (default: one per node for FL+FSDP, 2 for FL+HSDP).
@@ -110,6 +113,10 @@ def plan(
         The predictions printed.
     """
     check_positive_int("top", top)
+    if rtt_ms is not None:
+        if rtt_ms < 0:
+            raise ValueError(f"`rtt_ms={rtt_ms}` must be at least 0.")
+        inter_latency_us = rtt_ms * 1000 / 2
     spec = _model(model, model_config, seq_len)
     machine = _cluster(
         cluster, nodes, devices_per_node, peak_tflops, mfu, step_seconds, device_memory_gib,

@@ -83,6 +83,7 @@ def test_a_successful_run_returns_rank_0s_record_with_its_identity(tmp_path: Pat
         "repeat": 0,
         "link_mbit": None,
         "seed": 0,
+        "rtt_ms": 0.0,
     }
     assert result["driver"]["link_mbit"] is None and json.loads((tmp_path / "run.json").read_text())
 

@@ -47,6 +47,7 @@ def test_a_flat_record_gets_the_old_defaults_and_its_identity():
         "repeat": 1,
         "link_mbit": 20.0,
         "seed": 0,
+        "rtt_ms": 0.0,
     }
     again = copy.deepcopy(run)
     records.upgrade_run(again, "throughput")
@@ -74,6 +75,7 @@ def test_a_race_run_is_identified_by_its_kind_and_seed():
         "repeat": 2,
         "link_mbit": None,
         "seed": 2,
+        "rtt_ms": 0.0,
     }
     assert "kind" not in run
 
@@ -120,3 +122,46 @@ def test_a_run_config_round_trips_through_its_json_record():
     assert config.strategy_kwargs()["sync_delay"] == 4 and config.strategy_kwargs()["error_feedback"] is False
     baseline = CONFIGURATIONS["hsdp"].run_config({"num_nodes": 4, "devices": 2}, out="o", cache_dir="c")
     assert baseline.strategy_kwargs()["num_groups"] == 1
+
+
+def _identity_run(name: str, configuration: str, link: float | None, invocation: int | None = None) -> dict:
+    identity = {"preset": "p", "configuration": configuration, "repeat": 0, "link_mbit": link, "seed": 0}
+    run = {"name": name, "identity": identity, "config": {"federation": {}}}
+    if invocation is not None:
+        run["invocation"] = invocation
+    return run
+
+
+def test_a_new_invocation_adds_to_the_results_and_reports_judge_each_cell_on_its_latest_runs(tmp_path, monkeypatch):
+    import json
+
+    from benchmarks.harness import sweep
+
+    monkeypatch.setattr(sweep, "machine", lambda module: {"command": f"python -m {module}", "commit": "abc"})
+    path = tmp_path / "p.json"
+    legacy = {"preset": "p", "machine": {"commit": "old"}, "started": 1.0, "runs": [_identity_run("a-r0", "a", 20.0),
+              _identity_run("b-r0", "b", 20.0)], "failed": []}  # fmt: skip
+    path.write_text(json.dumps(legacy))
+    results = sweep.ResultsFile.open(path, "p", "benchmarks.run")
+    assert results.invocation == 1 and results.data["invocations"][0]["machine"] == {"commit": "old"}
+    results.add_run(_identity_run("a-r0", "a", 20.0))  # cell a measured again: both runs stay
+    written = json.loads(path.read_text())
+    assert [(r["name"], r["invocation"]) for r in written["runs"]] == [("a-r0", 0), ("b-r0", 0), ("a-r0", 1)]
+    assert written["invocations"][1]["machine"]["commit"] == "abc" and written["invocations"][1]["finished"]
+    latest = records.load(path)["runs"]
+    assert [(r["identity"]["configuration"], r["invocation"]) for r in latest] == [("b", 0), ("a", 1)]
+    assert len(records.load(path, runs="all")["runs"]) == 3
+    with pytest.raises(ValueError, match="holds the runs of preset 'p', not 'q'"):
+        sweep.ResultsFile.open(path, "q", "benchmarks.run")
+
+
+def test_a_preset_with_latency_names_and_records_each_cells_round_trip(tmp_path):
+    from benchmarks.presets import CONFIGURATIONS, Preset
+
+    preset = Preset("lat", "x", 1, 4, 2, {}, ((CONFIGURATIONS["fsdp"], 20.0, 100.0), (CONFIGURATIONS["fsdp"], 20.0)),
+                    latency=True)  # fmt: skip
+    first, second = preset.jobs(tmp_path)
+    assert (first.name, first.identity.rtt_ms) == ("fsdp-20mbit-rtt100ms-r0", 100.0)
+    assert (second.name, second.identity.rtt_ms) == ("fsdp-20mbit-rtt0ms-r0", 0.0)
+    plain = Preset("plain", "x", 1, 4, 2, {}, ((CONFIGURATIONS["fsdp"], 20.0),)).jobs(tmp_path)[0]
+    assert plain.name == "fsdp-20mbit-r0" and plain.identity.rtt_ms == 0.0

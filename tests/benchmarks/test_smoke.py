@@ -44,7 +44,10 @@ def test_smoke_run_measures_links_and_cleans_up(tmp_path: Path) -> None:
     data = json.loads(results.read_text())
     assert not data["failed"]
     (run,) = data["runs"]
-    assert run["identity"] == {"preset": "smoke", "configuration": "smoke", "repeat": 0, "link_mbit": 20.0, "seed": 0}
+    assert run["identity"] == {
+        "preset": "smoke", "configuration": "smoke", "repeat": 0, "link_mbit": 20.0, "seed": 0, "rtt_ms": 0.0
+    }  # fmt: skip
+    assert run["invocation"] == 0 and data["invocations"][0]["machine"] == data["machine"]
     # The package's defaults, but for what the preset changes; as the strategy received them.
     federation = run["config"]["federation"]
     assert FederationConfig(**federation) == FederationConfig(sync_every=2)

@@ -126,3 +126,13 @@ def test_a_row_that_does_not_fit_says_what_would(capsys):
     }
     plan(device_memory_gib=10)
     assert "| no: the sharded state alone needs 29.9 GiB of 10.0: shard over more ranks" in capsys.readouterr().out
+
+
+def test_a_round_trip_sets_the_one_way_latency_between_nodes():
+    by_rtt = plan(model="xs", cluster="emulated-4x2", rtt_ms=100.0, json=True)
+    by_latency = plan(model="xs", cluster="emulated-4x2", inter_latency_us=50_000.0, json=True)
+    assert [p.step_seconds for p in by_rtt] == [p.step_seconds for p in by_latency]
+    near = plan(model="xs", cluster="emulated-4x2", json=True)
+    assert all(far.step_seconds > close.step_seconds for far, close in zip(by_rtt, near))
+    with pytest.raises(ValueError, match="`rtt_ms=-1` must be at least 0"):
+        plan(rtt_ms=-1)
