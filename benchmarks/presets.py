@@ -261,6 +261,12 @@ HETERO = (
     Configuration("hetero-barrier", "fl_fsdp", {}, {"cpu_quota": HETERO_QUOTA}),
     Configuration("hetero-pace", "fl_fsdp", {"pace": Pace()}, {"cpu_quota": HETERO_QUOTA}),
     Configuration("hetero-allfast", "fl_fsdp", {}, {"cpu_quota": (FAST_CORES,) * 4}),
+    Configuration(
+        "hetero-allfast-nosync",
+        "fl_fsdp",
+        {**NOSYNC, "pace": Pace(speeds=(1.0,) * 4)},
+        {"cpu_quota": (FAST_CORES,) * 4},
+    ),
 )
 
 #: Latency between nodes: the 4 x 2 cluster at 20 Mbit/s through the relay, every configuration at a round trip of 0
@@ -373,7 +379,7 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "hetero",
-            "4 groups, one at half the others' CPU: the barrier, a per-group pace, all fast, and the no-sync pace",
+            "4 groups, one at half the others' CPU: the barrier, a per-group pace, all fast, and their no-sync paces",
             16,
             4,
             1,

@@ -10,6 +10,10 @@ trains every step and waits), a per-group pace (``Pace()``, measured) and every 
   own clock at its last step; no sync made it wait).
 - ``hetero-pace``: the pace run's committed tokens/s over the attainable of the same repeat, median over repeats (the
   barrier's beside it).
+- ``hetero-efficiency``: how much of what the hardware offers the paced run gets, against what the all-fast run gets of
+  its own: (the pace run's committed tokens/s over the attainable) over (the all-fast run's committed tokens/s over
+  its own attainable, the sum of each group's pace in the all-fast run without syncs), the same repeat, median. The
+  syncs cost both alike, so no sync mode is asked to beat what it costs when every group is fast.
 - ``planner-hetero``: the planner's formulas (``lightning_fedshard.plan.hetero``) fed with each group's own seconds per
   step (the run without syncs), the exposed seconds of a sync (median of the all-fast run's) and the run's rounds (a
   measured pace's first round is the barrier's), against the barrier's and the pace's measured committed tokens/s:
@@ -24,9 +28,10 @@ from typing import Any
 from lightning_fedshard.plan.hetero import heterogeneous_pace
 
 PACE_BOUND = 0.95
+EFFICIENCY_BOUND = 0.95
 PLANNER_BOUND = 0.15
-TARGET_IDS = ("hetero-pace", "planner-hetero")
-KINDS = ("hetero-nosync", "hetero-barrier", "hetero-pace", "hetero-allfast")
+TARGET_IDS = ("hetero-pace", "hetero-efficiency", "planner-hetero")
+KINDS = ("hetero-nosync", "hetero-barrier", "hetero-pace", "hetero-allfast", "hetero-allfast-nosync")
 
 Row = dict[str, Any]
 
@@ -68,6 +73,18 @@ def ratios(results: dict[str, Any], kind: str) -> list[float]:
     return values
 
 
+def efficiencies(results: dict[str, Any]) -> list[float]:
+    """Per repeat with the four runs: the pace's share of the attainable over the all-fast run's share of its own."""
+    values = []
+    needed = ("hetero-pace", "hetero-nosync", "hetero-allfast", "hetero-allfast-nosync")
+    for runs in by_repeat(results).values():
+        if all(kind in runs for kind in needed):
+            paced = committed_tokens_per_s(runs["hetero-pace"]) / sum(own_paces(runs["hetero-nosync"]))
+            fast = committed_tokens_per_s(runs["hetero-allfast"]) / sum(own_paces(runs["hetero-allfast-nosync"]))
+            values.append(paced / fast)
+    return values
+
+
 def step_seconds(run: dict[str, Any]) -> list[float]:
     """Each group's own seconds per trained step in a run without syncs."""
     return [group_tokens_per_step(run) / pace for pace in own_paces(run)]
@@ -83,7 +100,7 @@ def planner_errors(results: dict[str, Any]) -> list[dict[str, float]]:
     """Per repeat with every run: the planner's relative error on the barrier's and the pace's tokens/s."""
     out = []
     for runs in by_repeat(results).values():
-        if not all(kind in runs for kind in KINDS):
+        if not all(kind in runs for kind in KINDS[:4]):
             continue
         nosync = runs["hetero-nosync"]
         config = runs["hetero-pace"]["config"]
@@ -93,7 +110,7 @@ def planner_errors(results: dict[str, Any]) -> list[dict[str, float]]:
             group_tokens_per_step(nosync),
             sync_every,
             sync_seconds=exposed_sync_seconds(runs["hetero-allfast"]),
-            rounds=config["max_steps"] // sync_every,  # a measured pace: its first round is the barrier's
+            rounds=config["max_steps"] // sync_every,  # a measured pace: its first round is probed
         )
         barrier = predicted.barrier / committed_tokens_per_s(runs["hetero-barrier"]) - 1
         pace = predicted.pace / committed_tokens_per_s(runs["hetero-pace"]) - 1
@@ -148,6 +165,14 @@ def targets(results: dict[str, Any] | None) -> list[Row]:
                 "barrier": _spread(barrier) if barrier else None,
             }
         )
+    efficiency = efficiencies(results) if results is not None else []
+    what = "the pace's share of the attainable over the all-fast run's share of its own attainable, same repeat"
+    if not efficiency:
+        rows.append(_not_run("hetero-efficiency", what, EFFICIENCY_BOUND))
+    else:
+        spread = _spread(efficiency)
+        rows.append({"id": "hetero-efficiency", "target": what, "measured": spread["median"], "bound": EFFICIENCY_BOUND,
+                     "met": spread["median"] >= EFFICIENCY_BOUND, "runs": spread["n"], "spread": spread})  # fmt: skip
     errors = planner_errors(results) if results is not None else []
     if not errors:
         rows.append(_not_run("planner-hetero", planner, PLANNER_BOUND))

@@ -165,12 +165,16 @@ class Federation:
         return stats if stats is None or self.annotate_stats is None else self.annotate_stats(stats)
 
     def _time_step(self, step: int) -> None:
-        """Measured pace: time the steps this group trained; at a round's end the groups agree on the next round."""
+        """Measured pace: time the steps this group trained; the groups agree on what comes next at a round's end.
+
+        And once early in the first round (after :data:`~lightning_fedshard.core.pace.PROBE_STEPS` steps), so that
+        the first round is paced too.
+        """
         assert self.pace is not None
         now = time.perf_counter()
         if self._step_ended is not None and self.trains(step):
             self._durations.append(now - self._step_ended)
-        if self.pace.pace.measured and step % self.config.sync_every == 0:
+        if self.pace.pace.measured and (step % self.config.sync_every == 0 or self.pace.probes(step)):
             self.pace.observe(self._exchange_seconds(median_seconds(self._durations)))
             self._durations = []
         self._step_ended = time.perf_counter()

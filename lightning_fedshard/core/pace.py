@@ -10,7 +10,8 @@ checkpoint intervals, learning-rate schedules) the same in every group.
 The steps of a round follow the groups' speeds: ``n_g = clamp(round(H v_g / max_j v_j), min_steps, H)``. With
 ``Pace(speeds=...)`` the relative speeds are given; otherwise each group measures the median seconds of the steps it
 trained in a round, the groups exchange them at the round's end (a vector of ``G`` numbers), and ``v_g`` is their
-exponential moving average (``smoothing``) of ``1 / seconds``. The first round trains every step.
+exponential moving average (``smoothing``) of ``1 / seconds``. The first round is probed: every group trains its
+first ``PROBE_STEPS`` steps, the groups exchange the times of those steps, and the rest of the round follows them.
 
 The merge weighs each group by the steps it trained since the fragment last landed (``t_g``, the same for every token
 of a step), over the groups ``C`` that add to the sync:
@@ -38,6 +39,8 @@ from lightning_fedshard.core.refusal import Refusal
 
 #: The merge rules of :class:`Pace`.
 MERGES = ("tokens", "normalized")
+#: Steps of the first round every group trains before a measured pace exchanges their times and decides the rest.
+PROBE_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -130,10 +133,25 @@ class PaceSchedule:
         return (step - 1) // self.period
 
     def steps(self, round_index: int) -> tuple[int, ...]:
-        """Steps each group trains in round ``round_index`` (decided on first ask, from the speeds known then)."""
+        """Steps each group trains in round ``round_index`` (decided on first ask, from the speeds known then).
+
+        A measured pace's first round is undecided (every step trained) until :meth:`probes` says the groups' first
+        times are known; it then keeps at least the steps trained by then.
+        """
         if round_index not in self.rounds:
-            self.rounds[round_index] = self._decide()
+            if round_index == 0 and self._probing:
+                return (self.period,) * self.num_groups
+            floor = min(PROBE_STEPS, self.period) if round_index == 0 and self.pace.measured else 0
+            self.rounds[round_index] = self._decide(floor)
         return self.rounds[round_index]
+
+    @property
+    def _probing(self) -> bool:
+        return self.pace.measured and self.speeds is None and self.period > PROBE_STEPS
+
+    def probes(self, step: int) -> bool:
+        """Whether the groups exchange their times after optimizer step ``step`` to decide the first round's rest."""
+        return self._probing and step == PROBE_STEPS
 
     def trains(self, group: int, step: int) -> bool:
         """Whether ``group`` trains optimizer step ``step`` (1-based), or skips it."""
@@ -177,12 +195,12 @@ class PaceSchedule:
             a = self.pace.smoothing
             self.speeds = [(1 - a) * old + a * new for old, new in zip(self.speeds, latest)]
 
-    def _decide(self) -> tuple[int, ...]:
+    def _decide(self, floor: int = 0) -> tuple[int, ...]:
         speeds = self.pace.speeds if self.pace.speeds is not None else self.speeds
         if speeds is None:
             return (self.period,) * self.num_groups
         fastest = max(speeds)
-        low, high = self.pace.min_steps, self.period
+        low, high = max(self.pace.min_steps, floor), self.period
         return tuple(min(high, max(low, round(self.period * s / fastest))) for s in speeds)
 
     def state_dict(self) -> dict[str, Any]:

@@ -10,8 +10,9 @@ tokens per group step:
   ``sum_g n_g b``;
 - **attainable**: every group at its own pace with no sync, ``sum_g b / t_g``.
 
-Over ``rounds`` rounds of a *measured* pace the first round is the barrier's (nothing was measured yet): the pace is
-then the tokens of both kinds of round over their time.
+Over ``rounds`` rounds of a *measured* pace the first round is probed: every group trains its first ``probe`` steps
+at the slowest group's pace (they exchange their times after them), then the paced rest of the round; the pace is
+the tokens of both kinds of round over their time.
 
 Pure arithmetic on the planner's predictions, no Lightning.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_fedshard.core.pace import PROBE_STEPS
 from lightning_fedshard.plan.predict import Prediction
 
 
@@ -49,6 +51,7 @@ def heterogeneous_pace(
     skip_seconds: float = 0.0,
     min_steps: int = 1,
     rounds: int | None = None,
+    probe: int = PROBE_STEPS,
 ) -> HeterogeneousPace:
     """Predict the barrier's and the per-group pace's tokens/s from each group's seconds per trained step.
 
@@ -59,7 +62,8 @@ def heterogeneous_pace(
         sync_seconds: ``s``: exposed seconds of one sync (once per round).
         skip_seconds: Seconds of a step a group skips (drawing a batch, the loop's hooks).
         min_steps: ``Pace(min_steps)``.
-        rounds: The run's rounds, for a measured pace whose first round is the barrier's; ``None``: the steady pace.
+        rounds: The run's rounds, for a measured pace whose first round is probed; ``None``: the steady pace.
+        probe: Steps of the first round every group trains before the groups exchange their times.
 
     Raises:
         ValueError: For an empty or non-positive ``step_seconds`` or ``sync_every < 1``.
@@ -75,11 +79,23 @@ def heterogeneous_pace(
     paced_round = (sum(steps), max(n * t + (sync_every - n) * skip_seconds for n, t in zip(steps, step_seconds)))
     paced_round = (paced_round[0], paced_round[1] + sync_seconds)
     barrier = barrier_round[0] * tokens_per_group_step / barrier_round[1]
-    first, later = (barrier_round, max(rounds - 1, 0)) if rounds is not None else ((0, 0.0), 1)
+    first, later = (_probed_round(steps, step_seconds, sync_every, probe, skip_seconds, sync_seconds),
+                    max(rounds - 1, 0)) if rounds is not None else ((0, 0.0), 1)  # fmt: skip
     tokens = first[0] + later * paced_round[0]
     pace = tokens * tokens_per_group_step / (first[1] + later * paced_round[1])
     attainable = sum(tokens_per_group_step / t for t in step_seconds)
     return HeterogeneousPace(barrier=barrier, pace=pace, attainable=attainable, steps=steps)
+
+
+def _probed_round(
+    steps: Sequence[int], step_seconds: Sequence[float], sync_every: int, probe: int, skip: float, sync: float
+) -> tuple[float, float]:
+    """Steps trained and seconds of a measured pace's first round: the probe's steps in step, then the paced rest."""
+    if sync_every <= probe:  # too short to probe: every group trains every step
+        return len(steps) * sync_every, sync_every * max(step_seconds) + sync
+    kept = [max(n, probe) for n in steps]
+    rest = max((n - probe) * t + (sync_every - n) * skip for n, t in zip(kept, step_seconds))
+    return sum(kept), probe * max(step_seconds) + rest + sync
 
 
 def heterogeneous(p: Prediction, node_speeds: Sequence[float]) -> HeterogeneousPace | None:

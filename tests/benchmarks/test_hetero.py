@@ -20,6 +20,8 @@ def _run(kind: str, repeat: int, trained: list[int], seconds: float, own: list[f
         "train_seconds": seconds,
         "own_train_seconds": own or [seconds] * 4,
         "group_of_rank": [0, 1, 2, 3],
+        "config": {"max_steps": 96, "federation": {"sync_every": 8}},
+        "strategy_syncs": [[{"when": "train", "sync_exposed_seconds": 0.5}]],
     }
 
 
@@ -37,11 +39,26 @@ def _results() -> dict[str, Any]:
 def test_the_pace_is_held_against_the_sum_of_each_groups_own_pace() -> None:
     results = _results()
     assert hetero.ratios(results, "hetero-barrier") == [pytest.approx(2000 / 3500)] * 3
-    row, planner = hetero.targets(results)
+    row, efficiency, planner = hetero.targets(results)
     assert planner["runs"] == 0  # no all-fast runs: no sync time to predict with
+    assert efficiency["runs"] == 0 and not efficiency["met"]
     assert row["measured"] == pytest.approx((3 * 96 + 49) * 1000 / 97.0 / 3500)  # the median repeat
     assert row["met"] and row["barrier"]["median"] == pytest.approx(4 / 7)
     assert "hetero-pace" in hetero.table(results) and "Attainable: 3,500 tokens/s" in hetero.table(results)
+
+
+def test_the_pace_is_judged_against_what_the_all_fast_run_gets_of_its_own_attainable() -> None:
+    results = _results()
+    for repeat in range(3):  # all fast: 4 x 1,000 tokens/s attainable, 3,600 committed with its syncs
+        results["runs"] += [
+            _run("hetero-allfast-nosync", repeat, [96] * 4, 96.0),
+            _run("hetero-allfast", repeat, [96] * 4, 96.0 * 4000 / 3600),
+        ]
+    paced = [(3 * 96 + 48 + r) * 1000 / (96.0 + r) / 3500 for r in range(3)]
+    assert hetero.efficiencies(results) == [pytest.approx(p / 0.9) for p in paced]
+    rows = {r["id"]: r for r in hetero.targets(results)}
+    assert rows["hetero-efficiency"]["measured"] == pytest.approx(sorted(paced)[1] / 0.9)
+    assert rows["hetero-efficiency"]["met"] == (sorted(paced)[1] / 0.9 >= hetero.EFFICIENCY_BOUND)
 
 
 def test_without_results_the_targets_are_listed_not_run() -> None:

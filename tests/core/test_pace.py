@@ -46,14 +46,25 @@ def test_the_merge_weighs_groups_by_the_steps_they_trained() -> None:
     assert normalized.weights(0, 4, (0, 1, 2, 3), 3) == pytest.approx(3.5 / 2)  # mean steps over own steps
 
 
-def test_a_measured_pace_trains_every_step_until_a_round_was_timed_then_follows_the_moving_average() -> None:
+def test_a_measured_pace_probes_the_first_round_then_follows_the_moving_average() -> None:
     schedule = PaceSchedule(Pace(smoothing=0.5), num_groups=2, period=10)
-    assert schedule.steps(0) == (10, 10)
+    assert schedule.steps(0) == (10, 10)  # nothing measured yet: every group trains
+    assert [s for s in range(1, 11) if schedule.probes(s)] == [2]  # the groups exchange their times after step 2
     schedule.observe([0.1, 0.2])  # 10 and 5 steps/s
+    assert schedule.steps(0) == (10, 5)  # the rest of the first round follows the probe
+    assert not schedule.probes(2)
     assert schedule.steps(1) == (10, 5)
     schedule.observe([0.1, 0.1])  # the slow group caught up: its average is 7.5 steps/s
     assert schedule.steps(2) == (10, 8)
     assert schedule.steps(1) == (10, 5)  # a decided round stays decided
+
+
+def test_the_first_round_keeps_the_steps_the_probe_trained_and_short_rounds_are_not_probed() -> None:
+    schedule = PaceSchedule(Pace(), num_groups=2, period=10)
+    schedule.observe([0.1, 1.0])  # the slow group at a tenth of the speed: 1 step of 10, but it trained 2 already
+    assert schedule.steps(0) == (10, 2) and schedule.steps(1) == (10, 1)
+    short = PaceSchedule(Pace(), num_groups=2, period=2)
+    assert not any(short.probes(s) for s in range(1, 5)) and short.steps(0) == (2, 2)
 
 
 def test_the_schedule_survives_its_state_dict() -> None:
@@ -179,11 +190,11 @@ def test_resume_mid_round_is_exact() -> None:
         assert got["pace"].merges == want["pace"].merges
 
 
-def test_a_measured_pace_agrees_on_every_rank_and_trains_every_step_first() -> None:
+def test_a_measured_pace_agrees_on_every_rank_and_probes_the_first_round() -> None:
     results = _run(12, pace=Pace())
     schedules = [r["pace"].rounds for r in results]
     assert all(s == schedules[0] for s in schedules)  # one decision for every group, from the exchanged timings
-    assert schedules[0][0] == (4, 4, 4, 4)
+    assert all(2 <= n <= 4 for n in schedules[0][0]) and max(schedules[0][0]) == 4  # the probe's 2 steps at least
 
 
 # -- bad input --------------------------------------------------------------------------------------------------------

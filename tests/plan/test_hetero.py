@@ -35,10 +35,14 @@ def test_the_plan_command_shows_the_heterogeneous_prediction(capsys: pytest.Capt
         plan(model="xs", cluster="emulated-4x2", node_speeds=[1, 0.5])
 
 
-def test_a_measured_pace_pays_one_barrier_round_first() -> None:
+def test_a_measured_pace_probes_its_first_round() -> None:
     steady = heterogeneous_pace([1.0, 2.0], tokens_per_group_step=10.0, sync_every=4)
     run = heterogeneous_pace([1.0, 2.0], tokens_per_group_step=10.0, sync_every=4, rounds=3)
-    assert run.pace == pytest.approx((8 + 2 * 6) * 10 / (8.0 + 2 * 4.0))  # a barrier round of 8 s, two of 4 s
+    # the first round: 2 probe steps at the slow group's 2 s each, then the fast group's 2 more (6 steps in 6 s);
+    # then two paced rounds of 6 steps in 4 s
+    assert run.pace == pytest.approx((6 + 2 * 6) * 10 / (6.0 + 2 * 4.0))
+    unprobed = heterogeneous_pace([1.0, 2.0], tokens_per_group_step=10.0, sync_every=4, rounds=3, probe=4)
+    assert unprobed.pace == pytest.approx((8 + 2 * 6) * 10 / (8.0 + 2 * 4.0))  # a barrier round of 8 s first
     assert run.barrier < run.pace < steady.pace == pytest.approx(6 * 10 / 4.0)
     once = heterogeneous_pace([1.0, 2.0], tokens_per_group_step=10.0, sync_every=4, rounds=1)
-    assert once.pace == pytest.approx(once.barrier)
+    assert once.pace == pytest.approx(6 * 10 / 6.0)  # the probed round alone
