@@ -67,6 +67,8 @@ class Recipe:
     ranks_per_group: int = 1
     steps: int = STEPS
     sync_every: int = SYNC_EVERY
+    lr: float = LR
+    val_every: int = VAL_EVERY
 
     def federation(self) -> Any:
         """The options as the simulator takes them (outer optimizers given by name and learning rate)."""
@@ -104,9 +106,9 @@ class Recipe:
             "seq_len": SEQ_LEN,
             "sync_every": self.sync_every,
             "steps": self.steps,
-            "val_every": VAL_EVERY,
+            "val_every": self.val_every,
             "val_windows": VAL_WINDOWS,
-            "lr": LR,
+            "lr": self.lr,
         }
 
 
@@ -139,6 +141,23 @@ OUTER_SWEEP = (
     _outer_cell("m1_h32_nesterov02", (0.2, 0.9), 32, groups=1),
     _outer_cell("m1_h32_nesterov04", (0.4, 0.9), 32, groups=1),
     _outer_cell("m1_h32_nesterov07", (0.7, 0.9), 32, groups=1),
+)
+
+
+def _fsdp_batch(multiple: int, lr: float) -> Recipe:
+    """Plain FSDP (one group) with ``multiple`` times the study's 16 windows per step, at the same token budget."""
+    name = f"fsdp_b{multiple}_lr{lr:g}".replace(".", "p")
+    what = f"FSDP, {16 * multiple} windows per step ({multiple}x), {STEPS // multiple} steps, inner lr {lr:g}"
+    steps = STEPS // multiple
+    val_every = VAL_EVERY if steps % VAL_EVERY == 0 else steps // 5  # the last validation at the last step
+    return Recipe(name, what, {}, groups=1, ranks_per_group=GROUPS * multiple, steps=steps, lr=lr,
+                  val_every=val_every)  # fmt: skip
+
+
+#: The examples' critical batch: FSDP's loss at the study's token budget for 1x, 4x and 16x its batch per step, each
+#: at half, once and twice the study's inner learning rate (1x at once is the study's ``fsdp``).
+CRITICAL_BATCH = tuple(
+    _fsdp_batch(multiple, lr) for multiple in (1, 4, 16) for lr in (LR / 2, LR, 2 * LR) if (multiple, lr) != (1, LR)
 )
 
 RECIPES = {
@@ -177,6 +196,7 @@ RECIPES = {
             {"pace": Pace(speeds=(1.0, 1.0, 1.0, 0.5))},
         ),
         *OUTER_SWEEP,
+        *CRITICAL_BATCH,
     )
 }
 
@@ -192,7 +212,7 @@ def run_one(recipe: Recipe, seed: int, work: Path, module: str = "benchmarks.rec
 
     root = work / f"{recipe.name}-s{seed}"
     L.seed_everything(seed, verbose=False)
-    model = LlamaLM(size="xs", vocab_size=4096, max_seq_len=SEQ_LEN, lr=LR, warmup_fraction=0.1, init_seed=seed)
+    model = LlamaLM(size="xs", vocab_size=4096, max_seq_len=SEQ_LEN, lr=recipe.lr, warmup_fraction=0.1, init_seed=seed)
     data = ShakespeareDataModule(
         seq_len=SEQ_LEN, batch_size=BATCH, vocab_size=4096, max_val_windows=VAL_WINDOWS, seed=seed, resumable=True
     )
@@ -202,7 +222,7 @@ def run_one(recipe: Recipe, seed: int, work: Path, module: str = "benchmarks.rec
         ranks_per_group=recipe.ranks_per_group,
         accelerator="cpu",
         max_steps=recipe.steps,
-        val_check_interval=VAL_EVERY,
+        val_check_interval=recipe.val_every,
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         callbacks=[checkpoints],

@@ -35,6 +35,7 @@ from benchmarks.reports import (
     throughput,
     topologies,
     torchft,
+    tuning,
 )
 from benchmarks.reports.docs import provenance, replace_section
 from benchmarks.reports.targets import targets, targets_table
@@ -137,6 +138,7 @@ def build(paths: dict[str, Path]) -> Report:
     exact = _load_json(recipes.EXACT_RESULTS)
     differences = list(exact["max_abs_difference"].values()) if exact else []
     rows += recipes.targets(recipe_results(), max(differences) if differences else None, len(differences))
+    rows += tuning.targets(recipe_results())
     return Report(results, analyses, rows)
 
 
@@ -199,6 +201,8 @@ def write_docs(report: Report, tables: dict[str, str]) -> None:
     sections.update(_torchft_sections())
     if study := recipe_results():
         sections["recipes"] = recipes.section(study)
+        sections["outer_sweep"] = tuning.outer_table(study)
+        sections["critical_batch"] = tuning.critical_batch_table(study)
         recipes.write_planner_factors(study)
     for name, body in sections.items():
         replace_section(BENCHMARKS_DOC, name, body)
