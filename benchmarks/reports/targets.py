@@ -88,7 +88,8 @@ def utilization_rows(options: dict[str, Any]) -> list[Row]:
         (
             "utilization",
             "",
-            f"FL+FSDP compute utilization at {link_label(UTILIZATION_LINK)}, sync_every=8, best sync option",
+            f"FL+FSDP compute utilization at {link_label(UTILIZATION_LINK)}, sync_every=8, the default sync (int4 +"
+            " error feedback, chosen before the sweep); the best of the sweep's options beside it",
         ),
         (
             "inrun_utilization",
@@ -99,8 +100,13 @@ def utilization_rows(options: dict[str, Any]) -> list[Row]:
     )
     for metric, suffix, words in measures:
         best = _best(options, metric)
-        value = best[1][metric]["median"] if best else None
         more: dict[str, Any] = {}
+        if metric == "utilization":  # judged on the defaults, not on the largest of many noisy medians
+            best_of_sweep = best
+            best = _defaults(options)
+            if best_of_sweep is not None:
+                more = {"best_configuration": best_of_sweep[0], "best": best_of_sweep[1][metric]}
+        value = best[1][metric]["median"] if best else None
         spread_ = best[1][metric] if best else None
         if metric != "utilization":  # judged by the pace of the configuration with the best in-run figure
             more = {"in_run": spread_}
@@ -121,6 +127,12 @@ def utilization_rows(options: dict[str, Any]) -> list[Row]:
             )
         )
     return rows
+
+
+def _defaults(options: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """The package's default sync at the utilization link (the sync_grid sweep runs it), if it was measured."""
+    found = [(k, v) for k, v in options.items() if v["kind"] == "fl_fsdp-int4ef" and v["link"] == UTILIZATION_LINK]
+    return found[0] if found else None
 
 
 def _fastest(summary: dict[str, Any]) -> str | None:

@@ -57,6 +57,7 @@ def _summary() -> dict:
     return {
         "fl_fsdp-50mbit": _config("fl_fsdp", 50.0, 100.0, utilization=0.90),
         "fl_fsdp-int8-50mbit": _config("fl_fsdp-int8", 50.0, 100.0, utilization=0.97, ratio=1.05),
+        "fl_fsdp-int4ef-50mbit": _config("fl_fsdp-int4ef", 50.0, 100.0, utilization=0.93),
         "fl_fsdp-20mbit": _config("fl_fsdp", 20.0, 800.0),
         "fl_fsdp-int8-20mbit": _config("fl_fsdp-int8", 20.0, 1000.0),
         "fsdp-20mbit": {**_config("fsdp", 20.0, 100.0), "tokens_per_s_true_reduce_scatter": 125.0},
@@ -65,9 +66,11 @@ def _summary() -> dict:
 
 def test_targets_are_computed_from_the_medians_and_can_fail():
     rows = {r["id"]: r for r in targets(_summary())}
-    utilization = rows["utilization-50mbit"]
-    assert utilization["measured"] == pytest.approx(0.97) and utilization["met"]
-    assert utilization["configuration"] == "fl_fsdp-int8-50mbit"
+    utilization = rows["utilization-50mbit"]  # judged on the defaults, the best option beside them
+    assert utilization["measured"] == pytest.approx(0.93) and not utilization["met"]
+    assert utilization["configuration"] == "fl_fsdp-int4ef-50mbit"
+    assert utilization["best_configuration"] == "fl_fsdp-int8-50mbit"
+    assert utilization["best"]["median"] == pytest.approx(0.97)
     float32 = rows["fl-fsdp-float32-speedup-20mbit"]
     assert float32["measured"] == pytest.approx(8.0) and not float32["met"]  # 8.0 < 8.04
     corrected = rows["fl-fsdp-fastest-speedup-20mbit-true-reduce-scatter"]
