@@ -46,13 +46,15 @@ def keep_sigterm_in_group(trainer: Trainer, process_groups: Callable[[], Any]) -
     loop = trainer.fit_loop.epoch_loop
 
     def broadcast_in_group() -> None:
-        flag = torch.tensor(
-            [1 if getattr(trainer, "received_sigterm", False) else 0], device=trainer.strategy.root_device
-        )
+        received = getattr(trainer, "received_sigterm", False)
         groups = process_groups()
-        for group in reversed(groups) if isinstance(groups, tuple) else (groups,):
-            dist.broadcast(flag, src=dist.get_global_rank(group, 0), group=group)
-        if flag.item() == 1:
+        groups = [g for g in (reversed(groups) if isinstance(groups, tuple) else (groups,)) if g.size() > 1]
+        if groups:  # a group of one rank has nobody to tell
+            flag = torch.tensor([1 if received else 0], device=trainer.strategy.root_device)
+            for group in groups:
+                dist.broadcast(flag, src=dist.get_global_rank(group, 0), group=group)
+            received = flag.item() == 1
+        if received:
             raise SIGTERMException()
 
     loop._broadcast_sigterm_tensor = broadcast_in_group  # type: ignore[method-assign]

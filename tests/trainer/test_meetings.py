@@ -56,3 +56,24 @@ def test_per_batch_decisions_are_taken_only_at_the_ends_of_rounds(make, monkeypa
 def test_callbacks_that_decide_nothing_per_batch_are_left_alone():
     untimed = [Timer(duration="00:01:00:00", interval="epoch"), ModelCheckpoint(every_n_train_steps=3)]
     assert decide_at_syncs(_trainer(callbacks=untimed), period=4) == []
+
+
+def test_a_group_of_one_rank_checks_its_own_sigterm_flag_without_a_collective(tmp_path, monkeypatch):
+    import torch.distributed as dist
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from lightning_fedshard.trainer.meetings import keep_sigterm_in_group
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        trainer = _trainer()
+        keep_sigterm_in_group(trainer, lambda: dist.group.WORLD)
+        calls: list[object] = []
+        monkeypatch.setattr(dist, "broadcast", lambda *args, **kwargs: calls.append(args))
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()  # no signal: nothing happens
+        trainer._signal_connector.received_sigterm = True  # private: what a SIGTERM handler sets
+        with pytest.raises(SIGTERMException):
+            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+        assert calls == [], "a group of one rank broadcast its flag"
+    finally:
+        dist.destroy_process_group()
