@@ -98,6 +98,8 @@ CONFIGURATIONS = _catalogue(
     Configuration("torchft-streaming", "torchft", {**TORCHFT_SAME, **STREAMING}),
     Configuration("fl_fsdp-torchft-streaming", "fl_fsdp", {**TORCHFT_SAME, **STREAMING}),
     Configuration("fl_fsdp-defaults", "fl_fsdp"),
+    Configuration("fl_fsdp-defaults-elastic", "fl_fsdp", {}, {"elastic_groups": True}),
+    Configuration("fl_fsdp-torchft-same-elastic", "fl_fsdp", TORCHFT_SAME, {"elastic_groups": True}),
 )
 
 #: (configuration, link rate in Mbit/s or ``None``), or with a round trip added between nodes (ms) as a third item.
@@ -237,6 +239,7 @@ TORCHFT_TRAINING: dict[str, Any] = {
 }  # fmt: skip
 TORCHFT_OPTIONS = (
     "torchft-diloco", "fl_fsdp-torchft-same", "fl_fsdp-defaults", "torchft-streaming", "fl_fsdp-torchft-streaming",
+    "fl_fsdp-torchft-same-elastic", "fl_fsdp-defaults-elastic",
 )  # fmt: skip
 TORCHFT_LINKS: tuple[float | None, ...] = (None, 50.0, 20.0, 5.0)
 TORCHFT_SMOKE = Configuration(

@@ -79,6 +79,7 @@ def upgrade_run(run: dict[str, Any], preset: str) -> None:
     if "identity" not in run:
         run["identity"] = asdict(derive_identity(run, preset))
     run["config"].setdefault("cpu_quota", None)  # runs from before per-node CPU quotas had none
+    run["config"].setdefault("elastic_groups", False)  # nor elastic groups
     run["config"]["federation"].setdefault("pace", None)  # nor a per-group pace
     run.pop("kind", None)  # the race's (strategy, steps, option): now its identity and config
     run.pop("sweep", None)  # now the identity's preset

@@ -76,6 +76,9 @@ class RunConfig:
         init_seed: ``LlamaLM``'s ``init_seed``: the initial weights.
         cpu_quota: CPU cores each node may use (a cgroup quota per node, see ``benchmarks.harness.cpu``); ``None``:
             no limit.
+        elastic_groups: FL+FSDP as an elastic federation: every node a group of its own job, the groups meeting
+            through a lighthouse in the switch (with torchft's own DiLoCo's settings: a quorum and a commit vote at
+            every sync), instead of one job over every node.
     """
 
     strategy: str
@@ -97,10 +100,13 @@ class RunConfig:
     seed: int = 0
     init_seed: int = 0
     cpu_quota: tuple[float, ...] | None = None
+    elastic_groups: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"`strategy` must be one of {STRATEGIES}, got {self.strategy!r}.")
+        if self.elastic_groups and self.strategy != "fl_fsdp":
+            raise ValueError(f"`elastic_groups` runs FL+FSDP with a group per node, not {self.strategy!r}.")
         if self.cpu_quota is not None:
             object.__setattr__(self, "cpu_quota", tuple(float(c) for c in self.cpu_quota))
             if len(self.cpu_quota) != self.num_nodes:

@@ -30,22 +30,27 @@ class RunFailed(RuntimeError):
     """A benchmark run exited with an error, ran past its timeout or wrote no results."""
 
 
-def node_env(cluster: EmulatedCluster, node: int, port: int, out: Path, torchft: bool = False) -> dict[str, str]:
+def node_env(
+    cluster: EmulatedCluster, node: int, port: int, out: Path, torchft: bool = False, elastic: bool = False
+) -> dict[str, str]:
     """Environment of node ``node``'s launcher: Lightning's multi-node variables plus the emulated interface.
 
-    A torchft run also gets the node's own address and the lighthouse in the switch.
+    A torchft run also gets the node's own address and the lighthouse in the switch; an elastic one too, and each node
+    is the first (and only) node of a job of its own: its group.
     """
     extra = {}
-    if torchft:
+    if torchft or elastic:
         extra = {
             "FEDSHARD_NODE_ADDR": cluster.address(node),
             "TORCHFT_LIGHTHOUSE": f"http://{cluster.service_address}:{LIGHTHOUSE_PORT}",
             "RUST_LOG": "warn",
         }
+    if elastic:
+        extra["FEDSHARD_GROUP"] = str(node)
     return {
         **extra,
-        "NODE_RANK": str(node),
-        "MASTER_ADDR": cluster.address(0),
+        "NODE_RANK": "0" if elastic else str(node),
+        "MASTER_ADDR": cluster.address(node if elastic else 0),
         "MASTER_PORT": str(port),
         # Gloo picks its interface from the host name otherwise; each node must use its own link.
         "GLOO_SOCKET_IFNAME": NODE_IFACE,
@@ -70,9 +75,9 @@ def launch(
     out.mkdir(parents=True, exist_ok=True)
     for stale in (out / "run.json", *out.glob("link_tx*.json")):  # left by an earlier attempt: not this run's
         stale.unlink(missing_ok=True)
-    torchft = cfg.strategy == TORCHFT
+    torchft, elastic = cfg.strategy == TORCHFT, cfg.elastic_groups
     argv = [sys.executable, str(TORCHFT_SCRIPT if torchft else TRAIN_SCRIPT), "--config", cfg.to_json()]
-    lighthouse = _start_lighthouse(cluster) if torchft else None
+    lighthouse = _start_lighthouse(cluster) if torchft or elastic else None
     tx_before, sites_before = cluster.tx_bytes(), cluster.site_tx_bytes()
     start = time.perf_counter()
     nodes: list[Node] = []
@@ -81,7 +86,7 @@ def launch(
         if quotas is not None:
             quotas.__enter__()
         for index in range(cluster.num_nodes):
-            env = node_env(cluster, index, port, out, torchft)
+            env = node_env(cluster, index, port, out, torchft, elastic)
             nodes.append(start_node(cluster, index, argv, env, out, quotas))
         _wait(nodes, out, timeout)
     finally:
@@ -93,7 +98,7 @@ def launch(
         if quotas is not None:
             quotas.__exit__(None, None, None)
     result = _read_result(out)
-    if torchft:  # each node counted its own link over training; node 0 wrote the rest
+    if torchft or elastic:  # each node counted its own link over training; node 0 wrote the rest
         result["link_tx_train"] = sum(json.loads(p.read_text())["train"] for p in out.glob("link_tx*.json"))
         result["link_tx_val"] = 0
     result["identity"] = asdict(identity)

@@ -171,8 +171,9 @@ class BenchRecorder(L.Callback):
         return time.perf_counter() - self._t0 - self._paused
 
     def tokens_per_step(self, trainer: L.Trainer) -> int:
-        """Tokens all ranks together train on per optimizer step."""
-        return trainer.world_size * self.cfg.batch_size * self.cfg.seq_len
+        """Tokens all ranks together train on per optimizer step (of every group's job, elastic groups too)."""
+        ranks = self.cfg.num_nodes * self.cfg.devices if self.cfg.elastic_groups else trainer.world_size
+        return ranks * self.cfg.batch_size * self.cfg.seq_len
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -259,9 +260,16 @@ class BenchRecorder(L.Callback):
         self.train.close(trainer)
         every: list[dict[str, Any]] = [{} for _ in range(trainer.world_size)]
         dist.all_gather_object(every, self._rank_record(trainer, cpu))
-        if trainer.global_rank == 0:
-            result = self._run_record(trainer, pl_module, every, train_seconds)
-            Path(self.cfg.out, "run.json").write_text(json.dumps(result, indent=1))
+        if trainer.global_rank != 0:
+            return
+        result = self._run_record(trainer, pl_module, every, train_seconds)
+        group = trainer.strategy.federation.communicator.group_index  # type: ignore[attr-defined]
+        if self.cfg.elastic_groups and group != 0:  # each group is a job: group 0 writes the run, the others their link
+            Path(self.cfg.out, f"link_tx{group}.json").write_text(json.dumps({"train": result["link_tx_train"]}))
+            return
+        if self.cfg.elastic_groups:
+            Path(self.cfg.out, "link_tx0.json").write_text(json.dumps({"train": result["link_tx_train"]}))
+        Path(self.cfg.out, "run.json").write_text(json.dumps(result, indent=1))
 
     def _rank_record(self, trainer: L.Trainer, cpu: float) -> dict[str, Any]:
         return {

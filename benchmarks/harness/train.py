@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import NoReturn
 
 import lightning as L
@@ -32,14 +33,37 @@ from lightning.pytorch.loggers import CSVLogger
 from benchmarks.harness.config import RunConfig
 from benchmarks.harness.process import exit_without_finalization
 from benchmarks.harness.recorder import BenchRecorder, MeasuredOuterSync
-from lightning_fedshard import FLFSDPStrategy, FLHSDPStrategy
+from lightning_fedshard import Elastic, FLFSDPStrategy, FLHSDPStrategy
 from lightning_fedshard.examples import LlamaLM, ShakespeareDataModule
+
+#: Seconds an elastic group's collective or quorum may take: torchft's side's (``torchft_train.TIMEOUT``).
+ELASTIC_TIMEOUT = 120.0
 
 
 def make_strategy(cfg: RunConfig) -> FLFSDPStrategy | FLHSDPStrategy:
     """The package's strategy for ``cfg``, built from its federation record (one FSDP unit per decoder layer)."""
     strategy = FLHSDPStrategy if cfg.strategy.endswith("hsdp") else FLFSDPStrategy
-    return strategy(auto_wrap_policy=LlamaLM.wrap_policy(), use_orig_params=True, **cfg.strategy_kwargs())
+    kwargs = cfg.strategy_kwargs()
+    if cfg.elastic_groups:  # this node's job is one group of an elastic federation of every node
+        kwargs.update(num_groups=cfg.num_nodes, elastic=elastic_group(cfg))
+    return strategy(auto_wrap_policy=LlamaLM.wrap_policy(), use_orig_params=True, **kwargs)
+
+
+def elastic_group(cfg: RunConfig) -> Elastic:
+    """This node's group: the lighthouse and group index from the driver, the settings of torchft's side.
+
+    Every planned group starts the federation and takes part in every sync (torchft's ``min_replica_size``), and a
+    collective or a quorum may take ``ELASTIC_TIMEOUT`` seconds, as torchft's side does.
+    """
+    return Elastic(
+        lighthouse=os.environ["TORCHFT_LIGHTHOUSE"],
+        group=int(os.environ["FEDSHARD_GROUP"]),
+        min_groups=cfg.num_nodes,
+        start_groups=cfg.num_nodes,
+        timeout=ELASTIC_TIMEOUT,
+        quorum_timeout=ELASTIC_TIMEOUT,
+        hostname=os.environ["FEDSHARD_NODE_ADDR"],
+    )
 
 
 def make_trainer(cfg: RunConfig) -> L.Trainer:
@@ -48,7 +72,7 @@ def make_trainer(cfg: RunConfig) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
         devices=cfg.devices,
-        num_nodes=cfg.num_nodes,
+        num_nodes=1 if cfg.elastic_groups else cfg.num_nodes,
         strategy=make_strategy(cfg),
         precision="32-true",
         max_steps=cfg.max_steps,

@@ -36,7 +36,19 @@ PAIRS = {
     "fl_fsdp-torchft-same": "torchft-diloco",
     "fl_fsdp-defaults": "torchft-diloco",
     "fl_fsdp-torchft-streaming": "torchft-streaming",
+    "fl_fsdp-torchft-same-elastic": "torchft-diloco",
+    "fl_fsdp-defaults-elastic": "torchft-diloco",
 }
+#: What each configuration guarantees: torchft's side and our elastic side vote to commit every sync through a
+#: quorum at the lighthouse and go on without a group that fails; our one-job side does neither (a failed group ends
+#: the job, which resumes from a checkpoint).
+GUARANTEES = {
+    "torchft-diloco": "fault-tolerant (quorum, commit vote)",
+    "torchft-streaming": "fault-tolerant (quorum, commit vote)",
+    "fl_fsdp-torchft-same-elastic": "fault-tolerant (quorum, commit vote)",
+    "fl_fsdp-defaults-elastic": "fault-tolerant (quorum, commit vote)",
+}
+ONE_JOB = "one job (a failure ends it; resume from a checkpoint)"
 
 Row = dict[str, Any]
 #: The failure runs' results (:mod:`benchmarks.torchft_kill`).
@@ -100,13 +112,14 @@ def rows(runs: list[dict[str, Any]]) -> list[Row]:
 
 def table(out: list[Row]) -> str:
     """The rows as a Markdown table."""
-    header = ["configuration", "link", "tokens/s (median [min, max])", "link MB / sync", "blocking / sync (s)",
-              "perplexity", "ours / torchft: pace", "ours / torchft: perplexity"]  # fmt: skip
+    header = ["configuration", "guarantees", "link", "tokens/s (median [min, max])", "link MB / sync",
+              "blocking / sync (s)", "perplexity", "ours / torchft: pace", "ours / torchft: perplexity"]  # fmt: skip
     return _markdown(
         header,
         [
             [
                 row["configuration"],
+                GUARANTEES.get(row["configuration"], ONE_JOB),
                 row["link"],
                 _spread(row["tokens_per_s"], ",.0f"),
                 f"{row['link_mb_per_sync']:.2f}",
@@ -232,8 +245,20 @@ PACE_SAME_TEXT = "our tokens/s / torchft's DiLoCo's, same algorithm and settings
 PPL_SAME_TEXT = "perplexity after 64 steps, same settings, paired by seed against torchft's DiLoCo"
 PACE_DEFAULT_TEXT = "our defaults' tokens/s / torchft's float32 DiLoCo's at 20 Mbit/s"
 KILL_TEXT = "our survivors' stall / torchft's, one group killed at the same step"
+PACE_SAME_ELASTIC_TEXT = (
+    "our tokens/s as an elastic federation (quorum and commit vote, as torchft) / torchft's DiLoCo's, same algorithm"
+    " and settings, each link"
+)
+PACE_DEFAULT_ELASTIC_TEXT = "our defaults' tokens/s as an elastic federation / torchft's float32 DiLoCo's at 20 Mbit/s"
 DEFAULT_LINK = 20.0
-TARGET_IDS = ("torchft-pace-same", "torchft-ppl-same", "torchft-pace-default", "torchft-kill-stall")
+TARGET_IDS = (
+    "torchft-pace-same",
+    "torchft-ppl-same",
+    "torchft-pace-default",
+    "torchft-kill-stall",
+    "torchft-pace-same-elastic",
+    "torchft-pace-default-elastic",
+)
 
 
 def targets(results: dict[str, Any] | None, kill_results: dict[str, Any] | None = None) -> list[Row]:
@@ -245,6 +270,8 @@ def targets(results: dict[str, Any] | None, kill_results: dict[str, Any] | None 
             _row("torchft-ppl-same", PPL_SAME_TEXT, math.nan, 0.01, False, 0),
             _row("torchft-pace-default", PACE_DEFAULT_TEXT, math.nan, 1.5, False, 0),
             kill,
+            _row("torchft-pace-same-elastic", PACE_SAME_ELASTIC_TEXT, math.nan, 1.0, False, 0),
+            _row("torchft-pace-default-elastic", PACE_DEFAULT_ELASTIC_TEXT, math.nan, 1.5, False, 0),
         ]
     out = rows(results["runs"])
     same = [r for r in out if r["configuration"] == "fl_fsdp-torchft-same" and "pace_vs_torchft" in r]
@@ -269,7 +296,22 @@ def targets(results: dict[str, Any] | None, kill_results: dict[str, Any] | None 
             2 * default[0]["repeats"] if default else 0,
         )
     )
-    return [*rows_out, kill]
+    return [*rows_out, kill, *_elastic_rows(out)]
+
+
+def _elastic_rows(out: list[Row]) -> list[Row]:
+    """Our side as an elastic federation, with the same guarantees as torchft's: every link, and the default at 20."""
+    same = [r for r in out if r["configuration"] == "fl_fsdp-torchft-same-elastic" and "pace_vs_torchft" in r]
+    by_link = {r["link"]: r["pace_vs_torchft"] for r in same}
+    worst = min(by_link.values(), default=math.nan)
+    runs = sum(2 * r["repeats"] for r in same)
+    rows = [_row("torchft-pace-same-elastic", PACE_SAME_ELASTIC_TEXT, worst, 1.0, worst >= 1.0, runs, per_link=by_link)]
+    default = [r for r in out if r["configuration"] == "fl_fsdp-defaults-elastic"
+               and r["link"] == metrics.link_label(DEFAULT_LINK) and "pace_vs_torchft" in r]  # fmt: skip
+    ratio = default[0]["pace_vs_torchft"] if default else math.nan
+    rows.append(_row("torchft-pace-default-elastic", PACE_DEFAULT_ELASTIC_TEXT, ratio, 1.5, ratio >= 1.5,
+                     2 * default[0]["repeats"] if default else 0))  # fmt: skip
+    return rows
 
 
 def kill_target(results: dict[str, Any] | None) -> Row:

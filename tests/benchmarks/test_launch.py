@@ -90,3 +90,34 @@ def test_a_successful_run_returns_rank_0s_record_with_its_identity(tmp_path: Pat
 
 def test_exit_codes_name_their_signal():
     assert describe_exit(-6) == "-6 (SIGABRT)" and describe_exit(1) == "1"
+
+
+def test_an_elastic_run_is_a_job_per_node_meeting_at_the_lighthouse(tmp_path: Path):
+    from benchmarks.harness.launch import node_env
+    from benchmarks.harness.train import elastic_group
+
+    class Cluster:
+        service_address = "10.77.0.254"
+
+        def address(self, node: int) -> str:
+            return f"10.77.0.{node + 1}"
+
+    env = node_env(Cluster(), 2, 29500, tmp_path, elastic=True)  # type: ignore[arg-type]
+    assert (env["NODE_RANK"], env["MASTER_ADDR"], env["FEDSHARD_GROUP"]) == ("0", "10.77.0.3", "2")
+    assert env["TORCHFT_LIGHTHOUSE"] == "http://10.77.0.254:29510" and env["FEDSHARD_NODE_ADDR"] == "10.77.0.3"
+    one_job = node_env(Cluster(), 2, 29500, tmp_path)  # type: ignore[arg-type]
+    assert (one_job["NODE_RANK"], one_job["MASTER_ADDR"]) == ("2", "10.77.0.1") and "FEDSHARD_GROUP" not in one_job
+    cfg = RunConfig(strategy="fl_fsdp", num_nodes=4, devices=1, out="o", cache_dir="c", elastic_groups=True)
+    group = elastic_group_from(env, cfg, elastic_group)
+    assert (group.group, group.min_groups, group.start_groups, group.hostname) == (2, 4, 4, "10.77.0.3")
+    assert RunConfig.from_record(cfg.record()) == cfg
+    with pytest.raises(ValueError, match="`elastic_groups` runs FL\\+FSDP with a group per node, not 'fsdp'"):
+        RunConfig(strategy="fsdp", num_nodes=4, devices=1, out="o", cache_dir="c", elastic_groups=True)
+
+
+def elastic_group_from(env: dict[str, str], cfg: RunConfig, build):  # type: ignore[no-untyped-def]
+    import os
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, env):
+        return build(cfg)

@@ -48,4 +48,7 @@ def test_each_configuration_is_paired_by_seed_with_its_torchft_counterpart():
     assert list(targets) == list(torchft.TARGET_IDS)
     assert targets["torchft-pace-same"]["met"] and targets["torchft-ppl-same"]["measured"] == pytest.approx(0.0)
     assert targets["torchft-kill-stall"]["measured"] is None and not targets["torchft-kill-stall"]["met"]
-    assert "| fl_fsdp-torchft-same | 20 Mbit/s |" in torchft.table(torchft.rows(runs))
+    assert (
+        "| fl_fsdp-torchft-same | one job (a failure ends it; resume from a checkpoint) | 20 Mbit/s |"
+        in torchft.table(torchft.rows(runs))
+    )
