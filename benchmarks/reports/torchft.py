@@ -258,6 +258,11 @@ TARGET_IDS = (
     "torchft-kill-stall",
     "torchft-pace-same-elastic",
     "torchft-pace-default-elastic",
+    "lightning-step-overhead",
+)
+OVERHEAD_TEXT = (
+    "our rank's CPU seconds per step over torchft's loop's (rank 0 / node 0), same algorithm, model and batch,"
+    " unthrottled, paired by repeat"
 )
 
 
@@ -272,6 +277,7 @@ def targets(results: dict[str, Any] | None, kill_results: dict[str, Any] | None 
             kill,
             _row("torchft-pace-same-elastic", PACE_SAME_ELASTIC_TEXT, math.nan, 1.0, False, 0),
             _row("torchft-pace-default-elastic", PACE_DEFAULT_ELASTIC_TEXT, math.nan, 1.5, False, 0),
+            _row("lightning-step-overhead", OVERHEAD_TEXT, math.nan, 1.03, False, 0),
         ]
     out = rows(results["runs"])
     same = [r for r in out if r["configuration"] == "fl_fsdp-torchft-same" and "pace_vs_torchft" in r]
@@ -296,7 +302,27 @@ def targets(results: dict[str, Any] | None, kill_results: dict[str, Any] | None 
             2 * default[0]["repeats"] if default else 0,
         )
     )
-    return [*rows_out, kill, *_elastic_rows(out)]
+    return [*rows_out, kill, *_elastic_rows(out), overhead_row(results["runs"])]
+
+
+def cpu_per_step(run: dict[str, Any]) -> float:
+    """Rank 0's (node 0's) CPU seconds per optimizer step, validation included on both sides."""
+    return float(run["cpu_seconds"][0]) / run["config"]["max_steps"]
+
+
+def overhead_row(runs: list[dict[str, Any]]) -> Row:
+    """``lightning-step-overhead``: our rank's CPU per step over torchft's, the same seed, unthrottled."""
+    ours, theirs = {}, {}
+    for run in runs:
+        identity = metrics.identity(run)
+        if identity.link_mbit is None and run.get("cpu_seconds"):
+            side = {"fl_fsdp-torchft-same": ours, "torchft-diloco": theirs}.get(identity.configuration)
+            if side is not None:
+                side[run["config"]["seed"]] = cpu_per_step(run)
+    ratios = [ours[seed] / theirs[seed] for seed in ours if seed in theirs]
+    ratio = statistics.median(ratios) if ratios else math.nan
+    return _row("lightning-step-overhead", OVERHEAD_TEXT, ratio, 1.03, ratio <= 1.03, 2 * len(ratios),
+                per_repeat=ratios)  # fmt: skip
 
 
 def _elastic_rows(out: list[Row]) -> list[Row]:

@@ -52,3 +52,19 @@ def test_each_configuration_is_paired_by_seed_with_its_torchft_counterpart():
         "| fl_fsdp-torchft-same | one job (a failure ends it; resume from a checkpoint) | 20 Mbit/s |"
         in torchft.table(torchft.rows(runs))
     )
+
+
+def test_the_step_overhead_pairs_our_rank_0_with_torchfts_node_0_unthrottled():
+    runs = []
+    for seed, (ours, theirs) in enumerate(((10.6, 10.0), (10.2, 10.0), (11.0, 10.0))):
+        runs += [
+            {**_run("fl_fsdp-torchft-same", None, seed, 0.1, 0.5, 400.0), "cpu_seconds": [ours, 99.0]},
+            {**_run("torchft-diloco", None, seed, 0.1, 1.0, 400.0), "cpu_seconds": [theirs]},
+            {
+                **_run("fl_fsdp-torchft-same", 20.0, seed, 0.1, 0.5, 400.0),
+                "cpu_seconds": [50.0],
+            },  # a slow link: left out
+        ]
+    row = torchft.overhead_row(runs)
+    assert row["per_repeat"] == [pytest.approx(1.06), pytest.approx(1.02), pytest.approx(1.10)]
+    assert row["measured"] == pytest.approx(1.06) and not row["met"] and row["runs"] == 6
