@@ -312,7 +312,8 @@ def cpu_per_step(run: dict[str, Any]) -> float:
 
 def overhead_row(runs: list[dict[str, Any]]) -> Row:
     """``lightning-step-overhead``: our rank's CPU per step over torchft's, the same seed, unthrottled."""
-    ours, theirs = {}, {}
+    ours: dict[int, float] = {}
+    theirs: dict[int, float] = {}
     for run in runs:
         identity = metrics.identity(run)
         if identity.link_mbit is None and run.get("cpu_seconds"):
