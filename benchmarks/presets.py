@@ -278,6 +278,19 @@ LATENCY_MBIT = 20.0
 LATENCY_RTTS_MS = (0.0, 100.0)
 LATENCY_OPTIONS = ("fl_fsdp-nosync", "fl_fsdp-int4ef", "fl_hsdp-int4ef", "fsdp")
 
+#: Wall time to a target: the recipe study's model and batch per step (4 groups of one rank, 4 windows of 128 tokens
+#: each: 16 windows a step) on 4 nodes of one rank, so that the study's tokens to target and these tokens/s join. FSDP's
+#: steps are regular and slow on the slow links: 12 steps (its pace over steps 9-12).
+WALLTIME_TRAINING: dict[str, Any] = {
+    "max_steps": 32, "val_every": 32, "size": "xs", "seq_len": 128, "batch_size": 4, "max_val_windows": 8,
+}  # fmt: skip
+WALLTIME_LINKS: tuple[float | None, ...] = (None, 50.0, 20.0, 5.0)
+WALLTIME = (
+    Configuration("walltime-fsdp", "fsdp", {}, {"max_steps": 12, "val_every": 12}),
+    Configuration("walltime-fedavg-f32", "fl_fsdp", FLOAT32),
+    Configuration("walltime-defaults", "fl_fsdp"),
+)
+
 PRESETS: dict[str, Preset] = {
     preset.name: preset
     for preset in (
@@ -368,6 +381,16 @@ PRESETS: dict[str, Preset] = {
             {},
             ((SMOKE, 20.0),),
             timeout=120.0,
+        ),
+        Preset(
+            "walltime",
+            "the recipe study's batch on 4 nodes of one rank: FSDP, float32 averaging and the defaults on every link",
+            45,
+            4,
+            1,
+            WALLTIME_TRAINING,
+            tuple((c, link) for link in WALLTIME_LINKS for c in WALLTIME),
+            repeats=3,
         ),
         Preset(
             "latency",
