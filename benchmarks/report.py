@@ -36,6 +36,7 @@ from benchmarks.reports import (
     topologies,
     torchft,
     tuning,
+    walltime,
 )
 from benchmarks.reports.docs import provenance, replace_section
 from benchmarks.reports.targets import targets, targets_table
@@ -105,7 +106,7 @@ def build(paths: dict[str, Path]) -> Report:
     results = {"throughput": throughput_results} | {
         name: load_if_exists(path)
         for name, path in paths.items()
-        if name not in ("throughput", "hsdp_fed_bytes", "gossip_bytes", "elastic", "hetero", "latency")
+        if name not in ("throughput", "hsdp_fed_bytes", "gossip_bytes", "elastic", "hetero", "latency", "walltime")
     }
     configs = sweep.analyze(throughput_results)
     compute = sweep.compute_times(configs["configs"])
@@ -139,6 +140,8 @@ def build(paths: dict[str, Path]) -> Report:
     differences = list(exact["max_abs_difference"].values()) if exact else []
     rows += recipes.targets(recipe_results(), max(differences) if differences else None, len(differences))
     rows += tuning.targets(recipe_results())
+    results["walltime"] = load_if_exists(paths.get("walltime", RESULTS / "walltime.json"))
+    rows.append(walltime.target(recipe_results(), results["walltime"]))
     return Report(results, analyses, rows)
 
 
@@ -170,6 +173,8 @@ def plot(report: Report) -> list[Path]:
         paths += elastic.plot(elastic_results, IMAGES)
     if study := recipe_results():
         paths.append(recipes.plot(study, IMAGES / "recipes.png"))
+        if (walltime_results := report.results.get("walltime")) is not None:
+            paths.append(walltime.plot(study, walltime_results, IMAGES / "walltime.png"))
     return paths
 
 
@@ -203,6 +208,8 @@ def write_docs(report: Report, tables: dict[str, str]) -> None:
         sections["recipes"] = recipes.section(study)
         sections["outer_sweep"] = tuning.outer_table(study)
         sections["critical_batch"] = tuning.critical_batch_table(study)
+        if (walltime_results := report.results.get("walltime")) is not None:
+            sections["walltime"] = walltime.table(study, walltime_results) + f"\n\n{report.note('walltime')}"
         recipes.write_planner_factors(study)
     for name, body in sections.items():
         replace_section(BENCHMARKS_DOC, name, body)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.metrics import link_label, link_slug, pace_window, spread
-from benchmarks.reports import elastic, hetero, latency, recipes, torchft, tuning
+from benchmarks.reports import elastic, hetero, latency, recipes, torchft, tuning, walltime
 from benchmarks.reports.docs import replace_section
 from benchmarks.reports.overlap import TARGET_IDS as OVERLAP_TARGET_IDS
 from benchmarks.reports.targets import TARGET_IDS, targets, targets_table
@@ -101,6 +101,7 @@ def test_target_ids_are_unique_kebab_case_and_those_of_targets_json():
     every = (*TARGET_IDS, *OVERLAP_TARGET_IDS, *TOPOLOGY_TARGET_IDS, *elastic.TARGET_IDS, *elastic.STANDBY_TARGET_IDS)
     every = (*every, *torchft.TARGET_IDS)
     every = (*every, *hetero.TARGET_IDS, *latency.TARGET_IDS, *recipes.TARGET_IDS, *tuning.TARGET_IDS)
+    every = (*every, walltime.TARGET_ID)
     assert [row["id"] for row in recorded] == list(every) and len(set(every)) == len(every)
     assert all(KEBAB.match(target_id) for target_id in (*OVERLAP_TARGET_IDS, *TOPOLOGY_TARGET_IDS))
     assert all({"id", "target", "measured", "bound", "met", "runs"} <= set(row) for row in recorded)
