@@ -38,8 +38,8 @@ def _results() -> dict[str, Any]:
     runs = []
     for repeat in range(3):
         runs += [
-            _run("fl_fsdp-nosync", 0.0, repeat, 0.100),
-            _run("fl_fsdp-nosync", 100.0, repeat, 0.101 + 0.001 * repeat),
+            _run("fl_fsdp-nosync-long", 0.0, repeat, 0.100),
+            _run("fl_fsdp-nosync-long", 100.0, repeat, 0.101 + 0.001 * repeat),
             _run("fl_fsdp-int4ef", 100.0, repeat, 0.2, sync_s=2.0 + repeat),
             _run("fsdp", 0.0, repeat, 0.5),
             _run("fsdp", 100.0, repeat, 5.0),
