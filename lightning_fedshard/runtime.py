@@ -26,18 +26,18 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fedshard.checkpoint import FederationCheckpointer
-from lightning_fedshard.core.comm import Communicator
-from lightning_fedshard.core.config import FederationConfig
-from lightning_fedshard.core.elastic import FederationEnded, FederationError
+from lightning_fedshard.core.backends.fsdp import FSDP1
+from lightning_fedshard.core.backends.sharding import ShardingBackend
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.fsdp import FSDP1
 from lightning_fedshard.core.lazy import required
 from lightning_fedshard.core.listeners import SyncListener, UtilizationClock
-from lightning_fedshard.core.mesh import FederationMesh, build_federation_mesh
+from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.options.elastic import FederationEnded, FederationError
 from lightning_fedshard.core.quiet import torch_choices_silenced
-from lightning_fedshard.core.sharding import ShardingBackend
-from lightning_fedshard.core.stats import SyncStats
-from lightning_fedshard.core.topology import FederationTopology
+from lightning_fedshard.core.step.stats import SyncStats
+from lightning_fedshard.core.transport.comm import Communicator
+from lightning_fedshard.core.transport.mesh import FederationMesh, build_federation_mesh
+from lightning_fedshard.core.transport.topology import FederationTopology
 from lightning_fedshard.elastic import ElasticCommunicator, ElasticMembership, MembershipChange
 
 log = logging.getLogger(__name__)
@@ -62,13 +62,14 @@ class FederatedRuntime:
         config: The validated federation options.
         hybrid: FL+HSDP (HYBRID_SHARD inside a group) instead of FL+FSDP (FULL_SHARD).
         name: The strategy's registered name, for messages.
-        backend: How the model is sharded: FSDP1 (default) or FSDP2 (see :mod:`lightning_fedshard.core.sharding`).
+        backend: How the model is sharded: FSDP1 (default) or FSDP2 (see
+            :mod:`lightning_fedshard.core.backends.sharding`).
         communicator: Builds the collectives of this rank's syncs once the mesh exists (see
-            :mod:`lightning_fedshard.core.comm`); default: the mesh's process groups.
+            :mod:`lightning_fedshard.core.transport.comm`); default: the mesh's process groups.
         listeners: Told of the start and end of training and of every sync that lands, in order (see
             :mod:`lightning_fedshard.core.listeners`); default: the compute-utilization clock.
         mesh: Builds this rank's federation mesh from the topology, the device type and the site blocks; default:
-            process groups of the default world (:func:`~lightning_fedshard.core.mesh.build_federation_mesh`).
+            process groups of the default world (:func:`~lightning_fedshard.core.transport.mesh.build_federation_mesh`).
         shape: How :meth:`describe` names the groups (default: the topology's groups x replicas x shards), e.g. a
             simulation's groups on one device.
     """
@@ -541,7 +542,7 @@ class FederatedRuntime:
             The statistics of the sync that ran, or ``None``.
 
         Raises:
-            NonFiniteOuterGradientError: See :class:`~lightning_fedshard.core.outer.OuterStep`.
+            NonFiniteOuterGradientError: See :class:`~lightning_fedshard.core.step.outer.OuterStep`.
         """
         step = self.step + 1 if step is None else step
         if step <= self.step:

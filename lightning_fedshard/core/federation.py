@@ -15,16 +15,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fedshard.core.comm import Communicator
-from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.fragments import cut_fragments
 from lightning_fedshard.core.lazy import required
-from lightning_fedshard.core.outer import OuterStep
-from lightning_fedshard.core.pace import PaceSchedule, median_seconds
-from lightning_fedshard.core.pending import PendingSync
+from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.options.pace import PaceSchedule, median_seconds
 from lightning_fedshard.core.rounds import Round, build_round
 from lightning_fedshard.core.rounds.base import combined
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.step.outer import OuterStep
+from lightning_fedshard.core.step.stats import SyncStats
+from lightning_fedshard.core.transport.comm import Communicator
+from lightning_fedshard.core.wire.pending import PendingSync
 
 
 class Federation:
@@ -154,7 +154,7 @@ class Federation:
             The statistics of the sync that landed, or ``None``.
 
         Raises:
-            NonFiniteOuterGradientError: See :class:`~lightning_fedshard.core.outer.OuterStep`.
+            NonFiniteOuterGradientError: See :class:`~lightning_fedshard.core.step.outer.OuterStep`.
         """
         if step <= self.last_step:
             return None
@@ -167,8 +167,8 @@ class Federation:
     def _time_step(self, step: int) -> None:
         """Measured pace: time the steps this group trained; the groups agree on what comes next at a round's end.
 
-        And once early in the first round (after :data:`~lightning_fedshard.core.pace.PROBE_STEPS` steps), so that
-        the first round is paced too.
+        And once early in the first round (after :data:`~lightning_fedshard.core.options.pace.PROBE_STEPS` steps), so
+        that the first round is paced too.
         """
         assert self.pace is not None
         now = time.perf_counter()

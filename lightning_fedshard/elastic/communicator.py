@@ -1,4 +1,6 @@
-"""One rank's collectives in an elastic group: the :class:`~lightning_fedshard.core.comm.Communicator` on torchft.
+"""One rank's collectives in an elastic group: the communicator on torchft.
+
+It implements :class:`~lightning_fedshard.core.transport.comm.Communicator` with torchft's Manager and process groups.
 
 Per sync:
 
@@ -7,7 +9,7 @@ Per sync:
    (federation name, model layout, sync options): a job that does not belong is refused before any pseudo-gradient
    moves, and the others ask again without it;
 2. the sum over the fed ring runs on torchft's process group; a group that healed at this sync (or is still joining)
-   sends zeros and is left out of the mean (:attr:`~lightning_fedshard.core.outer.PendingSync.joined`); a failed
+   sends zeros and is left out of the mean (:attr:`~lightning_fedshard.core.step.outer.PendingSync.joined`); a failed
    collective is recorded, not raised, and every later collective of the sync is skipped;
 3. :meth:`ElasticCommunicator.should_commit` is torchft's vote: a group that saw an error does not apply the sync and
    goes back to the anchor; at its next quorum it is behind and heals.
@@ -28,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_fedshard.core.comm import ProcessGroupCommunicator, weighted_sum
-from lightning_fedshard.core.elastic import Elastic, FederationEnded, FederationError
+from lightning_fedshard.core.options.elastic import Elastic, FederationEnded, FederationError
+from lightning_fedshard.core.transport.comm import ProcessGroupCommunicator, weighted_sum
 from lightning_fedshard.elastic.heal import heal_transport
 from lightning_fedshard.elastic.lighthouse import (
     TrainedFederation,
@@ -61,7 +63,7 @@ HealLoad = Callable[[dict[str, Any]], None]
 
 
 class ElasticCommunicator:
-    """The :class:`~lightning_fedshard.core.comm.Communicator` of one rank of an elastic group, on torchft.
+    """The :class:`~lightning_fedshard.core.transport.comm.Communicator` of one rank of an elastic group, on torchft.
 
     Collectives inside the group (``sum_in_group``, the replicas' gather) run on the job's own mesh; the fed ring is
     torchft's reconfigurable gloo process group, rebuilt by the manager whenever the groups of a quorum change, with
@@ -74,7 +76,7 @@ class ElasticCommunicator:
         describe: This rank's description for the admission check: a JSON-able dict of what must be equal in every
             group at this in-group position (model layout, sync options); called once per new quorum.
         site_blocks: By block size, the sites of a hierarchical outer topology: the planned groups of each (see
-            :meth:`~lightning_fedshard.core.outer_topology.Hierarchical.site_blocks`); empty without one.
+            :meth:`~lightning_fedshard.core.options.outer_topology.Hierarchical.site_blocks`); empty without one.
         num_groups: The groups the federation is planned for: a lighthouse that waits for more per quorum is refused.
     """
 

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from lightning_fedshard.core.elastic import FederationError
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.options.elastic import FederationError
+from lightning_fedshard.core.step.stats import SyncStats
 from lightning_fedshard.elastic.communicator import ElasticCommunicator
 from lightning_fedshard.elastic.heal import cloned
 

@@ -9,9 +9,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
 
-from lightning_fedshard.core.checks import check_positive_int
-from lightning_fedshard.core.config import FederationConfig
-from lightning_fedshard.core.outer_topology import OuterTopologySpec
+from lightning_fedshard.core.options.checks import check_positive_int
+from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.options.outer_topology import OuterTopologySpec
 from lightning_fedshard.plan.hetero import heterogeneous
 from lightning_fedshard.plan.predict import Prediction
 from lightning_fedshard.plan.quality import STUDY, tokens_to_target

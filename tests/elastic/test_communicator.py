@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from lightning_fedshard.core.elastic import Elastic
-from lightning_fedshard.core.inprocess import InProcessGroups
+from lightning_fedshard.core.options.elastic import Elastic
+from lightning_fedshard.core.transport.inprocess import InProcessGroups
 from lightning_fedshard.elastic import ElasticCommunicator
 
 SITES = {2: ((0, 2), (1, 3))}

@@ -8,19 +8,19 @@ from typing import Any, ClassVar, Protocol
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_fedshard.core.codecs import Codec
-from lightning_fedshard.core.comm import Communicator
-from lightning_fedshard.core.outer import OuterStep
-from lightning_fedshard.core.pace import PaceSchedule
-from lightning_fedshard.core.pending import PendingSync
-from lightning_fedshard.core.refusal import Refusal
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.options.pace import PaceSchedule
+from lightning_fedshard.core.options.refusal import Refusal
+from lightning_fedshard.core.step.outer import OuterStep
+from lightning_fedshard.core.step.stats import SyncStats
+from lightning_fedshard.core.transport.comm import Communicator
+from lightning_fedshard.core.wire.codecs import Codec
+from lightning_fedshard.core.wire.pending import PendingSync
 
 __all__ = ["Host", "OnePendingRound", "Options", "Refusal", "Round", "combined", "drop"]
 
 
 class Options(Protocol):
-    """The federation options a round reads (a :class:`~lightning_fedshard.core.config.FederationConfig`)."""
+    """The federation options a round reads (a :class:`~lightning_fedshard.core.options.config.FederationConfig`)."""
 
     @property
     def sync_every(self) -> int: ...  # noqa: D102

@@ -32,12 +32,12 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_fedshard.core.fragments import landing_fragment
-from lightning_fedshard.core.norms import nbytes
-from lightning_fedshard.core.outer_topology import Sampled
-from lightning_fedshard.core.pending import PendingSync
+from lightning_fedshard.core.options.outer_topology import Sampled
 from lightning_fedshard.core.rounds.base import Host, Refusal, Round, drop
 from lightning_fedshard.core.rounds.sampled import not_sampled
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.step.stats import SyncStats
+from lightning_fedshard.core.wire.norms import nbytes
+from lightning_fedshard.core.wire.pending import PendingSync
 
 
 class EagerRound(Round):

@@ -29,11 +29,8 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_fedshard.core.codecs import ChunkCodec, Codec, FloatCodec
 from lightning_fedshard.core.fragments import landing_fragment, starting_fragment
-from lightning_fedshard.core.nonfinite import NonFiniteOuterGradientError, healthy_mix
-from lightning_fedshard.core.outer_topology import Mixing
-from lightning_fedshard.core.pending import PendingSync
+from lightning_fedshard.core.options.outer_topology import Mixing
 from lightning_fedshard.core.rounds.averaging import (
     FLOAT32_SUM,
     apply_weights,
@@ -44,12 +41,15 @@ from lightning_fedshard.core.rounds.averaging import (
 )
 from lightning_fedshard.core.rounds.base import Host, OnePendingRound, Refusal, drop
 from lightning_fedshard.core.rounds.plain import PlainRound
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.step.nonfinite import NonFiniteOuterGradientError, healthy_mix
+from lightning_fedshard.core.step.stats import SyncStats
+from lightning_fedshard.core.wire.codecs import ChunkCodec, Codec, FloatCodec
+from lightning_fedshard.core.wire.pending import PendingSync
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from lightning_fedshard.core.outer import OuterStep
+    from lightning_fedshard.core.step.outer import OuterStep
 
 #: Where ``OuterStep.syncing`` marks a mix of fragment ``f``: ``(MIX_SYNC - f, step)`` (outer steps are ``(f, step)``).
 MIX_SYNC = -2

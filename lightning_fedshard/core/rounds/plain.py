@@ -18,13 +18,13 @@ import torch
 from typing_extensions import override
 
 from lightning_fedshard.core.fragments import landing_fragment, starting_fragment
-from lightning_fedshard.core.pending import PendingSync
 from lightning_fedshard.core.rounds.averaging import load_mean_over_groups, mean_bytes, mean_weights, write_weights
 from lightning_fedshard.core.rounds.base import Host, OnePendingRound, Refusal, drop
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.step.stats import SyncStats
+from lightning_fedshard.core.wire.pending import PendingSync
 
 if TYPE_CHECKING:
-    from lightning_fedshard.core.outer import OuterStep
+    from lightning_fedshard.core.step.outer import OuterStep
 
 
 #: What error feedback in the weights (a landing policy of the plain round) does not run.
@@ -91,7 +91,7 @@ class PlainRound(OnePendingRound):
     def idle(self, landing: int) -> Callable[[tuple[int, ...]], tuple[int, ...]]:
         """The groups that add nothing to the landing after optimizer step ``landing``, from the sync's participants.
 
-        :meth:`~lightning_fedshard.core.outer.OuterStep.begin` asks the communicator for the participants once and
+        :meth:`~lightning_fedshard.core.step.outer.OuterStep.begin` asks the communicator for the participants once and
         passes them in. Here none: every group adds.
         """
         return _nobody

@@ -25,11 +25,11 @@ from typing import ClassVar
 
 from typing_extensions import override
 
-from lightning_fedshard.core.outer_topology import Sampled
-from lightning_fedshard.core.pending import PendingSync
+from lightning_fedshard.core.options.outer_topology import Sampled
 from lightning_fedshard.core.rounds.base import Host, Refusal
 from lightning_fedshard.core.rounds.plain import PlainRound
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.step.stats import SyncStats
+from lightning_fedshard.core.wire.pending import PendingSync
 
 
 class SampledRound(PlainRound):
@@ -66,7 +66,7 @@ def not_sampled(topology: Sampled, period: int, landing: int) -> Callable[[tuple
     """The participants that the round of the landing after step ``landing`` (``(landing - 1) // period``) leaves out.
 
     The sample is drawn by position among the sync's participants, which
-    :meth:`~lightning_fedshard.core.outer.OuterStep.begin` passes in once it asked for them.
+    :meth:`~lightning_fedshard.core.step.outer.OuterStep.begin` passes in once it asked for them.
     """
     number = (landing - 1) // period
 

@@ -19,9 +19,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_fedshard.core.nonfinite import NonFiniteOuterGradientError
-from lightning_fedshard.core.outer_topology import Hierarchical
-from lightning_fedshard.core.pending import PendingSync
+from lightning_fedshard.core.options.outer_topology import Hierarchical
 from lightning_fedshard.core.rounds.averaging import (
     apply_weights,
     flat_weights,
@@ -30,10 +28,12 @@ from lightning_fedshard.core.rounds.averaging import (
     weights_sync_stats,
 )
 from lightning_fedshard.core.rounds.base import Host, Refusal, Round, combined
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.step.nonfinite import NonFiniteOuterGradientError
+from lightning_fedshard.core.step.stats import SyncStats
+from lightning_fedshard.core.wire.pending import PendingSync
 
 if TYPE_CHECKING:
-    from lightning_fedshard.core.outer import OuterStep
+    from lightning_fedshard.core.step.outer import OuterStep
 
 
 #: The fragment a site sync marks itself with in ``OuterStep.syncing`` while it waits for its groups: a group that

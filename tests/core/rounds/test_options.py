@@ -10,11 +10,9 @@ import torch
 from torch import Tensor
 
 from lightning_fedshard import Gossip, Hierarchical, Mixing, Pace, Sampled, SparseLoCo
-from lightning_fedshard.core.config import FederationConfig
-from lightning_fedshard.core.elastic import Elastic
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.inprocess import InProcessGroups
-from lightning_fedshard.core.nonfinite import NonFiniteOuterGradientError
+from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.options.elastic import Elastic
 from lightning_fedshard.core.rounds.options import (
     ALTERNATIVES,
     SWITCHES,
@@ -24,6 +22,8 @@ from lightning_fedshard.core.rounds.options import (
     refusal,
     refused_pairs,
 )
+from lightning_fedshard.core.step.nonfinite import NonFiniteOuterGradientError
+from lightning_fedshard.core.transport.inprocess import InProcessGroups
 
 GROUPS, STEPS, UNITS = 4, 14, 3
 RING = [[0.5, 0.25, 0, 0.25], [0.25, 0.5, 0.25, 0], [0, 0.25, 0.5, 0.25], [0.25, 0, 0.25, 0.5]]

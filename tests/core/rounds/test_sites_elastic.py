@@ -1,6 +1,6 @@
 """Sites in an elastic federation: a site is its live groups, a joining group adds nothing and takes its site's mean.
 
-Each group is a thread (``core/inprocess.py``) that an elastic communicator's view relabels: thread ``t`` runs
+Each group is a thread (``core/transport/inprocess.py``) that an elastic communicator's view relabels: thread ``t`` runs
 the live group ``labels[t]`` of the planned ones, the participants of a sync are the live groups in ring order, and a
 site sums over the whole ring, one row per planned site, as an elastic communicator sums it.
 """
@@ -14,11 +14,11 @@ import torch
 from torch import Tensor
 
 from lightning_fedshard import Elastic, Hierarchical
-from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.inprocess import InProcessGroups
+from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.rounds.averaging import mean_bytes
 from lightning_fedshard.core.rounds.sites import SITE_SYNC
+from lightning_fedshard.core.transport.inprocess import InProcessGroups
 from tests.core.rounds.live import Live, assert_resumed_exactly, run_live
 
 PLANNED = 4
