@@ -32,10 +32,9 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from lightning_fedshard.core.options.checks import check_positive_int
-from lightning_fedshard.core.options.refusal import Refusal
 
 #: The merge rules of :class:`Pace`.
 MERGES = ("tokens", "normalized")
@@ -60,18 +59,6 @@ class Pace:
     merge: str = "tokens"
     smoothing: float = 0.5
     min_steps: int = 1
-
-    #: The sync options a per-group pace does not run yet, and why.
-    refuses: ClassVar[dict[str, Refusal]] = {
-        "eager_updates": Refusal("an eager group applies its own share before knowing the weights of the merge"),
-        "hierarchical": Refusal("a site's syncs would need their own weights by the steps trained within the site"),
-        "gossip": Refusal("a mix of the weights themselves has no pseudo-gradient to weigh by the steps trained"),
-        "sampled": Refusal("a mix of the weights themselves has no pseudo-gradient to weigh by the steps trained"),
-        "mixing": Refusal("a mix of the weights themselves has no pseudo-gradient to weigh by the steps trained"),
-        "sampled_outer_step": Refusal("the sampled groups' weights would need renormalizing over each round's sample"),
-        "error_feedback_weights": Refusal("the residual kept in the weights would count with the next round's weight"),
-        "sparseloco": Refusal("its median clip and per-coordinate mean would re-weigh the groups' weighted updates"),
-    }
 
     def __post_init__(self) -> None:
         if self.speeds is not None:

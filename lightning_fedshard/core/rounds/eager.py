@@ -34,8 +34,9 @@ from typing_extensions import override
 from lightning_fedshard.core.fragments import landing_fragment
 from lightning_fedshard.core.options.outer_topology import Sampled
 from lightning_fedshard.core.rounds.base import Host, Refusal, Round, drop
-from lightning_fedshard.core.rounds.sampled import not_sampled
+from lightning_fedshard.core.step.participation import SampledGroups
 from lightning_fedshard.core.step.stats import SyncStats
+from lightning_fedshard.core.step.transaction import SyncKind, SyncTransaction, vote_to_commit
 from lightning_fedshard.core.wire.norms import nbytes
 from lightning_fedshard.core.wire.pending import PendingSync
 
@@ -86,12 +87,14 @@ class EagerRound(Round):
         return None if stats is None else replace(stats, num_fragments=self.config.fragments)
 
     @override
-    def take_part(self, fragment: int, step: int) -> SyncStats | None:
+    def take_part(self, kind: SyncKind, step: int) -> SyncStats | None:
         """Take part in the peers' sync of ``fragment`` at ``step``, adding nothing (a group that just healed).
 
         The group holds the anchor (no offset) and the peers' sums in flight (from :meth:`state_dict`), which land at
         their fragments' next syncs as the peers' do. It casts no vote here: the peers voted before this quorum.
         """
+        fragment = kind.fragment
+        assert fragment is not None
         _, started = self.step(fragment, None, step, vote=False)
         assert started is not None
         self._sums[fragment] = started
@@ -135,9 +138,10 @@ class EagerRound(Round):
         taken = outer.pseudogradient(fragment, self.offsets[fragment])
         own = None if final else self._own_copy(fragment, taken[0])  # before a sum in place overwrites the buffer
         landed = self.land(pending, step, vote)
-        sampling = self.sampled is not None and step is not None and not final
-        idle = not_sampled(self.sampled, self.period, step) if sampling else ()  # type: ignore[arg-type]
-        started = outer.begin(fragment, step, background=not final, taken=taken, idle=idle)
+        sampling = self.sampled is not None and not final
+        rule = SampledGroups(self.sampled, self.period) if sampling else None  # type: ignore[arg-type]
+        transaction = SyncTransaction(outer, SyncKind.outer_step(fragment), step, rule)
+        started = outer.begin(transaction, background=not final, taken=taken)
         if own is None:
             final_stats = outer.complete(started, step=step)
             self.offsets[fragment] = None
@@ -230,7 +234,7 @@ class EagerRound(Round):
             committed = not stats.lost
         else:
             ask = self.federation.groups_may_join and vote and bool(self._sums)
-            committed = not ask or outer.communicator.should_commit()
+            committed = not ask or vote_to_commit(outer, count_lost=False)
         if not committed and self.federation.groups_may_join:
             for fragment in sorted(self._sums):
                 del self._sums[fragment]  # completed before the vote: nothing runs on in the background

@@ -17,8 +17,8 @@ never touched.
 Before the mean, every group's pseudo-gradient is checked for NaN/Inf: by default a non-finite one raises
 :class:`NonFiniteOuterGradientError` with the anchor untouched; with ``on_nonfinite="skip_group"`` the mean runs over
 the healthy groups only and the broken ones restart from the new anchor like everyone else. Site syncs and mixes
-(see :mod:`~lightning_fedshard.core.rounds`) check the groups' weights the same way before they write
-(:meth:`OuterStep.nonfinite_groups`).
+(see :mod:`~lightning_fedshard.core.rounds`) check the groups' weights the same way before they write: every sync
+runs as a :class:`~lightning_fedshard.core.step.transaction.SyncTransaction`.
 
 This module knows nothing about Lightning or FSDP: it takes tensors and a :class:`Communicator`.
 """
@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_fedshard.core.step.nonfinite import NONFINITE_POLICIES, NonFiniteOuterGradientError
+from lightning_fedshard.core.step.nonfinite import NONFINITE_POLICIES
 from lightning_fedshard.core.step.outer_state import (
     OuterOptimizerFactory,
     OuterState,
@@ -43,6 +43,7 @@ from lightning_fedshard.core.step.outer_state import (
     new_anchor,
 )
 from lightning_fedshard.core.step.stats import SyncStats
+from lightning_fedshard.core.step.transaction import SyncKind, SyncTransaction, vote_to_commit
 from lightning_fedshard.core.transport.comm import Communicator, sum_over_model
 from lightning_fedshard.core.wire.codecs import FloatCodec
 from lightning_fedshard.core.wire.norms import squared_norm
@@ -111,9 +112,9 @@ class OuterStep(OuterState):
         self.reducers: list[Reducer] = [build() for _ in self.fragments]
         self.reduce_dtype = self.reducers[0].input_dtype  # the pseudo-gradient buffer's dtype
         self._executor: ThreadPoolExecutor | None = None
-        #: ``(fragment, step)`` while :meth:`begin` waits for the groups of that sync (elastic: a peer may then read
-        #: this rank's state to heal), else ``None``; a site sync waits as fragment ``-1`` (``rounds.sites.SITE_SYNC``).
-        self.syncing: tuple[int, int | None] | None = None
+        #: The sync this rank waits in for its groups (:meth:`SyncKind.marker`; elastic: a peer may then read this
+        #: rank's state to heal and take part in it), else ``None``.
+        self.syncing: tuple[str, int | None, int | None] | None = None
 
     @property
     def optimizer(self) -> Optimizer:
@@ -135,65 +136,54 @@ class OuterStep(OuterState):
             NonFiniteOuterGradientError: If a group's pseudo-gradient holds NaN/Inf and ``on_nonfinite="raise"``, or
                 every group's does. Nothing was changed then.
         """
-        return self.complete(self.begin(fragment, step, background=False), step=step)
+        transaction = SyncTransaction(self, SyncKind.outer_step(fragment), step)
+        return self.complete(self.begin(transaction, background=False), step=step)
 
     @torch.no_grad()
     def begin(
-        self,
-        fragment: int,
-        step: int | None = None,
-        background: bool = True,
-        taken: tuple[Tensor, bool] | None = None,
-        idle: Sequence[int] | Callable[[tuple[int, ...]], Sequence[int]] = (),
-        weigh: Callable[[tuple[int, ...]], float] | None = None,
+        self, transaction: SyncTransaction, background: bool = True, taken: tuple[Tensor, bool] | None = None
     ) -> PendingSync:
         """Take the fragment's pseudo-gradient now and start summing it over the groups; collective.
 
-        The communicator is asked for the participants of this sync once, here; the pending sync keeps them for every
-        divisor and flag of the sync. The NaN/Inf check (two tiny all-reduces: the fed ring, then the group) runs here,
-        in the caller's thread, so that only the fed ring is used from the background thread.
+        The transaction (:mod:`~lightning_fedshard.core.step.transaction`) is opened here, after the pseudo-gradient
+        is taken: it asks the communicator for the participants once, learns the absent groups (two tiny all-reduces:
+        the fed ring, then the group) in the caller's thread, so that only the fed ring is used from the background
+        thread, and gives this group's weight in the merge. The pending sync keeps the participants for every divisor
+        and flag of the sync.
 
         Args:
-            fragment: Which fragment.
-            step: The optimizer step after which the pseudo-gradient is taken (for messages and statistics).
+            transaction: The sync (an outer step of a fragment), not opened yet.
             background: Sum in a background thread (training may go on) instead of before returning.
             taken: The pseudo-gradient and its finiteness, when the caller took it already (eager updates).
-            idle: Groups that add nothing (zeros) and are not checked for NaN/Inf: the mean divides by the others;
-                or how they follow from this sync's participants (a sample drawn among them).
-            weigh: This group's factor from the groups that add to the sum (a per-group pace): the pseudo-gradient
-                is multiplied by it, so that the plain mean of the sum is the weighted merge.
 
         Raises:
             NonFiniteOuterGradientError: As for :meth:`step`; nothing was changed then.
         """
         start = time.perf_counter()
+        fragment = transaction.kind.fragment
+        assert fragment is not None, "an outer step moves one fragment"
         with torch.profiler.record_function("fedshard::pseudogradient"):
             local, finite = taken if taken is not None else self.pseudogradient(fragment)
-        self.syncing = (fragment, step)
-        try:
-            participants = self.communicator.participants()
-        finally:
-            self.syncing = None
-        idle = idle(participants) if callable(idle) else idle
-        joined_now, idle = self.communicator.joined(), tuple(g for g in participants if g in idle)
-        idle_now = self.communicator.group_index in idle
-        broken, joined = self._absent_groups(finite or joined_now or idle_now, joined_now, local.device, participants)
-        if broken and (self.on_nonfinite == "raise" or len({*broken, *joined, *idle}) == len(participants)):
-            raise NonFiniteOuterGradientError(broken, self.num_syncs, step, policy=self.on_nonfinite)
-        if self.communicator.group_index in broken or joined_now or idle_now:
+        transaction.open()
+        transaction.exchange(finite, local.device)
+        if transaction.broken and not transaction.contributors:
+            transaction.fail(transaction.broken)
+        if not transaction.adds:
             local.zero_()  # an absent group adds nothing to the sum; the mean divides by the contributing groups
-        elif weigh is not None:
-            absent = {*broken, *joined, *idle}
-            local.mul_(weigh(tuple(g for g in participants if g not in absent)))
+        else:
+            weight = transaction.weight()
+            if weight is not None:
+                local.mul_(weight)
+        participants = transaction.participants
         reducer, members = self.reducers[fragment], len(participants)
         part, finish = self._replica_part(fragment, local, members)
         pending = PendingSync(
             fragment=fragment,
             participants=participants,
-            started_at=step,
-            broken=tuple(broken),
-            joined=tuple(joined),
-            idle=idle,
+            started_at=transaction.step,
+            broken=transaction.broken,
+            joined=transaction.joined,
+            idle=transaction.idle,
             own_sq=squared_norm(local),
             bytes_sent=reducer.wire_bytes(part.numel(), members),
             clock=start,
@@ -225,9 +215,7 @@ class OuterStep(OuterState):
             local = pending.result()
         healthy = pending.contributors
         if healthy == 0:  # only a change of members: the weights, the anchor and the outer state stay as they are
-            committed = self.communicator.should_commit()
-            if not committed:
-                self.syncs_lost += 1
+            committed = vote_to_commit(self)
             return self._stats(pending, start, outer_grad_norm=0.0, drift=0.0, lost=not committed)
         local.div_(healthy)
         mean_sq = squared_norm(local)
@@ -237,7 +225,7 @@ class OuterStep(OuterState):
             own_dot_mean = 0.0 if pending.absent(self.communicator.group_index) else mean_sq
         # Before the vote: groups may vote differently (elastic), and every collective must be made by all of them.
         norm, drift = self._global_norms(pending, own_dot_mean, mean_sq, local.device)
-        if not self.communicator.should_commit():
+        if not vote_to_commit(self):
             return self._drop_lost(pending, start, write)
         with torch.profiler.record_function("fedshard::outer_optimizer_step"):
             self._set_grads(local, pending.fragment)
@@ -248,24 +236,6 @@ class OuterStep(OuterState):
                 self._write_anchor(pending.fragment, merge_alpha)
         self.num_syncs += 1
         return self._stats(pending, start, outer_grad_norm=norm, drift=drift)
-
-    def nonfinite_groups(self, flat: Tensor, groups: tuple[int, ...], step: int | None, sync: str) -> tuple[int, ...]:
-        """Those of the sync's ``groups`` whose weights hold NaN/Inf, known to every group (the outer step's flags).
-
-        Raises:
-            NonFiniteOuterGradientError: If there is one and ``on_nonfinite="raise"``.
-        """
-        return self.absent_groups(flat, groups, step, sync, joined=False)[0]
-
-    def absent_groups(
-        self, flat: Tensor, groups: tuple[int, ...], step: int | None, sync: str, joined: bool
-    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """:meth:`nonfinite_groups`, and those that joined at the sync (``joined``: this group did), in one exchange."""
-        finite = bool(torch.isfinite(flat).all())
-        broken, joining = self._absent_groups(finite, joined, flat.device, groups)
-        if broken and self.on_nonfinite == "raise":
-            raise NonFiniteOuterGradientError(broken, self.num_syncs, step, sync)
-        return tuple(broken), tuple(joining)
 
     def _stats(self, pending: PendingSync, start: float, **measured: Any) -> SyncStats:
         """The statistics of ``pending``'s sync, whose completion started at ``start``."""
@@ -293,7 +263,6 @@ class OuterStep(OuterState):
         if write:
             self.copy_anchor_to_shards(pending.fragment)
         self.reducers[pending.fragment].reset_residual()
-        self.syncs_lost += 1
         return self._stats(pending, start, outer_grad_norm=0.0, drift=0.0, lost=True)
 
     def _replica_part(self, fragment: int, local: Tensor, members: int) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
@@ -387,24 +356,6 @@ class OuterStep(OuterState):
             finite &= torch.isfinite(part).all()  # after the cast: float16 may overflow
             position += n
         return flat, bool(finite)
-
-    def _absent_groups(
-        self, finite: bool, joined: bool, device: torch.device, participants: tuple[int, ...]
-    ) -> tuple[list[int], list[int]]:
-        """Taking-part groups whose pseudo-gradient holds NaN/Inf anywhere, and those that joined at this sync.
-
-        Known to every rank of the sync: two flags per participant, summed over the fed ring and then inside the group
-        (two tiny all-reduces).
-        """
-        flags = torch.zeros(2, len(participants), dtype=torch.float64, device=device)
-        mine = participants.index(self.communicator.group_index)
-        flags[0, mine] = 0.0 if finite else 1.0
-        flags[1, mine] = 1.0 if joined else 0.0
-        sum_over_model(self.communicator, flags.view(-1))
-        nonfinite, joining = flags.tolist()
-        return [g for g, f in zip(participants, nonfinite) if f > 0], [
-            g for g, f in zip(participants, joining) if f > 0
-        ]
 
     def _set_grads(self, flat: Tensor, fragment: int) -> None:
         offset = 0

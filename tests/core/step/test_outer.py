@@ -7,6 +7,7 @@ from torch.testing import assert_close
 from lightning_fedshard.core.options.config import OUTER_OPTIMIZERS
 from lightning_fedshard.core.rounds.plain import agree_on_mean, residual_into_weights
 from lightning_fedshard.core.step.outer import OuterStep
+from lightning_fedshard.core.step.transaction import SyncKind, SyncTransaction
 from lightning_fedshard.core.transport.inprocess import InProcessGroups
 
 
@@ -203,7 +204,7 @@ def test_each_sync_reads_its_participants_once_and_divides_by_them():
         shard = torch.zeros(2)
         outer = OuterStep([shard], OUTER_OPTIMIZERS["fedavg"], spy, reduce_dtype=torch.float32)
         shard.fill_(float(g))
-        pending = outer.begin(0, step=1, background=False)
+        pending = outer.begin(SyncTransaction(outer, SyncKind.outer_step(0), 1), background=False)
         stats = outer.complete(pending, step=1)
         return spy.asked, pending.participants, shard.clone(), stats.bytes_sent
 
