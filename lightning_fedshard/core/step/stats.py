@@ -77,6 +77,24 @@ class SyncStats:
         """Syncs of every kind done so far: outer steps plus site syncs and mixes (the progress bar's ``syncs``)."""
         return self.num_syncs + self.site_syncs
 
+    def skipped_message(self, step: int) -> str | None:
+        """What a user is told when the sync after optimizer step ``step`` left broken groups out; ``None`` if none."""
+        if not self.skipped_groups:
+            return None
+        if self.kind == "outer step":
+            what, sync, restart = "a non-finite outer gradient", f"sync {self.num_syncs}", "the new anchor"
+        else:
+            what, sync, restart = (
+                "non-finite weights",
+                f"a {self.kind}",
+                f"the {self.kind}'s mean of their healthy partners",
+            )
+        return (
+            f"Skipped federation group(s) {list(self.skipped_groups)} with {what} at optimizer step {step} ({sync}):"
+            f" the {self.kind} averaged the healthy groups only, and the skipped groups restart from {restart} with a"
+            " fresh inner optimizer state."
+        )
+
     def as_dict(self, prefix: str = "fedshard/") -> dict[str, float]:
         """The statistics as a flat ``{name: value}`` dict for loggers."""
         stats = {

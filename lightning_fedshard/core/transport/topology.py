@@ -105,6 +105,34 @@ class FederationTopology:
         """Ranks at the same in-group position in every group: the outer all-reduce runs among them."""
         return [self.rank(g, replica, shard) for g in range(self.num_groups)]
 
+    def layout_warnings(self, devices_per_node: int, hybrid: bool, name: str) -> list[str]:
+        """What defeats the federation in this layout on nodes of ``devices_per_node`` (one message each).
+
+        One group (nothing to federate), groups that do not line up with nodes (their per-step traffic crosses
+        nodes), and with ``hybrid`` (HSDP inside a group) shards larger than a node.
+        """
+        found = []
+        if self.num_groups == 1:
+            kind = "HSDP" if hybrid else "FSDP"
+            found.append(
+                f"`{name}` with a single federation group ({self}) is {kind} over all ranks: there is nothing to"
+                f" federate (with `outer_optimizer='fedavg'` it is exactly plain {kind}; other outer optimizers still"
+                " step the single group's weights every `sync_every` steps). Set `num_groups` > 1 to get federated"
+                " training."
+            )
+        if self.group_size % devices_per_node and devices_per_node % self.group_size:
+            found.append(
+                f"Federation groups of {self.group_size} ranks do not line up with nodes of {devices_per_node}"
+                " devices: some groups span parts of two nodes, so their per-step traffic crosses the slow links the"
+                " federation is meant to avoid."
+            )
+        if hybrid and self.shard_size > devices_per_node:
+            found.append(
+                f"`shard_size={self.shard_size}` is larger than a node ({devices_per_node} devices): the per-step FSDP"
+                " collectives of every replica cross nodes."
+            )
+        return found
+
     def __str__(self) -> str:
         return (
             f"{self.num_groups} group(s) x {self.num_replicas} replica(s) x {self.shard_size} shard(s)"
