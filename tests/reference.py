@@ -139,6 +139,7 @@ def federate(
             the steps it trained since a fragment last landed (a landing resets the count, whatever the merge), and a
             landing's outer gradient weighs each group's ``anchor - snapshot`` by the count at its snapshot:
             ``merge="tokens"``: ``c_g / sum c``; ``merge="normalized"``: ``(mean c / c_g) / G`` (0 for ``c_g = 0``).
+            With ``participants`` too, the sums and means run over the round's sampled groups.
 
     Returns:
         ``anchors``: the full anchor after every outer step, by optimizer step (``0``: the initial anchor; at ``T``
@@ -186,10 +187,11 @@ def federate(
         if done % every == 0:
             landed = _landing_fragment(done, every, len(parts))
             keys = parts[landed]
-            snapshots = in_flight.pop(done)
-            weights = None if paced is None else _pace_weights(counted.pop(done), merge)
-            if participants is not None:
-                snapshots = [snapshots[g] for g in participants((done - 1) // sync_every)]
+            snapshots, trained = in_flight.pop(done), counted.pop(done)
+            if participants is not None:  # the round's sample; a pace weighs it by the steps its groups trained
+                chosen = participants((done - 1) // sync_every)
+                snapshots, trained = [snapshots[g] for g in chosen], [trained[g] for g in chosen]
+            weights = None if paced is None else _pace_weights(trained, merge)
             grad = _outer_step(anchor, outers[landed], snapshots, keys, weights)
             syncs.append(Sync(done, landed, "landing", grad))
             for g in groups:

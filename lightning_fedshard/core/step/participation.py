@@ -90,7 +90,6 @@ class Paced(Participation):
         "gossip": Refusal("a mix of the weights themselves has no pseudo-gradient to weigh by the steps trained"),
         "sampled": Refusal("a mix of the weights themselves has no pseudo-gradient to weigh by the steps trained"),
         "mixing": Refusal("a mix of the weights themselves has no pseudo-gradient to weigh by the steps trained"),
-        "sampled_outer_step": Refusal("the sampled groups' weights would need renormalizing over each round's sample"),
         "error_feedback_weights": Refusal("the residual kept in the weights would count with the next round's weight"),
         "sparseloco": Refusal("its median clip and per-coordinate mean would re-weigh the groups' weighted updates"),
     }

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.testing import assert_close
 
-from lightning_fedshard import Pace
+from lightning_fedshard import Pace, Sampled
 from lightning_fedshard.core.fragments import cut_fragments
 from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.options.pace import PaceSchedule
@@ -112,7 +112,7 @@ def _reference(steps: int, merge: str = "tokens", sync_delay: int = 0, **extra: 
         max_steps=steps,
         fragments=[[NAMES[u] for u in part] for part in cut_fragments([2] * UNITS, 2)],
         sync_delay=sync_delay,
-        paced=lambda r: (4, 4, 4, 2),
+        paced=extra.pop("paced", lambda r: (4, 4, 4, 2)),
         merge=merge,
         **extra,
     )
@@ -186,6 +186,35 @@ def test_resume_mid_round_is_exact() -> None:
     straight = _run(13, pace=pace, sync_delay=1)
     saved = _run(13, stop_at=7, pace=pace, sync_delay=1)  # a sum in flight, the slow group skipping its steps
     for got, want in zip(_run(13, resume=saved, pace=pace, sync_delay=1), straight):
+        assert all(torch.equal(a, b) for a, b in zip(got["final"], want["final"]))
+        assert got["pace"].merges == want["pace"].merges
+
+
+SAMPLE = Sampled(groups_per_round=2, seed=3, outer_step=True)
+
+
+@pytest.mark.parametrize("merge", ["tokens", "normalized"])
+def test_a_paced_sample_weighs_the_sampled_groups_by_the_steps_they_trained(merge: str) -> None:
+    """Each landing's mean runs over its round's sample only, weighted among the sampled groups; the end of training
+    weighs every group (the reference renormalizes over the sample independently)."""
+    rounds = {tuple(SAMPLE.sample(r, GROUPS)) for r in range(4)}
+    assert len(rounds) > 1 and any(3 in r for r in rounds) and any(3 not in r for r in rounds)
+    ref = _reference(14, merge, participants=lambda r: SAMPLE.sample(r, GROUPS))
+    want = torch.cat([ref["final"][n] for n in NAMES])
+    results = _run(14, pace=Pace(speeds=SLOW_LAST, merge=merge), outer_topology=SAMPLE)
+    for result in results:
+        assert_close(torch.cat(result["final"]), want, rtol=0, atol=1e-6)
+    unweighted = _reference(14, merge, participants=lambda r: SAMPLE.sample(r, GROUPS), paced=None)
+    assert (want - torch.cat([unweighted["final"][n] for n in NAMES])).abs().max() > 1e-2  # the weights matter
+    for step, _, counts in results[0]["pace"].merges[:-2]:  # a landing's merge names the sampled groups only
+        assert tuple(counts) == tuple(SAMPLE.sample((step - 1) // SYNC_EVERY, GROUPS))
+
+
+def test_a_paced_sample_resumes_mid_round_exactly() -> None:
+    options: dict[str, Any] = dict(pace=Pace(speeds=SLOW_LAST), outer_topology=SAMPLE, sync_delay=1)
+    straight = _run(14, **options)
+    saved = _run(14, stop_at=7, **options)
+    for got, want in zip(_run(14, resume=saved, **options), straight):
         assert all(torch.equal(a, b) for a, b in zip(got["final"], want["final"]))
         assert got["pace"].merges == want["pace"].merges
 
