@@ -34,7 +34,7 @@ from typing_extensions import override
 from lightning_fedshard.core.fragments import landing_fragment
 from lightning_fedshard.core.options.outer_topology import Sampled
 from lightning_fedshard.core.rounds.base import Host, Refusal, Round, drop
-from lightning_fedshard.core.step.participation import SampledGroups
+from lightning_fedshard.core.step.participation import SampledGroups, combine
 from lightning_fedshard.core.step.stats import SyncStats
 from lightning_fedshard.core.step.transaction import SyncKind, SyncTransaction, vote_to_commit
 from lightning_fedshard.core.wire.norms import nbytes
@@ -139,14 +139,15 @@ class EagerRound(Round):
         own = None if final else self._own_copy(fragment, taken[0])  # before a sum in place overwrites the buffer
         landed = self.land(pending, step, vote)
         sampling = self.sampled is not None and not final
-        rule = SampledGroups(self.sampled, self.period) if sampling else None  # type: ignore[arg-type]
+        sample = SampledGroups(self.sampled, self.period) if sampling else None  # type: ignore[arg-type]
+        rule = combine(sample, self.federation.participation)  # a pace weighs the end of training too
         transaction = SyncTransaction(outer, SyncKind.outer_step(fragment), step, rule)
         started = outer.begin(transaction, background=not final, taken=taken)
         if own is None:
             final_stats = outer.complete(started, step=step)
             self.offsets[fragment] = None
             return final_stats if landed is None else _both(landed, final_stats), None
-        self._start_from_own_share(fragment, own, started)
+        self._start_from_own_share(fragment, own, started, transaction.merge_weight)
         # The loop was blocked for all of this call; a call that landed nothing hands its time to the next landing.
         self._blocked += time.perf_counter() - clock
         if landed is None:
@@ -263,16 +264,19 @@ class EagerRound(Round):
         device = self.outer.anchor[self.outer.fragments[fragment][0]].device
         return local.to(device=device, dtype=torch.float32, copy=True)
 
-    def _start_from_own_share(self, fragment: int, offset: Tensor, pending: PendingSync) -> None:
+    def _start_from_own_share(
+        self, fragment: int, offset: Tensor, pending: PendingSync, weight: float | None = None
+    ) -> None:
         """Write ``anchor - lr * d_g / G`` (or ``lr * d_g``) into the fragment's shards and keep the offset.
 
-        ``offset`` holds ``d_g`` on the way in.
+        ``offset`` holds ``d_g`` on the way in. With a per-group pace the group's share is its term of the weighted
+        merge in flight: ``d_g`` times the factor ``weight`` it took in the sum.
         """
         outer = self.outer
         if pending.absent(outer.communicator.group_index):
             offset.zero_()  # a skipped group adds nothing to the sum and restarts from the anchor
-        weight = 1.0 / pending.contributors if self.rule == "share" else 1.0
-        offset.mul_(float(outer.optimizers[fragment].param_groups[0]["lr"]) * weight)
+        share = (1.0 if weight is None else weight) / pending.contributors if self.rule == "share" else 1.0
+        offset.mul_(float(outer.optimizers[fragment].param_groups[0]["lr"]) * share)
         self.offsets[fragment] = offset
         start = 0
         for i in outer.fragments[fragment]:

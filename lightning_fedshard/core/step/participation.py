@@ -85,7 +85,6 @@ class Paced(Participation):
 
     #: The sync options a per-group pace does not run yet, and why.
     refuses: ClassVar[dict[str, Refusal]] = {
-        "eager_updates": Refusal("an eager group applies its own share before knowing the weights of the merge"),
         "hierarchical": Refusal("a site's syncs would need their own weights by the steps trained within the site"),
         "gossip": Refusal("a mix of the weights themselves has no pseudo-gradient to weigh by the steps trained"),
         "sampled": Refusal("a mix of the weights themselves has no pseudo-gradient to weigh by the steps trained"),

@@ -126,6 +126,8 @@ class SyncTransaction:
         self.joined: tuple[int, ...] = ()
         #: Participants the participation rule leaves out of this sync: they add nothing.
         self.idle: tuple[int, ...] = ()
+        #: The factor this group's values took in the merge (:meth:`weight`, asked once), ``None``: alike or absent.
+        self.merge_weight: float | None = None
 
     def open(self) -> tuple[int, ...]:
         """Mark the sync and ask for its participants (once per sync); collective in an elastic federation.
@@ -208,7 +210,8 @@ class SyncTransaction:
         rule, step, fragment = self.participation, self.step, self.kind.fragment
         if rule is None or step is None or fragment is None:
             return None
-        return rule.weight(fragment, step, self.contributors, self.group)
+        self.merge_weight = rule.weight(fragment, step, self.contributors, self.group)
+        return self.merge_weight
 
     def commit(self) -> bool:
         """The communicator's vote on this sync (:func:`vote_to_commit`); one not committed is counted as lost."""

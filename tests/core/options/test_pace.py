@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.testing import assert_close
 
-from lightning_fedshard import Pace, Sampled
+from lightning_fedshard import Hierarchical, Pace, Sampled
 from lightning_fedshard.core.fragments import cut_fragments
 from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.options.pace import PaceSchedule
@@ -219,6 +219,30 @@ def test_a_paced_sample_resumes_mid_round_exactly() -> None:
         assert got["pace"].merges == want["pace"].merges
 
 
+@pytest.mark.parametrize("merge", ["tokens", "normalized"])
+@pytest.mark.parametrize("steps", [13, 16])
+def test_paced_eager_updates_start_each_group_from_its_term_of_the_weighted_merge(merge: str, steps: int) -> None:
+    """Each sum in flight is the merge weighted by the steps trained; a group starts from its own weighted term of it.
+
+    Ending mid-round (13) lands every sum in flight and takes a final weighted step; at 16 the last round lands."""
+    ref = _reference(steps, merge, eager=True, outer="nesterov")
+    want = torch.cat([ref["final"][n] for n in NAMES])
+    options: dict[str, Any] = dict(eager_updates=True, outer_optimizer="nesterov")
+    for result in _run(steps, pace=Pace(speeds=SLOW_LAST, merge=merge), **options):
+        assert_close(torch.cat(result["final"]), want, rtol=0, atol=1e-6)
+    plain = _reference(steps, merge, eager=True, outer="nesterov", paced=None)
+    assert (want - torch.cat([plain["final"][n] for n in NAMES])).abs().max() > 1e-2  # the weights matter
+
+
+def test_paced_eager_updates_resume_mid_round_exactly() -> None:
+    options: dict[str, Any] = dict(pace=Pace(speeds=SLOW_LAST), eager_updates=True, outer_optimizer="nesterov")
+    straight = _run(13, **options)
+    saved = _run(13, stop_at=7, **options)  # sums in flight, own shares in the offsets
+    for got, want in zip(_run(13, resume=saved, **options), straight):
+        assert all(torch.equal(a, b) for a, b in zip(got["final"], want["final"]))
+        assert got["pace"].merges == want["pace"].merges
+
+
 def test_a_measured_pace_agrees_on_every_rank_and_probes_the_first_round() -> None:
     results = _run(12, pace=Pace())
     schedules = [r["pace"].rounds for r in results]
@@ -248,8 +272,8 @@ def test_a_pace_that_does_not_fit_the_federation_is_refused() -> None:
         FederationConfig(num_groups=3, pace=Pace(speeds=SLOW_LAST))
     with pytest.raises(ValueError, match="min_steps=9.*sync_every=8"):
         FederationConfig(num_groups=4, pace=Pace(min_steps=9))
-    with pytest.raises(ValueError, match="`pace=.*` and `eager_updates=True` are not built to run together yet"):
-        FederationConfig(num_groups=4, pace=Pace(), eager_updates=True)
+    with pytest.raises(ValueError, match="`pace=.*` and `outer_topology=.*` are not built to run together yet"):
+        FederationConfig(num_groups=4, sync_every=2, pace=Pace(), outer_topology=Hierarchical({2: 2, 8: 4}))
     with pytest.raises(ValueError, match="must be a `lightning_fedshard.Pace`"):
         FederationConfig(num_groups=4, pace={"speeds": [1, 2]})  # type: ignore[arg-type]
 
