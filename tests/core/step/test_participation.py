@@ -41,4 +41,4 @@ def test_combined_rules_leave_out_either_rules_groups_and_at_most_one_weighs():
     both = combine(Out((2,)), Out((0,)))
     assert both is not None and both.idle((0, 1, 2, 3), 4) == (0, 2)
     assert both.weight(0, 4, (1, 3), 1) is None
-    assert "eager_updates" in Paced.refuses and Participation.refuses == SampledGroups.refuses == {}
+    assert "hierarchical" in Paced.refuses and Participation.refuses == SampledGroups.refuses == {}
