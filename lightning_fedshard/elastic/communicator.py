@@ -35,14 +35,11 @@ from lightning_fedshard.core.transport.comm import ProcessGroupCommunicator, wei
 from lightning_fedshard.elastic.heal import heal_transport
 from lightning_fedshard.elastic.lighthouse import (
     TrainedFederation,
-    federations_on,
-    live_heartbeats,
-    min_replicas,
     reachable,
+    refusal_on,
     second_start,
     status_page,
     trained_federation,
-    vacancies,
 )
 from lightning_fedshard.elastic.quiet import quiet_torchft
 from lightning_fedshard.elastic.quorum import (
@@ -54,6 +51,7 @@ from lightning_fedshard.elastic.quorum import (
     membership_change,
 )
 from lightning_fedshard.elastic.rings import QuorumRecorder, fed_rings, gather_options, sum_options
+from lightning_fedshard.elastic.standby import wait_for_place
 from lightning_fedshard.elastic.watchdog import GroupWatchdog
 
 log = logging.getLogger(__name__)
@@ -271,79 +269,42 @@ class ElasticCommunicator:
         self._save, self._load = save, load
 
     def stand_by(self, num_groups: int, poll: float = 0.5) -> int | None:
-        """A standby's wait: until a planned group of the running federation is gone, then take its place; collective.
+        """A standby's wait until a planned group of the running federation is gone, then take its place; collective.
 
-        Rank 0 reads the lighthouse's status page every ``poll`` seconds (no manager runs meanwhile: a standby is not
-        a member of any quorum). Once the federation trains and one of its ``num_groups`` planned groups has no live
-        manager, every rank takes that group's index and starts its manager, which heartbeats under the group's name
-        (see :meth:`_contested` for two standbys that take one place at once). The group then joins as any new job
-        does, at the federation's next sync (:meth:`quorum` with ``joining=True``), and heals from a peer.
+        See :func:`~lightning_fedshard.elastic.standby.wait_for_place`.
 
         Returns:
             The index taken, or ``None`` if the federation ended (it trained, and none of its groups is alive) while
             this standby waited.
         """
-        import random
-
         if self._group is not None:
             return self._group
-        federation, address = self.options.federation, self.options.lighthouse_address()
-        chance = random.Random()  # not the training's seeded generator: two standbys must not draw alike
+        return wait_for_place(self, num_groups, poll)
 
-        def free_place() -> int | None:
-            place = _free_place(status_page(address), federation, num_groups)
-            if place is None or place == -1:
-                return place
-            time.sleep(chance.uniform(0.0, 0.5))  # standbys that saw the place at once rarely take it at once
-            return _free_place(status_page(address), federation, num_groups)
+    def take_place(self, place: int) -> None:
+        """Take group ``place`` and start its manager, which heartbeats under the group's name (a standby).
 
-        while True:
-            place = self._rank0(free_place)
-            if place == -1:
-                return None
-            if place is None:
-                time.sleep(poll)
-                continue
-            self._group = place
-            try:
-                self._connect()
-            except FederationEnded:
-                return None
-            if not self._rank0(lambda: self._contested(address)):
-                log.info(f"Standby of federation {federation!r}: group {place} is gone, taking its place.")
-                return place
-            if dist.get_rank() == 0:
-                log.warning(f"Standby of federation {federation!r}: another job took group {place}'s place too; this"
-                            " one gives it up and waits again.")  # fmt: skip
-                _forget_manager(self._manager)  # the next manager's ranks must not find this one's address
-            self.close()
-            self._group, self._manager_state = None, None
-
-    def _contested(self, address: str, beat: float = 0.3) -> bool:
-        """Whether this standby gives up the place it just took because another job took it too (rank 0).
-
-        The managers of the place heard from in the last ``beat`` seconds are its claimants. Alone, this one keeps the
-        place. Otherwise the claimant with the smallest uuid may keep it, once the others are silent: a claimant that
-        saw no one else kept the place before the others came, and one that is not the smallest gives it up at once
-        (its manager stops, and falls silent within ``beat``).
+        Raises:
+            FederationEnded: If the federation ended as this job took the place.
         """
-        mine = _manager_uuid(self._manager)
+        self._group = place
+        self._connect()
 
-        def claimants() -> list[str]:
-            live = live_heartbeats(status_page(address), self.options.federation, within=beat)
-            return sorted(uuid for group, uuid in live if group == self._group)
+    def give_up_place(self, why: str) -> None:
+        """Leave the place just taken (another standby took it too), saying ``why`` on rank 0; the manager stops."""
+        if dist.get_rank() == 0:
+            log.warning(why)
+            _forget_manager(self._manager)  # the next manager's ranks must not find this one's address
+        self.close()
+        self._group, self._manager_state = None, None
 
-        deadline = time.monotonic() + max(5.0, 10 * beat)
-        while mine not in (found := claimants()) and time.monotonic() < deadline:
-            time.sleep(0.1)  # until the lighthouse lists this manager
-        time.sleep(beat)
-        found = claimants()
-        if found == [mine] or not found:
-            return False
-        if found[0] != mine:
-            return True
-        time.sleep(2 * beat)
-        return claimants() != [mine]
+    def manager_uuid(self) -> str:
+        """The uuid torchft appended to this group's replica id (this manager's, among a place's claimants)."""
+        return _manager_uuid(self._manager)
+
+    def rank0(self, decide: Callable[[], Any]) -> Any:
+        """``decide()`` on this group's rank 0, the same answer on every rank of the group; collective."""
+        return self._rank0(decide)
 
     def _rank0(self, decide: Callable[[], Any]) -> Any:
         """``decide()`` on this group's rank 0, the same answer on every rank of the group."""
@@ -540,24 +501,10 @@ class ElasticCommunicator:
                 raise FederationEnded("the federation ended as this standby took a place in it")
             when = "none of its groups is running"
             raise FederationError(second_start(self._trained, self.group_index, address, when))
-        needed = min_replicas(page[0])
-        if self.num_groups is not None and needed is not None and needed > self.num_groups:
+        refused = refusal_on(page[0], address, self.options.federation, self._group, self.num_groups)
+        if refused is not None:
             self.close()
-            raise FederationError(
-                f"The lighthouse at {address} waits for {needed} groups per sync (its `--min_replicas {needed}`), and"
-                f" this federation plans `num_groups={self.num_groups}`: no sync could ever run. Start the lighthouse"
-                f" with `--min_replicas` at most {self.num_groups} (the same as `Elastic(min_groups=...)`)."
-            )
-        running = federations_on(page[0])
-        others = {name: groups for name, groups in running.items() if name != self.options.federation}
-        if others:
-            listed = "; ".join(f"{name!r} (groups {sorted(groups)})" for name, groups in sorted(others.items()))
-            self.close()
-            raise FederationError(
-                f"This job (elastic group {self._group}) was refused: the lighthouse at {address} serves another"
-                f" federation: {listed}, and this job belongs to federation {self.options.federation!r}. Give each"
-                " federation a lighthouse of its own, or the same `Elastic(federation=...)` to every group of one."
-            )
+            raise FederationError(refused)
 
     def _send(self) -> dict[str, Any]:
         """What a peer receives from this rank when it heals (torchft's thread; this rank waits in its quorum)."""
@@ -667,14 +614,6 @@ def _forget_manager(manager: Any) -> None:
 def _manager_uuid(manager: Any) -> str:
     """The uuid torchft 0.2.0 appended to this group's replica id (rank 0 publishes the id in the group's store)."""
     return str(manager._store.get("replica_id").decode()).rpartition(":")[2]
-
-
-def _free_place(page: str, federation: str, num_groups: int) -> int | None:
-    """The place a standby takes now: the lowest free group index, ``-1`` if the federation ended, else ``None``."""
-    found = vacancies(page, federation, num_groups)
-    if found.ended:
-        return -1
-    return found.free[0] if found.free else None
 
 
 def _hostname() -> str:
