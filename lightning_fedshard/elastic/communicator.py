@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_fedshard.core.options.elastic import Elastic, FederationEnded, FederationError
-from lightning_fedshard.core.transport.comm import ProcessGroupCommunicator, weighted_sum
+from lightning_fedshard.core.transport.comm import ProcessGroupCommunicator, sum_parts, weighted_sum
 from lightning_fedshard.elastic.heal import heal_transport
 from lightning_fedshard.elastic.lighthouse import (
     TrainedFederation,
@@ -173,8 +173,20 @@ class ElasticCommunicator:
         return self._joined
 
     def sum_over_groups(self, tensor: Tensor) -> None:
-        """All-reduce (sum) over the fed ring; zeros after a failure."""
-        self._collective(lambda: self._rings.allreduce([tensor], sum_options()), tensor)
+        """All-reduce (sum) over the fed ring, a large tensor in parts in flight together; zeros after a failure.
+
+        As over one job's process groups (:func:`~lightning_fedshard.core.transport.comm.all_reduce`): one gloo ring
+        over a large tensor leaves a slow link idle part of the time.
+        """
+        parts = sum_parts(tensor)
+        if parts < 2:
+            self._collective(lambda: self._rings.allreduce([tensor], sum_options()), tensor)
+            return
+
+        def in_parts() -> _AllWorks:
+            return _AllWorks([self._rings.allreduce([part], sum_options()) for part in tensor.view(-1).chunk(parts)])
+
+        self._collective(in_parts, tensor)
 
     def sum_stats_over_groups(self, tensor: Tensor) -> None:
         """All-reduce (sum) over the statistics ring; zeros after a failure."""
@@ -599,6 +611,17 @@ class ElasticCommunicator:
             return "too few groups or a peer's failed vote"
         original = getattr(error, "original_exception", error)
         return f"{type(original).__name__}: {str(original).splitlines()[0] if str(original) else ''}"
+
+
+class _AllWorks:
+    """Several collectives issued together, waited for as one."""
+
+    def __init__(self, works: Sequence[Any]) -> None:
+        self.works = list(works)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
 
 
 def _forget_manager(manager: Any) -> None:

@@ -215,15 +215,21 @@ GLOO_SUM_PART_BYTES = 256 * 1024
 GLOO_SUM_PARTS = 16
 
 
+def sum_parts(tensor: Tensor) -> int:
+    """How many parts a sum of ``tensor`` over a gloo ring runs in, in flight together (1: one all-reduce)."""
+    if not tensor.is_contiguous():
+        return 1
+    return max(1, min(GLOO_SUM_PARTS, tensor.numel() * tensor.element_size() // GLOO_SUM_PART_BYTES))
+
+
 def all_reduce(tensor: Tensor, group: ProcessGroup) -> None:
     """Sum ``tensor`` in place over ``group``; on gloo, a large contiguous tensor in parts in flight together.
 
     Every rank cuts the tensor the same way, so all of them get the same bits; those may differ in the last place from
     a single all-reduce's (the order of the additions depends on the cut).
     """
-    nbytes = tensor.numel() * tensor.element_size()
-    parts = min(GLOO_SUM_PARTS, nbytes // GLOO_SUM_PART_BYTES)
-    if parts < 2 or not tensor.is_contiguous() or dist.get_backend(group) != dist.Backend.GLOO:
+    parts = sum_parts(tensor)
+    if parts < 2 or dist.get_backend(group) != dist.Backend.GLOO:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
         return
     works = [dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group, async_op=True)
