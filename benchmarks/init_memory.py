@@ -81,7 +81,7 @@ def run_rank(shape: str, mode: str, num_groups: int, out: Path) -> None:
     from torch.utils.data import DataLoader
 
     import lightning_fedshard
-    from lightning_fedshard.core.fsdp import local_shards
+    from lightning_fedshard.core.backends.fsdp import local_shards
     from lightning_fedshard.examples import LlamaLM
 
     baseline = rss_bytes()

@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.recipes import Recipe, main
-from lightning_fedshard.core.codecs import SparseLoCo
+from lightning_fedshard.core.wire.codecs import SparseLoCo
 
 RESULTS = Path(__file__).parent / "results" / "pairs"
 STEPS = 240

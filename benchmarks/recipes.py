@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_fedshard.core.codecs import SparseLoCo
-from lightning_fedshard.core.pace import Pace
+from lightning_fedshard.core.options.pace import Pace
+from lightning_fedshard.core.wire.codecs import SparseLoCo
 
 RESULTS = Path(__file__).parent / "results" / "recipes"
 
@@ -72,7 +72,7 @@ class Recipe:
 
     def federation(self) -> Any:
         """The options as the simulator takes them (outer optimizers given by name and learning rate)."""
-        from lightning_fedshard.core.config import FederationConfig
+        from lightning_fedshard.core.options.config import FederationConfig
 
         options = dict(self.options)
         outer = options.pop("outer", None)
@@ -86,7 +86,7 @@ class Recipe:
         pace = self.options.get("pace")
         if pace is None:
             return 1.0
-        from lightning_fedshard.core.pace import PaceSchedule
+        from lightning_fedshard.core.options.pace import PaceSchedule
 
         steps = PaceSchedule(pace, self.groups, self.sync_every).steps(0)
         return sum(steps) / (self.groups * self.sync_every)

@@ -27,7 +27,7 @@ from lightning_fedshard.core import (
     SparseTopK,
     SyncStats,
 )
-from lightning_fedshard.core.nonfinite import NonFiniteOuterGradientError
+from lightning_fedshard.core.step.nonfinite import NonFiniteOuterGradientError
 from lightning_fedshard.export import export_consensus
 from lightning_fedshard.trainer import FLFSDP2Strategy, FLFSDPStrategy, FLHSDP2Strategy, FLHSDPStrategy, OuterSync
 

@@ -26,16 +26,8 @@ from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setu
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 
-from lightning_fedshard.core.codecs import Codec
-from lightning_fedshard.core.config import (
-    FederationConfig,
-    OuterOptimizerSpec,
-    federation_args_doc,
-    outer_learning_rate_warning,
-)
-from lightning_fedshard.core.elastic import Elastic
-from lightning_fedshard.core.fsdp import FSDP1, fsdp_device_id
-from lightning_fedshard.core.fsdp2 import (
+from lightning_fedshard.core.backends.fsdp import FSDP1, fsdp_device_id
+from lightning_fedshard.core.backends.fsdp2 import (
     FSDP2,
     apply_activation_checkpointing,
     check_group_mesh,
@@ -43,10 +35,18 @@ from lightning_fedshard.core.fsdp2 import (
     mixed_precision_policy,
     shard_model,
 )
+from lightning_fedshard.core.backends.sharding import ShardingBackend, StateDictType
 from lightning_fedshard.core.listeners import SyncListener, UtilizationClock
-from lightning_fedshard.core.outer_topology import OuterTopologySpec
-from lightning_fedshard.core.pace import Pace
-from lightning_fedshard.core.sharding import ShardingBackend, StateDictType
+from lightning_fedshard.core.options.config import (
+    FederationConfig,
+    OuterOptimizerSpec,
+    federation_args_doc,
+    outer_learning_rate_warning,
+)
+from lightning_fedshard.core.options.elastic import Elastic
+from lightning_fedshard.core.options.outer_topology import OuterTopologySpec
+from lightning_fedshard.core.options.pace import Pace
+from lightning_fedshard.core.wire.codecs import Codec
 from lightning_fedshard.plan.check import PlanCheck
 from lightning_fedshard.runtime import FederatedRuntime
 

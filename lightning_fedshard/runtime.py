@@ -9,10 +9,7 @@ one call of :meth:`FederatedRuntime.after_optimizer_step` after every real optim
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -26,25 +23,21 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fedshard.checkpoint import FederationCheckpointer
-from lightning_fedshard.core.comm import Communicator
-from lightning_fedshard.core.config import FederationConfig
-from lightning_fedshard.core.elastic import FederationEnded, FederationError
+from lightning_fedshard.core.backends.fsdp import FSDP1
+from lightning_fedshard.core.backends.sharding import ShardingBackend
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.fsdp import FSDP1
 from lightning_fedshard.core.lazy import required
 from lightning_fedshard.core.listeners import SyncListener, UtilizationClock
-from lightning_fedshard.core.mesh import FederationMesh, build_federation_mesh
+from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.quiet import torch_choices_silenced
-from lightning_fedshard.core.sharding import ShardingBackend
-from lightning_fedshard.core.stats import SyncStats
-from lightning_fedshard.core.topology import FederationTopology
-from lightning_fedshard.elastic import ElasticCommunicator, ElasticMembership, MembershipChange
+from lightning_fedshard.core.step.stats import SyncStats
+from lightning_fedshard.core.transport.comm import Communicator
+from lightning_fedshard.core.transport.mesh import FederationMesh, build_federation_mesh
+from lightning_fedshard.core.transport.topology import FederationTopology
+from lightning_fedshard.elastic import ElasticMembership
+from lightning_fedshard.elastic.host import ElasticHost
 
 log = logging.getLogger(__name__)
-
-#: Lightning's warning when a fit resumes mid-epoch with a data loader that is not resumable. A group that heals takes
-#: a peer's loop position on purpose, not a checkpoint's: for a heal (only) the warning is dropped.
-_MID_EPOCH_RESUME = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
 class FederatedRuntime:
@@ -62,13 +55,14 @@ class FederatedRuntime:
         config: The validated federation options.
         hybrid: FL+HSDP (HYBRID_SHARD inside a group) instead of FL+FSDP (FULL_SHARD).
         name: The strategy's registered name, for messages.
-        backend: How the model is sharded: FSDP1 (default) or FSDP2 (see :mod:`lightning_fedshard.core.sharding`).
+        backend: How the model is sharded: FSDP1 (default) or FSDP2 (see
+            :mod:`lightning_fedshard.core.backends.sharding`).
         communicator: Builds the collectives of this rank's syncs once the mesh exists (see
-            :mod:`lightning_fedshard.core.comm`); default: the mesh's process groups.
+            :mod:`lightning_fedshard.core.transport.comm`); default: the mesh's process groups.
         listeners: Told of the start and end of training and of every sync that lands, in order (see
             :mod:`lightning_fedshard.core.listeners`); default: the compute-utilization clock.
         mesh: Builds this rank's federation mesh from the topology, the device type and the site blocks; default:
-            process groups of the default world (:func:`~lightning_fedshard.core.mesh.build_federation_mesh`).
+            process groups of the default world (:func:`~lightning_fedshard.core.transport.mesh.build_federation_mesh`).
         shape: How :meth:`describe` names the groups (default: the topology's groups x replicas x shards), e.g. a
             simulation's groups on one device.
     """
@@ -98,16 +92,10 @@ class FederatedRuntime:
         self._topology: FederationTopology | None = None
         self._mesh: FederationMesh | None = None
         self._federation: Federation | None = None
-        self._membership: ElasticMembership | None = None
         self._module: Module | None = None
         self._optimizers: list[Optimizer] = []
-        self._joined = False
-        self._joining = False
-        self._standby_ended = False  # a standby whose federation ended before it trained
-        self._fell_behind: FederationError | None = None
-        self._resume_filter: Any = None  # the warnings filter of a heal, until the first step after it
-        self._host_state: Callable[[], Any] | None = None
-        self._load_host_state: Callable[[Any], None] | None = None
+        #: Elastic: this job's place in its federation (joins, heals, standby); ``None`` in one job.
+        self.elastic: ElasticHost | None = ElasticHost(self) if config.elastic is not None else None
 
     # -- topology and mesh ------------------------------------------------------------------------------------
 
@@ -151,25 +139,8 @@ class FederatedRuntime:
                 self.config.elastic.group_index(self.num_groups)  # a missing or bad index fails before any rank starts
             self.config.elastic.lighthouse_address()
             return
-        if topology.num_groups == 1:
-            kind = "HSDP" if self.hybrid else "FSDP"
-            rank_zero_warn(
-                f"`{self.name}` with a single federation group ({topology}) is {kind} over all ranks:"
-                " there is nothing to federate (with `outer_optimizer='fedavg'` it is exactly plain"
-                f" {kind}; other outer optimizers still step the single group's weights every `sync_every` steps)."
-                " Set `num_groups` > 1 to get federated training."
-            )
-        if topology.group_size % devices_per_node and devices_per_node % topology.group_size:
-            rank_zero_warn(
-                f"Federation groups of {topology.group_size} ranks do not line up with nodes of"
-                f" {devices_per_node} devices: some groups span parts of two nodes, so their per-step traffic"
-                " crosses the slow links the federation is meant to avoid."
-            )
-        if self.hybrid and topology.shard_size > devices_per_node:
-            rank_zero_warn(
-                f"`shard_size={topology.shard_size}` is larger than a node ({devices_per_node} devices):"
-                " the per-step FSDP collectives of every replica cross nodes."
-            )
+        for message in topology.layout_warnings(devices_per_node, self.hybrid, self.name):
+            rank_zero_warn(message)
 
     def setup(self, num_nodes: int, devices_per_node: int, device: torch.device) -> None:
         """Build the federation mesh and the federation; collective, after the default process group exists.
@@ -189,77 +160,34 @@ class FederatedRuntime:
 
     def _new_federation(self) -> Federation:
         """A federation over this rank's communicator: the mesh's, or (elastic) torchft's around the job's mesh."""
-        elastic = self.config.elastic
-        if elastic is None or self._make_communicator is not _mesh_communicator:
+        host = self.elastic
+        if host is None or self._make_communicator is not _mesh_communicator:
             communicator = self._make_communicator(self.mesh)
         else:
-            group = None if elastic.standby else elastic.group_index(self.num_groups)
-            sites = self.config.site_blocks(self.num_groups)
-            communicator = ElasticCommunicator(
-                elastic, group, self.mesh.communicator(), self._description, sites, num_groups=self.num_groups
-            )
-            communicator.on_membership = self._log_membership
+            communicator = host.communicator()
         federation = Federation(self.config, communicator)
-        self._membership = None
-        if isinstance(communicator, ElasticCommunicator):
-            self._membership = ElasticMembership(federation, communicator)
-            self._membership.host_state = self._host_state_of_peer
-            self._membership.load_host_state = self._load_host_state_of_peer
+        if host is not None:
+            host.attach(federation)
         return federation
 
     @property
     def group_index(self) -> int:
-        """Elastic: this job's group (a standby's once it took a place; 0 if its federation ended); 0 in one job.
-
-        Raises:
-            RuntimeError: For a standby that has not waited for a place yet (its data part is not known).
-        """
-        elastic = self.config.elastic
-        if elastic is None:
-            return 0
-        if not elastic.standby:
-            return elastic.group_index(self.num_groups)
-        membership = self._membership
-        group = membership.communicator.place if membership is not None else None
-        if group is None and not self._standby_ended:
-            raise RuntimeError(
-                "An elastic standby has no group yet, so no part of the data: the Trainer waits for a place before"
-                " it sets up the data; with Fabric call `fabric.strategy.stand_by()` before setting up data loaders."
-            )
-        return 0 if group is None else group
+        """Elastic: this job's group (see :attr:`ElasticHost.group_index`); 0 in one job."""
+        return 0 if self.elastic is None else self.elastic.group_index
 
     @property
     def standing_by(self) -> bool:
         """Elastic: whether this job is a standby that holds no place (it waits, or its federation ended)."""
-        elastic, membership = self.config.elastic, self._membership
-        return elastic is not None and elastic.standby and (membership is None or membership.communicator.place is None)
+        return self.elastic is not None and self.elastic.standing_by
 
     def stand_by(self) -> bool:
-        """Elastic standby: wait until a group of the running federation is gone and take its place; collective.
-
-        Returns:
-            Whether this job took a place (it then joins as that group); ``False`` if the federation ended first.
-            Always ``True`` for a job that is not a standby.
-        """
-        elastic = self.config.elastic
-        if elastic is None or not elastic.standby:
-            return True
-        membership = required(self._membership, "A standby waits only once its federation exists.")
-        group = membership.communicator.stand_by(self.num_groups)
-        if group is None:
-            self._standby_ended = True
-            rank_zero_info(
-                f"{self.name}: standby of federation {elastic.federation!r}: the federation ended while this job"
-                " waited; it trained nothing."
-            )
-            return False
-        rank_zero_info(f"{self.name}: standby of federation {elastic.federation!r}: taking the place of group {group}.")
-        return True
+        """Elastic standby: wait for a place in the running federation (see :meth:`ElasticHost.stand_by`)."""
+        return self.elastic is None or self.elastic.stand_by()
 
     @property
     def membership(self) -> ElasticMembership | None:
         """Elastic: how this group joins and heals, and the groups of the last sync; ``None`` in one job."""
-        return self._membership
+        return self.elastic.membership if self.elastic is not None else None
 
     @property
     def mesh(self) -> FederationMesh:
@@ -323,7 +251,6 @@ class FederatedRuntime:
             self._federation.finish_pending()
             self.close()
             self._federation = self._new_federation()
-            self._joined = False
         self._module = None
         self._optimizers = []
         self.step = 0
@@ -384,14 +311,14 @@ class FederatedRuntime:
         if self.standing_by:
             return None  # a standby whose federation ended before it took a place: it trains nothing
         joined = None
-        if self.config.elastic is not None and not self._joined:
+        if self.elastic is not None and not self.elastic.joined:
             joined = self.join(step)
             step = self.step
         self.step = step
         for listener in self.listeners:
             listener.on_start(step)
         federation = self.federation
-        self._start_federation(step)
+        self.start_federation(step)
         rank_zero_info(self.describe())
         if federation.config.fragments > 1:
             rank_zero_info(f"{self.name}: streaming fragments (in module order): {self._fragment_summary()}")
@@ -399,7 +326,8 @@ class FederatedRuntime:
             return joined
         return self._synced(federation.maybe_sync(step))
 
-    def _start_federation(self, step: int) -> None:
+    def start_federation(self, step: int) -> None:
+        """Anchor the federation on the model's local shards at optimizer step ``step`` (kept if started already)."""
         self.federation.start(
             self.local_shards(),
             step,
@@ -410,12 +338,9 @@ class FederatedRuntime:
     # -- elastic ----------------------------------------------------------------------------------------------
 
     def set_host_state(self, state: Callable[[], Any], load: Callable[[Any], None]) -> None:
-        """Elastic: what the strategy adds to the state a joining group receives, and how a joining group applies it.
-
-        E.g. the Trainer's loops and learning-rate schedules. ``state`` runs on torchft's thread while this rank waits
-        in a sync.
-        """
-        self._host_state, self._load_host_state = state, load
+        """Elastic: what the strategy adds to the state a joining group receives (see :class:`ElasticHost`)."""
+        if self.elastic is not None:
+            self.elastic.set_host_state(state, load)
 
     def join(self, step: int) -> SyncStats | None:
         """Elastic: enter the federation at optimizer step ``step`` (collective with the other groups' ranks).
@@ -426,96 +351,19 @@ class FederatedRuntime:
         Returns:
             The statistics of the sync this group took part in, if any.
         """
-        self._start_federation(step)
-        self._joining = True
-        try:
-            membership = required(self._membership, "Only an elastic federation is joined.")
-            self.step, stats = membership.join(step)
-        except FederationEnded:
-            self._standby_ended = True
-            rank_zero_info(f"{self.name}: the federation ended as this standby took a place in it; it trains nothing.")
-            return None
-        finally:
-            self._joining = False
-        self._joined = True
+        host = required(self.elastic, "Only an elastic federation is joined.")
+        self.step, stats = host.join(step)
         return None if stats is None else self._synced(stats)
 
     @property
     def joined(self) -> bool:
         """Elastic: whether this group has joined the federation (always ``False`` in one job)."""
-        return self._joined
-
-    def _host_state_of_peer(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "host": self._host_state() if self._host_state is not None else None,
-            "hyperparameters": [_hyperparameters(optimizer) for optimizer in self._optimizers],
-        }
-
-    def _load_host_state_of_peer(self, step: int, state: dict[str, Any] | None) -> None:
-        """A peer's loops and schedules: taken when joining; a group already training must be at the peer's step."""
-        if self._joining:
-            if step != self.step and state is not None:
-                # The inner optimizer's state is this group's own and starts fresh, but its settings (learning rate,
-                # betas, ...) follow the schedules: a scheduler writes them only at its next step, and until then they
-                # must be the federation's, not the initial ones. Then the strategy's own state (which may step them).
-                for optimizer, groups in zip(self._optimizers, state.get("hyperparameters", [])):
-                    for group, saved in zip(optimizer.param_groups, groups):
-                        group.update(saved)
-                if self._load_host_state is not None and state.get("host") is not None:
-                    self._silence_mid_epoch_resume()
-                    self._load_host_state(state["host"])
-            self.step = step
-            return
-        if step != self.step:
-            # Raised once this sync is over, so that the others' sync is not lost: this group takes part in it and
-            # adds nothing.
-            self._fell_behind = FederationError(
-                f"Elastic group {self.federation.communicator.group_index} fell behind the federation (it is at"
-                f" optimizer step {self.step}, the others at {step}; it was stopped or cut off for a while). It ends"
-                " here: restart it, and it joins again at the federation's step."
-            )
-
-    def _log_membership(self, change: MembershipChange) -> None:
-        """One line per group that joined, healed or left, on this group's rank 0."""
-        for line in change.lines(self.step):
-            rank_zero_info(line)
-
-    def _silence_mid_epoch_resume(self) -> None:
-        """Drop Lightning's mid-epoch resume warning until the first optimizer step (a heal would trigger it)."""
-        if self._resume_filter is None:
-            warnings.filterwarnings("ignore", message=_MID_EPOCH_RESUME)
-            self._resume_filter = warnings.filters[0]
-
-    def _restore_mid_epoch_resume(self) -> None:
-        if self._resume_filter is not None:
-            filters: list[Any] = warnings.filters  # type: ignore[assignment]  # typeshed: a Sequence; it is a list
-            if self._resume_filter in filters:
-                filters.remove(self._resume_filter)
-            self._resume_filter = None
-
-    def _description(self) -> dict[str, Any]:
-        """What must be equal in every group at this rank's in-group position (the elastic admission check)."""
-        shards = self.local_shards()
-        layout = hashlib.sha1(repr([(tuple(s.shape), str(s.dtype)) for s in shards]).encode()).hexdigest()[:12]
-        dtypes = sorted({str(s.dtype).removeprefix("torch.") for s in shards})
-        topology = self.topology
-        return {
-            "strategy": f"{self.name} ({self.backend.name})",
-            "group shape": f"{topology.num_replicas} replica(s) x {topology.shard_size} shard(s)",
-            "model": f"{sum(s.numel() for s in shards):,} values per rank in {len(shards)} shard(s) of"
-            f" {'/'.join(dtypes)}",
-            "shard layout": layout,
-            "num_groups": self.num_groups,
-            "sync options": dataclasses.replace(self.config, elastic=None, num_groups=None).describe(),
-        }
+        return self.elastic is not None and self.elastic.joined
 
     def close(self) -> None:
         """Elastic: leave the federation (this group's manager stops; the others go on without it)."""
-        if self._membership is not None:
-            self._membership.communicator.close()
-        self._joined = False
-        self._restore_mid_epoch_resume()
+        if self.elastic is not None:
+            self.elastic.close()
 
     def trains(self, step: int | None = None) -> bool:
         """Whether this group trains optimizer step ``step`` (default: the next one).
@@ -541,13 +389,14 @@ class FederatedRuntime:
             The statistics of the sync that ran, or ``None``.
 
         Raises:
-            NonFiniteOuterGradientError: See :class:`~lightning_fedshard.core.outer.OuterStep`.
+            NonFiniteOuterGradientError: See :class:`~lightning_fedshard.core.step.outer.OuterStep`.
         """
         step = self.step + 1 if step is None else step
         if step <= self.step:
             return None
         self.step = step
-        self._restore_mid_epoch_resume()
+        if self.elastic is not None:
+            self.elastic.restore_mid_epoch_resume()
         return None if self.syncs_are_identity else self._synced(self.federation.maybe_sync(step))
 
     def finish(self) -> SyncStats | None:
@@ -564,8 +413,8 @@ class FederatedRuntime:
         return stats
 
     def _synced(self, stats: SyncStats | None) -> SyncStats | None:
-        if self._fell_behind is not None:
-            raise self._fell_behind
+        if self.elastic is not None:
+            self.elastic.raise_if_fell_behind()
         if stats is None:
             return None
         for listener in self.listeners:
@@ -600,21 +449,10 @@ class FederatedRuntime:
         them, the mean of their healthy partners); their inner optimizer state most likely holds the same NaN/Inf,
         so every rank of a skipped group starts it afresh (all of them, to keep the group consistent).
         """
-        if not stats.skipped_groups:
+        message = stats.skipped_message(self.step)
+        if message is None:
             return
-        if stats.kind == "outer step":
-            what, sync, restart = "a non-finite outer gradient", f"sync {stats.num_syncs}", "the new anchor"
-        else:
-            what, sync, restart = (
-                "non-finite weights",
-                f"a {stats.kind}",
-                f"the {stats.kind}'s mean of their healthy partners",
-            )
-        rank_zero_warn(
-            f"Skipped federation group(s) {list(stats.skipped_groups)} with {what} at optimizer step {self.step}"
-            f" ({sync}): the {stats.kind} averaged the healthy groups only, and the skipped groups restart from"
-            f" {restart} with a fresh inner optimizer state."
-        )
+        rank_zero_warn(message)
         if self.federation.communicator.group_index in stats.skipped_groups:
             for optimizer in self._optimizers:
                 optimizer.state.clear()
@@ -642,11 +480,6 @@ class FederatedRuntime:
             self.free_unsharded_params,
             self.backend,
         )
-
-
-def _hyperparameters(optimizer: Optimizer) -> list[dict[str, Any]]:
-    """Each parameter group's settings (learning rate, betas, ...), without its parameters."""
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
 def _mesh_communicator(mesh: FederationMesh) -> Communicator:

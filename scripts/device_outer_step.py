@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_fedshard.core.config import FederationConfig
-from lightning_fedshard.core.outer import OuterStep
+from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.step.outer import OuterStep
 from lightning_fedshard.examples import LlamaLM
 
 SHAPE = dict(hidden_size=2048, num_layers=22, num_heads=32, num_kv_heads=4, intermediate_size=5632, vocab_size=32000)

@@ -139,6 +139,7 @@ def federate(
             the steps it trained since a fragment last landed (a landing resets the count, whatever the merge), and a
             landing's outer gradient weighs each group's ``anchor - snapshot`` by the count at its snapshot:
             ``merge="tokens"``: ``c_g / sum c``; ``merge="normalized"``: ``(mean c / c_g) / G`` (0 for ``c_g = 0``).
+            With ``participants`` too, the sums and means run over the round's sampled groups.
 
     Returns:
         ``anchors``: the full anchor after every outer step, by optimizer step (``0``: the initial anchor; at ``T``
@@ -162,7 +163,8 @@ def federate(
         if sync_delay or merge_alpha:
             raise ValueError("eager updates take no `sync_delay` or `merge_alpha`.")
         rounds = None if participants is None else (lambda done: participants((done - 1) // sync_every))
-        return _federate_eager(initial, groups, parts, every, outer, max_steps, hierarchical, sites, rounds)
+        pace = (paced, sync_every, merge) if paced is not None else None
+        return _federate_eager(initial, groups, parts, every, outer, max_steps, hierarchical, sites, rounds, pace)
     anchor = {k: v.clone() for k, v in initial.items()}
     outers = [Outer(**OUTERS[outer]) for _ in parts]
     anchors: dict[int, dict[str, Tensor]] = {0: _copy(anchor)}
@@ -186,10 +188,11 @@ def federate(
         if done % every == 0:
             landed = _landing_fragment(done, every, len(parts))
             keys = parts[landed]
-            snapshots = in_flight.pop(done)
-            weights = None if paced is None else _pace_weights(counted.pop(done), merge)
-            if participants is not None:
-                snapshots = [snapshots[g] for g in participants((done - 1) // sync_every)]
+            snapshots, trained = in_flight.pop(done), counted.pop(done)
+            if participants is not None:  # the round's sample; a pace weighs it by the steps its groups trained
+                chosen = participants((done - 1) // sync_every)
+                snapshots, trained = [snapshots[g] for g in chosen], [trained[g] for g in chosen]
+            weights = None if paced is None else _pace_weights(trained, merge)
             grad = _outer_step(anchor, outers[landed], snapshots, keys, weights)
             syncs.append(Sync(done, landed, "landing", grad))
             for g in groups:
@@ -457,6 +460,7 @@ def _federate_eager(
     hierarchical: dict[int, int] | None = None,
     sites: list[list[int]] | None = None,
     sampled: Callable[[int], list[int]] | None = None,
+    pace: tuple[Callable[[int], Sequence[int]], int, str] | None = None,
 ) -> dict[str, object]:
     """Eager updates: fragment ``f`` syncs after every step ``s`` with ``(s / K - 1) % P == f``; group g keeps the
     weights ``start_g`` it began the fragment's round from, and at the sync
@@ -473,6 +477,11 @@ def _federate_eager(
     which there are ``k``: they start from ``anchor - lr * d_g / k``, the others from the anchor. The end takes every
     group.
 
+    With ``pace`` (``(paced, H, merge)`` as `federate` takes them) group ``g`` trains the first ``paced(r)[g]`` steps
+    of each round of ``H`` steps; a sync's mean in flight is ``sum_g w_g d_g`` over its groups, with ``w_g`` from the
+    steps each trained since the fragment's last sync (`_pace_weights`), and a group starts from
+    ``anchor - lr * w_g * d_g``, its term of that mean. The end weighs every group the same way.
+
     With ``hierarchical`` levels, after every step (and its sync, if any) the sites of the level that decides the step,
     if below the whole federation, take the plain mean of their weights and of the ``start_g`` of the fragments that
     synced at least once (where each group began its round).
@@ -486,10 +495,19 @@ def _federate_eager(
     groups_before: dict[int, list[Tensor]] = {}
     syncs: list[Sync] = []
     last_sync = [0] * len(parts)
+    counts = [[0] * len(parts) for _ in groups]  # per group and fragment: steps trained since its last sync
+
+    def weights(chosen: list[int], f: int) -> list[float]:
+        if pace is None:
+            return [1.0 / len(chosen)] * len(chosen)
+        return _pace_weights([counts[g][f] for g in chosen], pace[2])
+
     for step in range(max_steps):
         groups_before[step] = [torch.cat([v.reshape(-1) for v in g.weights().values()]) for g in groups]
-        for group in groups:
-            group.train_step(step)
+        for g, group in enumerate(groups):
+            if pace is None or step % pace[1] < pace[0](step // pace[1])[g]:
+                group.train_step(step)
+                counts[g] = [c + 1 for c in counts[g]]
         done = step + 1
         if done % every == 0:
             f = _landing_fragment(done, every, len(parts))
@@ -499,13 +517,21 @@ def _federate_eager(
                 outers[f].step(anchor, mean)
                 syncs.append(Sync(done, f, "landing", mean))
             chosen = sampled(done) if sampled is not None else list(range(len(groups)))
-            in_flight[f] = {k: torch.stack([deltas[g][k] for g in chosen]).mean(0) for k in parts[f]}
+            w = dict(zip(chosen, weights(chosen, f)))
+            if pace is None:
+                in_flight[f] = {k: torch.stack([deltas[g][k] for g in chosen]).mean(0) for k in parts[f]}
+            else:
+                in_flight[f] = {k: sum(w[g] * deltas[g][k] for g in chosen) for k in parts[f]}  # type: ignore[misc]
             for g, (start, group, delta) in enumerate(zip(starts, groups, deltas)):
-                if g in chosen:
+                if g in chosen and pace is None:
                     start.update({k: anchor[k] - lr * delta[k] / len(chosen) for k in parts[f]})
+                elif g in chosen:
+                    start.update({k: anchor[k] - lr * w[g] * delta[k] for k in parts[f]})
                 else:  # left out of the sample: no share of the mean in flight
                     start.update({k: anchor[k].clone() for k in parts[f]})
                 group.load(_slice(start, parts[f], clone=True))
+            for g in range(len(groups)):
+                counts[g][f] = 0
             last_sync[f] = done
             anchors[done] = _copy(anchor)
         if hierarchical is not None:
@@ -518,7 +544,11 @@ def _federate_eager(
             outers[f].step(anchor, mean)
             syncs.append(Sync(max_steps, f, "landing", mean))
         if last_sync[f] != max_steps:
-            mean = {k: torch.stack([d[k] for d in deltas]).mean(0) for k in keys}
+            if pace is None:
+                mean = {k: torch.stack([d[k] for d in deltas]).mean(0) for k in keys}
+            else:
+                w_all = weights(list(range(len(groups))), f)
+                mean = {k: sum(c * d[k] for c, d in zip(w_all, deltas)) for k in keys}  # type: ignore[misc]
             outers[f].step(anchor, mean)
             syncs.append(Sync(max_steps, f, "final", mean))
         for g in groups:

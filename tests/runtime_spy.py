@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_fedshard.core.outer import OuterStep
+from lightning_fedshard.core.step.outer import OuterStep
 from lightning_fedshard.runtime import FederatedRuntime
 
 CALLS: Counter[str] = Counter()

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_fedshard.core.config import FederationConfig
-from lightning_fedshard.core.reducers import ChunkLayout, make_reducer
+from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.wire.reducers import ChunkLayout, make_reducer
 from lightning_fedshard.plan.command import plan, table
 
 ROOT = Path(__file__).parents[1]

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 import lightning_fedshard.runtime as runtime_module
-from lightning_fedshard import Elastic, Hierarchical
-from lightning_fedshard.core.config import FederationConfig
-from lightning_fedshard.core.inprocess import InProcessGroups
-from lightning_fedshard.core.topology import FederationTopology
+from lightning_fedshard import Hierarchical
+from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.transport.inprocess import InProcessGroups
+from lightning_fedshard.core.transport.topology import FederationTopology
 from lightning_fedshard.runtime import FederatedRuntime
 
 _THREAD = threading.local()
@@ -159,32 +159,3 @@ def test_one_group_averaging_with_itself_runs_no_outer_step(outer_optimizer, syn
         return at_sync_step is not None, runtime.finish() is not None
 
     assert InProcessGroups(1).run(work) == [(syncs, syncs)]
-
-
-def test_a_heal_silences_lightnings_mid_epoch_resume_warning_until_the_first_step():
-    import types
-    import warnings
-
-    from lightning.fabric.utilities.rank_zero import rank_zero_warn
-    from lightning.fabric.utilities.warnings import PossibleUserWarning
-
-    def lightnings_warning() -> None:  # what Lightning's epoch loop says when it restarts mid-epoch
-        rank_zero_warn(
-            "You're resuming from a checkpoint that ended before the epoch ended and your dataloader is not resumable.",
-            category=PossibleUserWarning,
-        )
-
-    runtime = FederatedRuntime(FederationConfig(num_groups=2, elastic=Elastic(group=1)), hybrid=False, name="fl_fsdp")
-    loaded: list[object] = []
-    runtime.set_host_state(dict, loaded.append)
-    runtime._federation = types.SimpleNamespace(maybe_sync=lambda step: None)  # type: ignore[assignment]
-    with warnings.catch_warnings(record=True) as seen:
-        runtime._joining = True  # inside `join`: a peer's state arrives
-        runtime._load_host_state_of_peer(8, {"host": {"fit_loop": "at step 8"}, "hyperparameters": []})
-        runtime._joining = False
-        assert loaded == [{"fit_loop": "at step 8"}] and runtime.step == 8
-        lightnings_warning()  # the epoch loop restarts at the peer's position: a heal, not a resume
-        assert [str(w.message) for w in seen] == []
-        runtime.after_optimizer_step(9)
-        lightnings_warning()  # a real resume later on is still told
-        assert len(seen) == 1 and "dataloader is not resumable" in str(seen[0].message)

@@ -23,7 +23,7 @@ from typing_extensions import override
 from benchmarks.harness.config import RunConfig
 from benchmarks.harness.threads import ThreadClock
 from lightning_fedshard import OuterSync
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.step.stats import SyncStats
 
 #: The node's link counter, inside an emulated node's network namespace.
 LINK_COUNTER = "/sys/class/net/veth0/statistics/tx_bytes"

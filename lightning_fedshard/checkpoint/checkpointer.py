@@ -37,12 +37,12 @@ from lightning_fedshard.checkpoint.format import (
     rng_entry,
     section,
 )
+from lightning_fedshard.core.backends.fsdp import FSDP1, fsdp_state_dict_type
+from lightning_fedshard.core.backends.fsdp2 import restore_dtensor_state
+from lightning_fedshard.core.backends.sharding import ShardingBackend
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.fsdp import FSDP1, fsdp_state_dict_type
-from lightning_fedshard.core.fsdp2 import restore_dtensor_state
 from lightning_fedshard.core.quiet import torch_choices_silenced
-from lightning_fedshard.core.sharding import ShardingBackend
-from lightning_fedshard.core.topology import FederationTopology
+from lightning_fedshard.core.transport.topology import FederationTopology
 
 ReadEntry = Callable[[str], Any]
 

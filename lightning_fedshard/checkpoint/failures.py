@@ -23,7 +23,7 @@ from types import TracebackType
 
 import torch.distributed as dist
 
-from lightning_fedshard.core.nonfinite import NonFiniteOuterGradientError
+from lightning_fedshard.core.step.nonfinite import NonFiniteOuterGradientError
 
 # torch raises the failures of its collectives from this module (the `wait()` on a collective's work handle).
 _C10D_MODULE = "torch.distributed.distributed_c10d"

@@ -17,7 +17,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_fedshard.core.topology import FederationTopology
+from lightning_fedshard.core.transport.topology import FederationTopology
 
 #: Top-level key of the federation section in a checkpoint, and folder of the entry files of a sharded one.
 FEDSHARD_KEY = "fedshard"

@@ -7,7 +7,6 @@ federation runs for its options (see :mod:`~lightning_fedshard.core.rounds`).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -15,16 +14,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fedshard.core.comm import Communicator
-from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.fragments import cut_fragments
 from lightning_fedshard.core.lazy import required
-from lightning_fedshard.core.outer import OuterStep
-from lightning_fedshard.core.pace import PaceSchedule, median_seconds
-from lightning_fedshard.core.pending import PendingSync
+from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.options.pace import PaceSchedule
 from lightning_fedshard.core.rounds import Round, build_round
 from lightning_fedshard.core.rounds.base import combined
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.step.outer import OuterStep
+from lightning_fedshard.core.step.participation import Paced
+from lightning_fedshard.core.step.stats import SyncStats
+from lightning_fedshard.core.step.transaction import SyncKind
+from lightning_fedshard.core.transport.comm import Communicator
+from lightning_fedshard.core.wire.pending import PendingSync
 
 
 class Federation:
@@ -54,8 +55,9 @@ class Federation:
         self.extra_state: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
         #: The steps each group trains per round, with a per-group pace (``config.pace``); set by :meth:`start`.
         self.pace: PaceSchedule | None = None
-        self._step_ended: float | None = None
-        self._durations: list[float] = []
+        #: Who adds to an outer step, with what weight (a per-group pace weighs by the steps trained); set by
+        #: :meth:`start`. ``None``: every participant, alike (a round may add its own rule, e.g. a sample).
+        self.participation: Paced | None = None
         #: What a sync does: the one round for these options.
         self.round: Round = build_round(self)
 
@@ -130,6 +132,7 @@ class Federation:
             assert groups is not None
             self.config.pace.check(groups, self.config.sync_every)
             self.pace = PaceSchedule(self.config.pace, groups, self.config.sync_every)
+            self.participation = Paced(self.pace, self._landed, self.communicator)
 
     def trains(self, step: int) -> bool:
         """Whether this group trains optimizer step ``step`` (1-based); with a per-group pace it may skip it."""
@@ -154,46 +157,18 @@ class Federation:
             The statistics of the sync that landed, or ``None``.
 
         Raises:
-            NonFiniteOuterGradientError: See :class:`~lightning_fedshard.core.outer.OuterStep`.
+            NonFiniteOuterGradientError: See :class:`~lightning_fedshard.core.step.outer.OuterStep`.
         """
         if step <= self.last_step:
             return None
         stats = self.round.after_step(step)
         self.last_step = step
-        if self.pace is not None:
-            self._time_step(step)
+        if self.participation is not None:
+            self.participation.time_step(step, self.trains(step))
         return stats if stats is None or self.annotate_stats is None else self.annotate_stats(stats)
 
-    def _time_step(self, step: int) -> None:
-        """Measured pace: time the steps this group trained; the groups agree on what comes next at a round's end.
-
-        And once early in the first round (after :data:`~lightning_fedshard.core.pace.PROBE_STEPS` steps), so that
-        the first round is paced too.
-        """
-        assert self.pace is not None
-        now = time.perf_counter()
-        if self._step_ended is not None and self.trains(step):
-            self._durations.append(now - self._step_ended)
-        if self.pace.pace.measured and (step % self.config.sync_every == 0 or self.pace.probes(step)):
-            self.pace.observe(self._exchange_seconds(median_seconds(self._durations)))
-            self._durations = []
-        self._step_ended = time.perf_counter()
-
-    def _exchange_seconds(self, seconds: float) -> list[float]:
-        """Every group's seconds per step, the same on every rank; collective (tiny, on the statistics ring).
-
-        The ranks of a group agree first (the mean over its shards, the slowest of its replicas), so that every rank
-        of every group decides the same next round.
-        """
-        comm = self.communicator
-        own = torch.tensor([seconds, 1.0], dtype=torch.float64)
-        comm.sum_in_group(own)
-        replicas = torch.empty(comm.num_replicas, dtype=torch.float64)
-        comm.gather_replicas(replicas, own[:1] / own[1])
-        everyone = torch.zeros(len(comm.participants()), dtype=torch.float64)
-        everyone[comm.group_index] = replicas.max()
-        comm.sum_stats_over_groups(everyone)
-        return everyone.tolist()
+    def _landed(self, fragment: int) -> int:
+        return self.landed_at[fragment]
 
     def heal_state(self) -> dict[str, Any]:
         """This rank's federation state for a group that joins or fell behind: outer state, schedule, sync, round.
@@ -215,14 +190,14 @@ class Federation:
         }
 
     @torch.no_grad()
-    def load_heal_state(self, state: dict[str, Any]) -> tuple[int, int] | None:
+    def load_heal_state(self, state: dict[str, Any]) -> tuple[SyncKind, int] | None:
         """Take a peer's :meth:`heal_state`: its anchor, outer state and schedule; every shard becomes the anchor.
 
         The round takes the peer's state (e.g. its sums in flight) and starts from the anchor. This group's
         error-feedback residuals are left as they are.
 
         Returns:
-            The sync the peer was in (``(fragment, step)``), if any: :meth:`take_part` joins it.
+            The sync the peer was in (its kind and step), if any: :meth:`take_part` joins it.
         """
         outer = self.outer
         outer.load_state_dict(state["outer"])
@@ -234,23 +209,23 @@ class Federation:
         self.round.restart_from_anchor()
         self._on_write()
         sync = state["sync"]
-        return None if sync is None else (int(sync[0]), int(sync[1]))
+        return None if sync is None else SyncKind.from_marker(sync)
 
-    def take_part(self, step: int, sync: tuple[int, int] | None) -> SyncStats | None:
+    def take_part(self, step: int, sync: tuple[SyncKind, int] | None) -> SyncStats | None:
         """Take part in the sync the other groups are in, adding nothing to it (a group that just joined); collective.
 
         Args:
             step: This group's optimizer step.
-            sync: The peers' sync (``(fragment, step)``, from :meth:`load_heal_state`); ``None`` if every group is
+            sync: The peers' sync (its kind and step, from :meth:`load_heal_state`); ``None`` if every group is
                 joining: the sync is then only a change of members (nothing is summed, every group keeps its weights).
 
         Returns:
             The statistics of the sync, or ``None`` if it lands later (``sync_delay > 0``).
         """
         if sync is None:
-            return self.outer.complete(self.outer.begin(0, step, background=False), step=step)
-        fragment, step = sync
-        stats = self.round.take_part(fragment, step)
+            return self.outer.step(step)
+        kind, step = sync
+        stats = self.round.take_part(kind, step)
         self.last_step = step
         return stats
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning_fedshard.core.checks import check_positive_int
+from lightning_fedshard.core.options.checks import check_positive_int
 
 
 def cut_fragments(sizes: Sequence[int], num_fragments: int) -> list[list[int]]:

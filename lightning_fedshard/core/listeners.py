@@ -10,7 +10,7 @@ import time
 from dataclasses import replace
 from typing import Any, Protocol
 
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.step.stats import SyncStats
 
 
 class SyncListener(Protocol):

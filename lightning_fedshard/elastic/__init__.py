@@ -7,8 +7,8 @@ decides which groups take part in each sync (the *quorum*), every rank joins a r
 ranks at its in-group position in the other groups (its fed ring), and a group that starts late or fell behind takes
 the federation's state from a peer (it *heals*).
 
-The options (:class:`~lightning_fedshard.core.elastic.Elastic`) and the error that ends a group
-(:class:`~lightning_fedshard.core.elastic.FederationError`) live in the core; this package runs them:
+The options (:class:`~lightning_fedshard.core.options.elastic.Elastic`) and the error that ends a group
+(:class:`~lightning_fedshard.core.options.elastic.FederationError`) live in the core; this package runs them:
 
 - :mod:`~lightning_fedshard.elastic.communicator`: :class:`ElasticCommunicator`, the communicator seam on torchft's
   ``Manager`` (quorum, admission, collectives over the fed ring, commit vote);
@@ -27,7 +27,7 @@ This package knows nothing about Lightning. torchft is imported when a communica
 without it (``pip install lightning-fedshard[elastic]`` installs it).
 """
 
-from lightning_fedshard.core.elastic import Elastic, FederationEnded, FederationError
+from lightning_fedshard.core.options.elastic import Elastic, FederationEnded, FederationError
 from lightning_fedshard.elastic.communicator import ElasticCommunicator
 from lightning_fedshard.elastic.heal import cloned
 from lightning_fedshard.elastic.membership import ElasticMembership

@@ -1,4 +1,6 @@
-"""One rank's collectives in an elastic group: the :class:`~lightning_fedshard.core.comm.Communicator` on torchft.
+"""One rank's collectives in an elastic group: the communicator on torchft.
+
+It implements :class:`~lightning_fedshard.core.transport.comm.Communicator` with torchft's Manager and process groups.
 
 Per sync:
 
@@ -7,7 +9,7 @@ Per sync:
    (federation name, model layout, sync options): a job that does not belong is refused before any pseudo-gradient
    moves, and the others ask again without it;
 2. the sum over the fed ring runs on torchft's process group; a group that healed at this sync (or is still joining)
-   sends zeros and is left out of the mean (:attr:`~lightning_fedshard.core.outer.PendingSync.joined`); a failed
+   sends zeros and is left out of the mean (:attr:`~lightning_fedshard.core.step.outer.PendingSync.joined`); a failed
    collective is recorded, not raised, and every later collective of the sync is skipped;
 3. :meth:`ElasticCommunicator.should_commit` is torchft's vote: a group that saw an error does not apply the sync and
    goes back to the anchor; at its next quorum it is behind and heals.
@@ -28,19 +30,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_fedshard.core.comm import ProcessGroupCommunicator, weighted_sum
-from lightning_fedshard.core.elastic import Elastic, FederationEnded, FederationError
+from lightning_fedshard.core.options.elastic import Elastic, FederationEnded, FederationError
+from lightning_fedshard.core.transport.comm import ProcessGroupCommunicator, sum_parts, weighted_sum
 from lightning_fedshard.elastic.heal import heal_transport
 from lightning_fedshard.elastic.lighthouse import (
     TrainedFederation,
-    federations_on,
-    live_heartbeats,
-    min_replicas,
     reachable,
+    refusal_on,
     second_start,
     status_page,
     trained_federation,
-    vacancies,
 )
 from lightning_fedshard.elastic.quiet import quiet_torchft
 from lightning_fedshard.elastic.quorum import (
@@ -52,6 +51,7 @@ from lightning_fedshard.elastic.quorum import (
     membership_change,
 )
 from lightning_fedshard.elastic.rings import QuorumRecorder, fed_rings, gather_options, sum_options
+from lightning_fedshard.elastic.standby import wait_for_place
 from lightning_fedshard.elastic.watchdog import GroupWatchdog
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ HealLoad = Callable[[dict[str, Any]], None]
 
 
 class ElasticCommunicator:
-    """The :class:`~lightning_fedshard.core.comm.Communicator` of one rank of an elastic group, on torchft.
+    """The :class:`~lightning_fedshard.core.transport.comm.Communicator` of one rank of an elastic group, on torchft.
 
     Collectives inside the group (``sum_in_group``, the replicas' gather) run on the job's own mesh; the fed ring is
     torchft's reconfigurable gloo process group, rebuilt by the manager whenever the groups of a quorum change, with
@@ -74,7 +74,7 @@ class ElasticCommunicator:
         describe: This rank's description for the admission check: a JSON-able dict of what must be equal in every
             group at this in-group position (model layout, sync options); called once per new quorum.
         site_blocks: By block size, the sites of a hierarchical outer topology: the planned groups of each (see
-            :meth:`~lightning_fedshard.core.outer_topology.Hierarchical.site_blocks`); empty without one.
+            :meth:`~lightning_fedshard.core.options.outer_topology.Hierarchical.site_blocks`); empty without one.
         num_groups: The groups the federation is planned for: a lighthouse that waits for more per quorum is refused.
     """
 
@@ -173,8 +173,20 @@ class ElasticCommunicator:
         return self._joined
 
     def sum_over_groups(self, tensor: Tensor) -> None:
-        """All-reduce (sum) over the fed ring; zeros after a failure."""
-        self._collective(lambda: self._rings.allreduce([tensor], sum_options()), tensor)
+        """All-reduce (sum) over the fed ring, a large tensor in parts in flight together; zeros after a failure.
+
+        As over one job's process groups (:func:`~lightning_fedshard.core.transport.comm.all_reduce`): one gloo ring
+        over a large tensor leaves a slow link idle part of the time.
+        """
+        parts = sum_parts(tensor)
+        if parts < 2:
+            self._collective(lambda: self._rings.allreduce([tensor], sum_options()), tensor)
+            return
+
+        def in_parts() -> _AllWorks:
+            return _AllWorks([self._rings.allreduce([part], sum_options()) for part in tensor.view(-1).chunk(parts)])
+
+        self._collective(in_parts, tensor)
 
     def sum_stats_over_groups(self, tensor: Tensor) -> None:
         """All-reduce (sum) over the statistics ring; zeros after a failure."""
@@ -269,79 +281,42 @@ class ElasticCommunicator:
         self._save, self._load = save, load
 
     def stand_by(self, num_groups: int, poll: float = 0.5) -> int | None:
-        """A standby's wait: until a planned group of the running federation is gone, then take its place; collective.
+        """A standby's wait until a planned group of the running federation is gone, then take its place; collective.
 
-        Rank 0 reads the lighthouse's status page every ``poll`` seconds (no manager runs meanwhile: a standby is not
-        a member of any quorum). Once the federation trains and one of its ``num_groups`` planned groups has no live
-        manager, every rank takes that group's index and starts its manager, which heartbeats under the group's name
-        (see :meth:`_contested` for two standbys that take one place at once). The group then joins as any new job
-        does, at the federation's next sync (:meth:`quorum` with ``joining=True``), and heals from a peer.
+        See :func:`~lightning_fedshard.elastic.standby.wait_for_place`.
 
         Returns:
             The index taken, or ``None`` if the federation ended (it trained, and none of its groups is alive) while
             this standby waited.
         """
-        import random
-
         if self._group is not None:
             return self._group
-        federation, address = self.options.federation, self.options.lighthouse_address()
-        chance = random.Random()  # not the training's seeded generator: two standbys must not draw alike
+        return wait_for_place(self, num_groups, poll)
 
-        def free_place() -> int | None:
-            place = _free_place(status_page(address), federation, num_groups)
-            if place is None or place == -1:
-                return place
-            time.sleep(chance.uniform(0.0, 0.5))  # standbys that saw the place at once rarely take it at once
-            return _free_place(status_page(address), federation, num_groups)
+    def take_place(self, place: int) -> None:
+        """Take group ``place`` and start its manager, which heartbeats under the group's name (a standby).
 
-        while True:
-            place = self._rank0(free_place)
-            if place == -1:
-                return None
-            if place is None:
-                time.sleep(poll)
-                continue
-            self._group = place
-            try:
-                self._connect()
-            except FederationEnded:
-                return None
-            if not self._rank0(lambda: self._contested(address)):
-                log.info(f"Standby of federation {federation!r}: group {place} is gone, taking its place.")
-                return place
-            if dist.get_rank() == 0:
-                log.warning(f"Standby of federation {federation!r}: another job took group {place}'s place too; this"
-                            " one gives it up and waits again.")  # fmt: skip
-                _forget_manager(self._manager)  # the next manager's ranks must not find this one's address
-            self.close()
-            self._group, self._manager_state = None, None
-
-    def _contested(self, address: str, beat: float = 0.3) -> bool:
-        """Whether this standby gives up the place it just took because another job took it too (rank 0).
-
-        The managers of the place heard from in the last ``beat`` seconds are its claimants. Alone, this one keeps the
-        place. Otherwise the claimant with the smallest uuid may keep it, once the others are silent: a claimant that
-        saw no one else kept the place before the others came, and one that is not the smallest gives it up at once
-        (its manager stops, and falls silent within ``beat``).
+        Raises:
+            FederationEnded: If the federation ended as this job took the place.
         """
-        mine = _manager_uuid(self._manager)
+        self._group = place
+        self._connect()
 
-        def claimants() -> list[str]:
-            live = live_heartbeats(status_page(address), self.options.federation, within=beat)
-            return sorted(uuid for group, uuid in live if group == self._group)
+    def give_up_place(self, why: str) -> None:
+        """Leave the place just taken (another standby took it too), saying ``why`` on rank 0; the manager stops."""
+        if dist.get_rank() == 0:
+            log.warning(why)
+            _forget_manager(self._manager)  # the next manager's ranks must not find this one's address
+        self.close()
+        self._group, self._manager_state = None, None
 
-        deadline = time.monotonic() + max(5.0, 10 * beat)
-        while mine not in (found := claimants()) and time.monotonic() < deadline:
-            time.sleep(0.1)  # until the lighthouse lists this manager
-        time.sleep(beat)
-        found = claimants()
-        if found == [mine] or not found:
-            return False
-        if found[0] != mine:
-            return True
-        time.sleep(2 * beat)
-        return claimants() != [mine]
+    def manager_uuid(self) -> str:
+        """The uuid torchft appended to this group's replica id (this manager's, among a place's claimants)."""
+        return _manager_uuid(self._manager)
+
+    def rank0(self, decide: Callable[[], Any]) -> Any:
+        """``decide()`` on this group's rank 0, the same answer on every rank of the group; collective."""
+        return self._rank0(decide)
 
     def _rank0(self, decide: Callable[[], Any]) -> Any:
         """``decide()`` on this group's rank 0, the same answer on every rank of the group."""
@@ -538,24 +513,10 @@ class ElasticCommunicator:
                 raise FederationEnded("the federation ended as this standby took a place in it")
             when = "none of its groups is running"
             raise FederationError(second_start(self._trained, self.group_index, address, when))
-        needed = min_replicas(page[0])
-        if self.num_groups is not None and needed is not None and needed > self.num_groups:
+        refused = refusal_on(page[0], address, self.options.federation, self._group, self.num_groups)
+        if refused is not None:
             self.close()
-            raise FederationError(
-                f"The lighthouse at {address} waits for {needed} groups per sync (its `--min_replicas {needed}`), and"
-                f" this federation plans `num_groups={self.num_groups}`: no sync could ever run. Start the lighthouse"
-                f" with `--min_replicas` at most {self.num_groups} (the same as `Elastic(min_groups=...)`)."
-            )
-        running = federations_on(page[0])
-        others = {name: groups for name, groups in running.items() if name != self.options.federation}
-        if others:
-            listed = "; ".join(f"{name!r} (groups {sorted(groups)})" for name, groups in sorted(others.items()))
-            self.close()
-            raise FederationError(
-                f"This job (elastic group {self._group}) was refused: the lighthouse at {address} serves another"
-                f" federation: {listed}, and this job belongs to federation {self.options.federation!r}. Give each"
-                " federation a lighthouse of its own, or the same `Elastic(federation=...)` to every group of one."
-            )
+            raise FederationError(refused)
 
     def _send(self) -> dict[str, Any]:
         """What a peer receives from this rank when it heals (torchft's thread; this rank waits in its quorum)."""
@@ -652,6 +613,17 @@ class ElasticCommunicator:
         return f"{type(original).__name__}: {str(original).splitlines()[0] if str(original) else ''}"
 
 
+class _AllWorks:
+    """Several collectives issued together, waited for as one."""
+
+    def __init__(self, works: Sequence[Any]) -> None:
+        self.works = list(works)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
 def _forget_manager(manager: Any) -> None:
     """Remove what torchft 0.2.0's rank 0 published about its manager in the group's store (its address and id).
 
@@ -665,14 +637,6 @@ def _forget_manager(manager: Any) -> None:
 def _manager_uuid(manager: Any) -> str:
     """The uuid torchft 0.2.0 appended to this group's replica id (rank 0 publishes the id in the group's store)."""
     return str(manager._store.get("replica_id").decode()).rpartition(":")[2]
-
-
-def _free_place(page: str, federation: str, num_groups: int) -> int | None:
-    """The place a standby takes now: the lowest free group index, ``-1`` if the federation ended, else ``None``."""
-    found = vacancies(page, federation, num_groups)
-    if found.ended:
-        return -1
-    return found.free[0] if found.free else None
 
 
 def _hostname() -> str:

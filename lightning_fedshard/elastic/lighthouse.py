@@ -147,3 +147,28 @@ __all__ = [
     "trained_federation",
     "vacancies",
 ]
+
+
+def refusal_on(page: str, address: str, federation: str, group: int | None, num_groups: int | None) -> str | None:
+    """Why a group of ``federation`` may not use the lighthouse whose status ``page`` this is; ``None``: it may.
+
+    A lighthouse that waits for more groups per quorum than the federation plans (no sync could ever run), or that
+    serves another federation (groups of two federations would take turns in its quorums, each syncing with whoever
+    asked at the same moment).
+    """
+    needed = min_replicas(page)
+    if num_groups is not None and needed is not None and needed > num_groups:
+        return (
+            f"The lighthouse at {address} waits for {needed} groups per sync (its `--min_replicas {needed}`), and"
+            f" this federation plans `num_groups={num_groups}`: no sync could ever run. Start the lighthouse"
+            f" with `--min_replicas` at most {num_groups} (the same as `Elastic(min_groups=...)`)."
+        )
+    others = {name: groups for name, groups in federations_on(page).items() if name != federation}
+    if others:
+        listed = "; ".join(f"{name!r} (groups {sorted(groups)})" for name, groups in sorted(others.items()))
+        return (
+            f"This job (elastic group {group}) was refused: the lighthouse at {address} serves another"
+            f" federation: {listed}, and this job belongs to federation {federation!r}. Give each"
+            " federation a lighthouse of its own, or the same `Elastic(federation=...)` to every group of one."
+        )
+    return None

@@ -14,9 +14,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from lightning_fedshard.core.elastic import FederationError
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.options.elastic import FederationError
+from lightning_fedshard.core.step.stats import SyncStats
+from lightning_fedshard.core.step.transaction import SyncKind
 from lightning_fedshard.elastic.communicator import ElasticCommunicator
 from lightning_fedshard.elastic.heal import cloned
 
@@ -39,7 +40,7 @@ class ElasticMembership:
         self.host_state: Callable[[], Any] | None = None
         self.load_host_state: Callable[[int, Any], None] | None = None
         #: The sync the peers were in when this group last healed (``(fragment, step)``), if any.
-        self.peer_sync: tuple[int, int] | None = None
+        self.peer_sync: tuple[SyncKind, int] | None = None
         self._joining_at: int | None = None
         communicator.set_heal(self._heal_state, self._apply_heal)
         communicator.on_new_members = self._on_new_members
@@ -93,8 +94,8 @@ class ElasticMembership:
     def _heal_state(self) -> dict[str, Any]:
         """What a joining or lagging peer receives from this rank (torchft's thread; this rank waits in a quorum)."""
         state = self.federation.heal_state()
-        sync = state["sync"]
-        step = sync[1] if sync is not None else self._joining_at
+        sync = state["sync"]  # a marker of the sync this rank waits in: (kind, fragment, step)
+        step = sync[2] if sync is not None else self._joining_at
         host = self.host_state() if self.host_state is not None else None
         return cloned({**state, "step": step, "host": host})
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fedshard.core.elastic import FederationError
+from lightning_fedshard.core.options.elastic import FederationError
 
 #: Bytes of one group's description on the wire (JSON, zero padded).
 DESCRIPTION_BYTES = 2048

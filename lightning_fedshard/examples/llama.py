@@ -7,7 +7,7 @@ negative log-likelihood (``val_loss``, nats per token), perplexity and bits per 
 The module works unchanged under Lightning's ``FSDPStrategy`` (FSDP1) with ``use_orig_params=True``: pass
 ``auto_wrap_policy=LlamaLM.wrap_policy()`` to shard every decoder layer on its own. With ``meta_init=True`` the
 network is created on the meta device in ``configure_model`` and FSDP materializes it one unit at a time (see
-:mod:`lightning_fedshard.core.meta_init`), so no process ever holds the whole model.
+:mod:`lightning_fedshard.examples.meta_init`), so no process ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from torchmetrics import MeanMetric
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from lightning_fedshard.core.checks import check_positive_int
-from lightning_fedshard.core.meta_init import install_reset_parameters, materialize
+from lightning_fedshard.core.options.checks import check_positive_int
+from lightning_fedshard.examples.meta_init import install_reset_parameters, materialize
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class LlamaLM(LightningModule):
     - ``meta_init=True``: ``configure_model`` creates the network on the meta device (no memory). Under an FSDP1
       strategy (Lightning's ``FSDPStrategy`` and the federated strategies), FSDP then materializes and shards one
       unit (decoder layer) at a time, calling the ``reset_parameters`` that
-      :func:`~lightning_fedshard.core.meta_init.install_reset_parameters` gives every module: transformers' own
+      :func:`~lightning_fedshard.examples.meta_init.install_reset_parameters` gives every module: transformers' own
       ``_init_weights`` (normal(0, 0.02) for linear and embedding weights, ones for RMSNorm, a recomputed rotary
       ``inv_freq``) under a seed derived from ``init_seed`` and the module's name. The weights are the same on
       every rank, for every wrap policy and world size, but they are *not* bit-identical to the eager path's:

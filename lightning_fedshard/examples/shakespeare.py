@@ -290,7 +290,7 @@ class GroupSampler(DistributedSampler):
 
 
 class _Topology(Protocol):
-    """What the genre split needs from a federation topology (``lightning_fedshard.core.topology``)."""
+    """What the genre split needs from a federation topology (``lightning_fedshard.core.transport.topology``)."""
 
     @property
     def num_groups(self) -> int: ...

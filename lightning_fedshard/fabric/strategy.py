@@ -25,8 +25,8 @@ from lightning_fedshard._arguments import (
     FSDP2Arguments,
     document_federation_args,
 )
-from lightning_fedshard.core.elastic import FederationEnded
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.options.elastic import FederationEnded
+from lightning_fedshard.core.step.stats import SyncStats
 
 #: Key of the Fabric strategy's own counters in a checkpoint.
 _FABRIC_KEY = "fedshard_fabric"

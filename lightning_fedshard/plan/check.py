@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.step.stats import SyncStats
 from lightning_fedshard.plan.predict import predict
 from lightning_fedshard.plan.specs import CLUSTERS, ClusterSpec, ModelSpec, TrainSetup
 

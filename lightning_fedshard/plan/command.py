@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
 import json as jsonlib
 import sys
-from dataclasses import asdict, replace
+import typing
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
 
-from lightning_fedshard.core.checks import check_positive_int
-from lightning_fedshard.core.config import FederationConfig
-from lightning_fedshard.core.outer_topology import OuterTopologySpec
+from lightning_fedshard.core.options.checks import check_positive_int
+from lightning_fedshard.core.options.config import FederationConfig, federation_args_doc
 from lightning_fedshard.plan.hetero import heterogeneous
 from lightning_fedshard.plan.predict import Prediction
 from lightning_fedshard.plan.quality import STUDY, tokens_to_target
@@ -20,7 +21,9 @@ from lightning_fedshard.plan.sweep import compare, relative_time_to_target
 from lightning_fedshard.plan.sweep import sweep as sweep_setups
 
 
-def plan(
+def _plan(
+    federation: FederationConfig,
+    *,
     model: str = "llama-3.1-8b",
     model_config: Path | None = None,
     seq_len: int | None = None,
@@ -38,16 +41,6 @@ def plan(
     rtt_ms: float | None = None,
     nodes_per_site: int | None = None,
     site_mbit_per_s: float | None = None,
-    num_groups: int | None = None,
-    shard_size: int | None = None,
-    sync_every: int = 8,
-    fragments: int = 1,
-    sync_delay: int = 0,
-    eager_updates: bool | Literal["share", "local"] = False,
-    reduce_dtype: Literal["float32", "bfloat16", "float16", "int8", "int4", "sparse"] | None = None,
-    error_feedback: bool | str | None = None,
-    outer_optimizer: Literal["fedavg", "nesterov"] = "fedavg",
-    outer_topology: OuterTopologySpec = "all",
     micro_batch: int = 2,
     grad_accum: int = 1,
     precision: Literal["bf16", "fp32"] = "bf16",
@@ -65,6 +58,7 @@ def plan(
     in device memory. The equations, their assumptions and the calibration against measured runs are in docs/plan.md.
 
     Args:
+        federation: The sync options (:func:`plan` takes them as keywords, one per ``FederationConfig`` field).
         model: Model preset: the example sizes ``xs``, ``s``, ``m``, ``l`` (vocabulary 4096, 128 tokens) or
             ``llama-3.1-8b`` (2,048 tokens).
         model_config: A transformers ``config.json`` of a Llama-like model instead of the preset.
@@ -84,17 +78,6 @@ def plan(
             nodes then takes half of it (instead of ``inter_latency_us``).
         nodes_per_site: Consecutive nodes that form a site (default: the preset's; ``emulated-2x2x2`` has 2).
         site_mbit_per_s: Bandwidth of each site's uplink to the other sites (Mbit/s).
-        num_groups: Federation groups (default: one per node for FL+FSDP, 2 for FL+HSDP).
-        shard_size: Ranks one replica is sharded over (HSDP, FL+HSDP; default: a node).
-        sync_every: Optimizer steps between two outer steps.
-        fragments: Streaming fragments.
-        sync_delay: Optimizer steps the outer sum travels while training goes on.
-        eager_updates: Each sum travels for a whole round (excludes ``sync_delay``).
-        reduce_dtype: Outer traffic dtype (default: ``int4``, ``float32`` with a mixing outer topology).
-        error_feedback: int8/int4/sparse residuals (host memory).
-        outer_optimizer: ``fedavg`` or ``nesterov`` (host memory of the momentum).
-        outer_topology: ``"all"``, or a ``Hierarchical`` / ``Gossip`` / ``Sampled`` / ``Mixing`` (``class_path`` and
-            ``init_args``): each kind of sync is predicted on its own links.
         micro_batch: Sequences per rank per micro-batch.
         grad_accum: Micro-batches per optimizer step.
         precision: ``bf16`` (parameters gathered and gradients reduced in bf16, float32 master weights and AdamW) or
@@ -123,18 +106,6 @@ def plan(
         intra_gbytes_per_s, intra_latency_us, inter_gbit_per_s, inter_latency_us, nodes_per_site, site_mbit_per_s,
     )  # fmt: skip
     wide = 4 if precision == "fp32" else 2
-    federation = FederationConfig(
-        num_groups=num_groups,
-        shard_size=shard_size,
-        sync_every=sync_every,
-        fragments=fragments,
-        sync_delay=sync_delay,
-        eager_updates=eager_updates,
-        reduce_dtype=reduce_dtype,
-        error_feedback=error_feedback,
-        outer_optimizer=outer_optimizer,
-        outer_topology=outer_topology,
-    )
     base = TrainSetup(
         strategy="fl_fsdp",
         federation=federation,
@@ -156,6 +127,42 @@ def plan(
         if speeds is not None:
             print("\n" + heterogeneous_table(predictions, speeds))
     return predictions
+
+
+def plan(**options: Any) -> list[Prediction]:
+    """The planner with the sync options as keywords: see the signature and ``fedshard plan --help``."""
+    names = {f.name for f in fields(FederationConfig)}
+    federation = FederationConfig(**{k: v for k, v in options.items() if k in names})
+    return _plan(federation, **{k: v for k, v in options.items() if k not in names})
+
+
+def _federation_parameters() -> list[inspect.Parameter]:
+    """Every :class:`FederationConfig` field as a keyword of :func:`plan`, with its type and default."""
+    hints = typing.get_type_hints(FederationConfig)
+    return [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
+        for f in fields(FederationConfig)
+    ]
+
+
+def _plan_signature() -> inspect.Signature:
+    """The planner's own inputs, then the federation's: the one signature of :func:`plan` (and of its command)."""
+    own = list(inspect.signature(_plan, eval_str=True).parameters.values())[1:]  # after `federation`
+    return inspect.Signature([*own, *_federation_parameters()], return_annotation=list[Prediction])
+
+
+def _plan_doc() -> str:
+    """:func:`_plan`'s description with the federation options' entries (FederationConfig's own) in its ``Args:``."""
+    doc = inspect.getdoc(_plan) or ""
+    head, _, returns = doc.partition("\nReturns:")
+    first, *rest = [line for line in head.rstrip().split("\n") if not line.startswith("    federation: ")]
+    own = "\n".join("    " + line if line else line for line in rest)
+    returned = "\n".join("    " + line if line else line for line in returns.split("\n"))
+    return f"{first}\n{own}\n{federation_args_doc()}\n\n    Returns:{returned}"
+
+
+plan.__signature__ = _plan_signature()  # type: ignore[attr-defined]
+plan.__doc__ = _plan_doc()
 
 
 def _node_speeds(speeds: list[float] | None, nodes: int) -> list[float] | None:

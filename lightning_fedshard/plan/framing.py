@@ -1,6 +1,6 @@
 """Bytes on the link of gloo's TCP transport: the payload plus gloo's, TCP's, IP's and Ethernet's framing.
 
-A collective's payload (what :meth:`~lightning_fedshard.core.reducers.Reducer.wire_bytes` and the ring formulas
+A collective's payload (what :meth:`~lightning_fedshard.core.wire.reducers.Reducer.wire_bytes` and the ring formulas
 count) is not what a link's byte counter shows. Over gloo's TCP transport every message of ``n`` payload bytes costs:
 
 - **gloo**: three operations, each with a 48-byte header (``Op::preamble`` in ``gloo/transport/tcp/pair.h``: six

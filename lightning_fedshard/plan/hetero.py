@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_fedshard.core.pace import PROBE_STEPS
+from lightning_fedshard.core.options.pace import PROBE_STEPS
 from lightning_fedshard.plan.predict import Prediction
 
 

@@ -24,11 +24,11 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
-from lightning_fedshard.core.codecs import SparseTopK
-from lightning_fedshard.core.config import FederationConfig
-from lightning_fedshard.core.outer_topology import Mixing
-from lightning_fedshard.core.reducers import AllReduceSum, Reducer
-from lightning_fedshard.core.topology import FederationTopology
+from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.options.outer_topology import Mixing
+from lightning_fedshard.core.transport.topology import FederationTopology
+from lightning_fedshard.core.wire.codecs import SparseTopK
+from lightning_fedshard.core.wire.reducers import AllReduceSum, Reducer
 from lightning_fedshard.plan.framing import (
     allgather_messages,
     alltoall_messages,
@@ -644,7 +644,7 @@ def _sync_bytes(reducer: Reducer, local: float) -> float:
     """Device bytes of one fragment's sync over ``local`` values of this rank.
 
     A float reduce holds the buffer in ``reduce_dtype`` and, below float32, the float32 result. int8 / int4 hold the
-    float32 buffer, its padded copy and the quantization's float32 temporaries (``core/reducers.py``): about three
+    float32 buffer, its padded copy and the quantization's float32 temporaries (``core/wire/reducers.py``): about three
     float32 copies at the peak. The sparse codec's top-k adds the magnitudes (4 bytes per value), an int32 running
     count of ties (4) and three masks (1 each): about five float32 copies.
     """

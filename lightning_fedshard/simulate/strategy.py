@@ -25,8 +25,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_fedshard.checkpoint.atomic import save_file
-from lightning_fedshard.core.inprocess import GROUP_THREAD_PREFIX, Baton, InProcessGroups
-from lightning_fedshard.core.topology import FederationTopology
+from lightning_fedshard.core.transport.inprocess import GROUP_THREAD_PREFIX, Baton, InProcessGroups
+from lightning_fedshard.core.transport.topology import FederationTopology
 from lightning_fedshard.elastic.heal import cloned
 from lightning_fedshard.runtime import FederatedRuntime
 from lightning_fedshard.trainer.strategy import (

@@ -9,7 +9,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.step.stats import SyncStats
 from lightning_fedshard.runtime import FederatedRuntime
 
 

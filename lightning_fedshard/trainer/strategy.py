@@ -33,7 +33,7 @@ from lightning_fedshard._arguments import (
     document_federation_args,
 )
 from lightning_fedshard.checkpoint import is_peer_failure, peer_failure_message, unsafe_to_save
-from lightning_fedshard.core.fsdp2 import parameter_roots
+from lightning_fedshard.core.backends.fsdp2 import parameter_roots
 from lightning_fedshard.trainer.callback import OuterSync
 from lightning_fedshard.trainer.meetings import (
     decide_at_syncs,

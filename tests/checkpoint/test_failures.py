@@ -19,7 +19,7 @@ from lightning_fedshard.checkpoint import (
     peer_failure_message,
     unsafe_to_save,
 )
-from lightning_fedshard.core.nonfinite import NonFiniteOuterGradientError
+from lightning_fedshard.core.step.nonfinite import NonFiniteOuterGradientError
 from tests.launch import free_port
 
 WORDS = "timeout reading shard from gloo nccl: connection closed by peer, connection reset, broken pipe, timed out"

@@ -1,9 +1,9 @@
 import torch
 from torch.testing import assert_close
 
-from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.inprocess import InProcessGroups
+from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.transport.inprocess import InProcessGroups
 
 
 def test_schedule_counts_real_optimizer_steps():

@@ -11,10 +11,10 @@ import torch
 from torch import Tensor
 from torch.testing import assert_close
 
-from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fragments import cut_fragments, landing_fragment, starting_fragment
-from lightning_fedshard.core.inprocess import InProcessGroups
+from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.transport.inprocess import InProcessGroups
 
 
 def test_cut_is_contiguous_balanced_and_keeps_every_fragment_non_empty():
@@ -208,7 +208,7 @@ def test_the_sum_really_runs_while_training_goes_on():
 
 
 def test_quantized_outer_traffic_is_accepted_with_its_options():
-    from lightning_fedshard.core.reducers import AllReduceSum, ScatterGatherSum
+    from lightning_fedshard.core.wire.reducers import AllReduceSum, ScatterGatherSum
 
     config = FederationConfig(reduce_dtype="int4", quant_block_size=64, error_feedback=True)
     reducer = config.reducer()

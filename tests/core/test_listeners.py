@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from lightning_fedshard.core import listeners
-from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.inprocess import InProcessGroups
 from lightning_fedshard.core.listeners import UtilizationClock
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.step.stats import SyncStats
+from lightning_fedshard.core.transport.inprocess import InProcessGroups
 
 
 def test_clock_counts_exposed_time_and_discarded_work(monkeypatch):

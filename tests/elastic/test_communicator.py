@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from lightning_fedshard.core.elastic import Elastic
-from lightning_fedshard.core.inprocess import InProcessGroups
+from lightning_fedshard.core.options.elastic import Elastic
+from lightning_fedshard.core.transport.inprocess import InProcessGroups
 from lightning_fedshard.elastic import ElasticCommunicator
 
 SITES = {2: ((0, 2), (1, 3))}
@@ -44,3 +44,52 @@ def test_a_site_sums_its_live_groups_in_its_row_of_one_sum_over_the_ring():
 def test_a_size_without_sites_is_refused():
     with pytest.raises(ValueError, match=r"has no sites of 4 groups \(it has \[2\]\)"):
         _communicator(0).sum_over_site(torch.zeros(2), 4)
+
+
+class _Ring:
+    """A fed ring of two groups whose other group holds the same values; ``fail_at``: that part's collective fails."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.fail_at, self.parts = fail_at, []
+
+    def allreduce(self, tensors: list[Tensor], options: object) -> object:
+        (tensor,) = tensors
+        index, fail = len(self.parts), self.fail_at
+        self.parts.append(tensor.numel())
+
+        class Work:
+            def wait(self) -> None:
+                if index == fail:
+                    raise RuntimeError("peer gone")
+                tensor.mul_(2)
+
+        return Work()
+
+
+class _Manager:
+    def report_error(self, error: BaseException) -> None:
+        self.error = error
+
+
+def test_a_large_sum_over_the_elastic_ring_runs_in_parts_in_flight_together():
+    """One gloo ring over a large tensor leaves a slow link idle part of the time: the sum is cut as in one job."""
+    communicator = _communicator(0)
+    communicator._rings, communicator._manager = _Ring(), _Manager()
+    values = torch.arange(256 * 1024, dtype=torch.float32)  # 1 MiB: 4 parts of 256 KiB
+    tensor = values.clone()
+    communicator.sum_over_groups(tensor)
+    assert communicator._rings.parts == [65536] * 4 and torch.equal(tensor, 2 * values)
+    small = torch.ones(8)
+    communicator.sum_over_groups(small)  # one all-reduce
+    assert communicator._rings.parts[4:] == [8] and torch.equal(small, torch.full((8,), 2.0))
+
+
+def test_a_failed_part_leaves_zeros_and_skips_the_rest_of_the_sync():
+    communicator = _communicator(0)
+    communicator._rings, communicator._manager = _Ring(fail_at=1), _Manager()
+    tensor = torch.ones(256 * 1024)
+    communicator.sum_over_groups(tensor)
+    assert not tensor.any() and communicator._ring_failed and isinstance(communicator._manager.error, RuntimeError)
+    later = torch.ones(4)
+    communicator.sum_over_groups(later)  # the sync's first failure ends its collectives: zeros, nothing sent
+    assert not later.any() and len(communicator._rings.parts) == 4

@@ -9,6 +9,7 @@ from lightning_fedshard.elastic.lighthouse import (
     Vacancies,
     live_heartbeats,
     min_replicas,
+    refusal_on,
     status_page,
     trained_federation,
     vacancies,
@@ -83,3 +84,12 @@ def test_the_lighthouse_shows_the_groups_it_waits_for_while_a_quorum_lacks_them(
     finally:
         lighthouse.shutdown()
     assert min_replicas("Next quorum status: Fast quorum found!") is None
+
+
+def test_a_lighthouse_of_another_federation_or_a_larger_quorum_is_refused_with_the_reason():
+    page = _page(4, [(0, "a", False), (1, "b", False)])  # federation "tests", groups 0 and 1 heartbeating
+    assert refusal_on(page, "http://lh:29510", "tests", 2, num_groups=3) is None
+    other = refusal_on(page, "http://lh:29510", "mine", 2, num_groups=3)
+    assert other is not None and "serves another federation: 'tests' (groups [0, 1])" in other
+    waiting = refusal_on("need min_replicas 4", "http://lh:29510", "tests", 0, num_groups=3)
+    assert waiting is not None and "`--min_replicas 4`" in waiting and "`num_groups=3`" in waiting

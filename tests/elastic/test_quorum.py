@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_fedshard.core.elastic import FederationError
+from lightning_fedshard.core.options.elastic import FederationError
 from lightning_fedshard.elastic.quorum import (
     DESCRIPTION_BYTES,
     check_members,

@@ -18,8 +18,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_fedshard
-from lightning_fedshard.core.meta_init import materialized_bytes
 from lightning_fedshard.examples import LlamaLM
+from lightning_fedshard.examples.meta_init import materialized_bytes
 
 STRATEGIES = {"fsdp1": lightning_fedshard.FLFSDPStrategy, "fsdp2": lightning_fedshard.FLFSDP2Strategy}
 

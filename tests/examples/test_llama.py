@@ -247,7 +247,7 @@ def test_meta_init_under_fl_fsdp_materializes_one_unit_at_a_time(tmp_path: Path)
 
     The worker wraps every `reset_parameters` FSDP calls and records, after each, the bytes the model holds in FSDP's
     flat shards and elsewhere (`materialized_bytes`). Without FSDP the same counter reaches the whole model
-    (tests/core/test_meta_init.py), so the bound below fails if materialization ever stops being unit by unit.
+    (tests/examples/test_meta_init.py), so the bound below fails if materialization ever stops being unit by unit.
     """
     config = {**TINY, "vocab_size": 512, "hidden_size": 64, "num_layers": 3, "num_heads": 4, "intermediate_size": 128}
     config["tie_word_embeddings"] = False

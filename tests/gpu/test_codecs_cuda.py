@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_fedshard.core.inprocess import InProcessGroups
-from lightning_fedshard.core.reducers import make_reducer
+from lightning_fedshard.core.transport.inprocess import InProcessGroups
+from lightning_fedshard.core.wire.reducers import make_reducer
 
 
 def _sums(device: str, bits: int, calls: int = 3) -> list[list[torch.Tensor]]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.inprocess import InProcessGroups
+from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.transport.inprocess import InProcessGroups
 
 
 def _train(device: str, reduce_dtype: str, sync_delay: int, steps: int = 8) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ def test_help_documents_every_input():
         [sys.executable, "-m", "lightning_fedshard", "plan", "--help"], capture_output=True, text=True, timeout=120
     ).stdout
     for arg in ("--model", "--cluster", "--inter_gbit_per_s", "--step_seconds", "--sync_every", "--reduce_dtype",
-                "--sweep", "--json"):  # fmt: skip
+                "--sweep", "--json", "--merge_alpha", "--pace", "--on_nonfinite", "--quant_block_size"):  # fmt: skip
         assert arg in out
     assert "Network bandwidth of one node (Gbit/s)" in " ".join(out.split())
 
@@ -136,3 +136,22 @@ def test_a_round_trip_sets_the_one_way_latency_between_nodes():
     assert all(far.step_seconds > close.step_seconds for far, close in zip(by_rtt, near))
     with pytest.raises(ValueError, match="`rtt_ms=-1` must be at least 0"):
         plan(rtt_ms=-1)
+
+
+def test_every_federation_option_is_an_input_of_the_planner_with_its_default():
+    """The planner's federation inputs are FederationConfig's fields themselves, not a copy that can drift."""
+    import dataclasses
+    import inspect
+
+    from lightning_fedshard.core.options.config import FederationConfig
+
+    parameters = inspect.signature(plan).parameters
+    for field in dataclasses.fields(FederationConfig):
+        assert parameters[field.name].default == field.default, field.name
+        assert f"        {field.name}: " in (plan.__doc__ or "")  # FederationConfig's own description
+
+
+def test_options_the_planner_does_not_model_are_still_checked(capsys):
+    plan(model="xs", cluster="emulated-4x2", merge_alpha=0.5, on_nonfinite="skip_group")
+    with pytest.raises(ValueError, match="merge_alpha"):
+        plan(model="xs", cluster="emulated-4x2", merge_alpha=2.0)

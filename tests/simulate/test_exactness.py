@@ -17,7 +17,7 @@ import torch
 
 from benchmarks.harness.config import topology_record
 from lightning_fedshard import Gossip, Hierarchical, Sampled
-from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.simulate import Simulator
 from tests.launch import launch
 from tests.simulate.worker import Module, federation_options, loaders, trainer_options

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_fedshard import Elastic, FLHSDPStrategy, Hierarchical, Pace
-from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.simulate import Simulator
 from tests.simulate.worker import Module
 from tests.toy import IndexedRegression

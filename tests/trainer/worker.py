@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 import lightning_fedshard
 from benchmarks.harness.config import topology_from_record
 from lightning_fedshard.checkpoint.checkpointer import fsdp_state_dict_type
-from lightning_fedshard.core import fsdp
+from lightning_fedshard.core.backends import fsdp
 from tests import runtime_spy
 from tests.toy import IndexedRegression, loss_fn, make_net
 

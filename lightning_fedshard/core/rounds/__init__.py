@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from lightning_fedshard.core.outer_topology import Hierarchical, Mixing, Sampled, resolve_outer_topology
+from lightning_fedshard.core.options.outer_topology import Hierarchical, Mixing, Sampled, resolve_outer_topology
 from lightning_fedshard.core.rounds.base import Host, Refusal, Round
 from lightning_fedshard.core.rounds.eager import EagerRound
 from lightning_fedshard.core.rounds.mixing import MixingRound

@@ -9,15 +9,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_fedshard.core.codecs import FloatCodec
-from lightning_fedshard.core.comm import sum_over_model
-from lightning_fedshard.core.norms import squared_norm
-from lightning_fedshard.core.reducers import AllReduceSum
 from lightning_fedshard.core.rounds.base import Host
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.step.stats import SyncStats
+from lightning_fedshard.core.transport.comm import sum_over_model
+from lightning_fedshard.core.wire.codecs import FloatCodec
+from lightning_fedshard.core.wire.norms import squared_norm
+from lightning_fedshard.core.wire.reducers import AllReduceSum
 
 if TYPE_CHECKING:
-    from lightning_fedshard.core.outer import OuterStep
+    from lightning_fedshard.core.step.outer import OuterStep
 
 #: How weights travel when groups average them: float32, summed by an all-reduce.
 FLOAT32_SUM = AllReduceSum(FloatCodec(torch.float32))
@@ -77,8 +77,8 @@ def apply_weights(
     """Write the weights a site sync or a mix gave this group; returns its ``outer_grad_norm`` and ``drift``.
 
     ``drift``: the RMS over the healthy groups of ``|theta_g - theta_g'|`` (before and after); the norm: the RMS
-    over all groups of ``|anchor - theta_g'|`` (see :class:`~lightning_fedshard.core.stats.SyncStats`). One tiny sum
-    over the model. ``indices``: the shards ``flat`` covers (default: all; a fragment's when only it syncs).
+    over all groups of ``|anchor - theta_g'|`` (see :class:`~lightning_fedshard.core.step.stats.SyncStats`). One
+    tiny sum over the model. ``indices``: the shards ``flat`` covers (default: all; a fragment's when only it syncs).
     """
     indices = range(len(outer.shards)) if indices is None else indices
     shards, anchors = [outer.shards[i] for i in indices], [outer.anchor[i] for i in indices]

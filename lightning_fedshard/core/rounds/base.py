@@ -8,19 +8,20 @@ from typing import Any, ClassVar, Protocol
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_fedshard.core.codecs import Codec
-from lightning_fedshard.core.comm import Communicator
-from lightning_fedshard.core.outer import OuterStep
-from lightning_fedshard.core.pace import PaceSchedule
-from lightning_fedshard.core.pending import PendingSync
-from lightning_fedshard.core.refusal import Refusal
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.options.refusal import Refusal
+from lightning_fedshard.core.step.outer import OuterStep
+from lightning_fedshard.core.step.participation import Paced
+from lightning_fedshard.core.step.stats import SyncStats
+from lightning_fedshard.core.step.transaction import SyncKind
+from lightning_fedshard.core.transport.comm import Communicator
+from lightning_fedshard.core.wire.codecs import Codec
+from lightning_fedshard.core.wire.pending import PendingSync
 
 __all__ = ["Host", "OnePendingRound", "Options", "Refusal", "Round", "combined", "drop"]
 
 
 class Options(Protocol):
-    """The federation options a round reads (a :class:`~lightning_fedshard.core.config.FederationConfig`)."""
+    """The federation options a round reads (a :class:`~lightning_fedshard.core.options.config.FederationConfig`)."""
 
     @property
     def sync_every(self) -> int: ...  # noqa: D102
@@ -54,7 +55,7 @@ class Host(Protocol):
     """What a round drives: the federation's outer step, collectives and schedule (a ``Federation``)."""
 
     communicator: Communicator
-    pace: PaceSchedule | None
+    participation: Paced | None
     groups_may_join: bool
     last_synced_step: int
     landed_at: list[int]
@@ -105,8 +106,8 @@ class Round:
         """Everything the round does after optimizer step ``step`` (not handled before); collective."""
         raise NotImplementedError
 
-    def take_part(self, fragment: int, step: int) -> SyncStats | None:
-        """Take part in the peers' sync of ``fragment`` at ``step``, adding nothing (a group that just healed)."""
+    def take_part(self, kind: SyncKind, step: int) -> SyncStats | None:
+        """Take part in the peers' sync ``kind`` at ``step``, adding nothing (a group that just healed)."""
         raise NotImplementedError(f"{type(self).__name__} does not take joining groups yet.")
 
     def finish(self, step: int) -> list[SyncStats]:

@@ -32,12 +32,13 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_fedshard.core.fragments import landing_fragment
-from lightning_fedshard.core.norms import nbytes
-from lightning_fedshard.core.outer_topology import Sampled
-from lightning_fedshard.core.pending import PendingSync
+from lightning_fedshard.core.options.outer_topology import Sampled
 from lightning_fedshard.core.rounds.base import Host, Refusal, Round, drop
-from lightning_fedshard.core.rounds.sampled import not_sampled
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.step.participation import SampledGroups, combine
+from lightning_fedshard.core.step.stats import SyncStats
+from lightning_fedshard.core.step.transaction import SyncKind, SyncTransaction, vote_to_commit
+from lightning_fedshard.core.wire.norms import nbytes
+from lightning_fedshard.core.wire.pending import PendingSync
 
 
 class EagerRound(Round):
@@ -86,12 +87,14 @@ class EagerRound(Round):
         return None if stats is None else replace(stats, num_fragments=self.config.fragments)
 
     @override
-    def take_part(self, fragment: int, step: int) -> SyncStats | None:
+    def take_part(self, kind: SyncKind, step: int) -> SyncStats | None:
         """Take part in the peers' sync of ``fragment`` at ``step``, adding nothing (a group that just healed).
 
         The group holds the anchor (no offset) and the peers' sums in flight (from :meth:`state_dict`), which land at
         their fragments' next syncs as the peers' do. It casts no vote here: the peers voted before this quorum.
         """
+        fragment = kind.fragment
+        assert fragment is not None
         _, started = self.step(fragment, None, step, vote=False)
         assert started is not None
         self._sums[fragment] = started
@@ -135,14 +138,16 @@ class EagerRound(Round):
         taken = outer.pseudogradient(fragment, self.offsets[fragment])
         own = None if final else self._own_copy(fragment, taken[0])  # before a sum in place overwrites the buffer
         landed = self.land(pending, step, vote)
-        sampling = self.sampled is not None and step is not None and not final
-        idle = not_sampled(self.sampled, self.period, step) if sampling else ()  # type: ignore[arg-type]
-        started = outer.begin(fragment, step, background=not final, taken=taken, idle=idle)
+        sampling = self.sampled is not None and not final
+        sample = SampledGroups(self.sampled, self.period) if sampling else None  # type: ignore[arg-type]
+        rule = combine(sample, self.federation.participation)  # a pace weighs the end of training too
+        transaction = SyncTransaction(outer, SyncKind.outer_step(fragment), step, rule)
+        started = outer.begin(transaction, background=not final, taken=taken)
         if own is None:
             final_stats = outer.complete(started, step=step)
             self.offsets[fragment] = None
             return final_stats if landed is None else _both(landed, final_stats), None
-        self._start_from_own_share(fragment, own, started)
+        self._start_from_own_share(fragment, own, started, transaction.merge_weight)
         # The loop was blocked for all of this call; a call that landed nothing hands its time to the next landing.
         self._blocked += time.perf_counter() - clock
         if landed is None:
@@ -230,7 +235,7 @@ class EagerRound(Round):
             committed = not stats.lost
         else:
             ask = self.federation.groups_may_join and vote and bool(self._sums)
-            committed = not ask or outer.communicator.should_commit()
+            committed = not ask or vote_to_commit(outer, count_lost=False)
         if not committed and self.federation.groups_may_join:
             for fragment in sorted(self._sums):
                 del self._sums[fragment]  # completed before the vote: nothing runs on in the background
@@ -259,16 +264,19 @@ class EagerRound(Round):
         device = self.outer.anchor[self.outer.fragments[fragment][0]].device
         return local.to(device=device, dtype=torch.float32, copy=True)
 
-    def _start_from_own_share(self, fragment: int, offset: Tensor, pending: PendingSync) -> None:
+    def _start_from_own_share(
+        self, fragment: int, offset: Tensor, pending: PendingSync, weight: float | None = None
+    ) -> None:
         """Write ``anchor - lr * d_g / G`` (or ``lr * d_g``) into the fragment's shards and keep the offset.
 
-        ``offset`` holds ``d_g`` on the way in.
+        ``offset`` holds ``d_g`` on the way in. With a per-group pace the group's share is its term of the weighted
+        merge in flight: ``d_g`` times the factor ``weight`` it took in the sum.
         """
         outer = self.outer
         if pending.absent(outer.communicator.group_index):
             offset.zero_()  # a skipped group adds nothing to the sum and restarts from the anchor
-        weight = 1.0 / pending.contributors if self.rule == "share" else 1.0
-        offset.mul_(float(outer.optimizers[fragment].param_groups[0]["lr"]) * weight)
+        share = (1.0 if weight is None else weight) / pending.contributors if self.rule == "share" else 1.0
+        offset.mul_(float(outer.optimizers[fragment].param_groups[0]["lr"]) * share)
         self.offsets[fragment] = offset
         start = 0
         for i in outer.fragments[fragment]:

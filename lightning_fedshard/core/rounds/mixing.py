@@ -29,11 +29,8 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_fedshard.core.codecs import ChunkCodec, Codec, FloatCodec
 from lightning_fedshard.core.fragments import landing_fragment, starting_fragment
-from lightning_fedshard.core.nonfinite import NonFiniteOuterGradientError, healthy_mix
-from lightning_fedshard.core.outer_topology import Mixing
-from lightning_fedshard.core.pending import PendingSync
+from lightning_fedshard.core.options.outer_topology import Mixing
 from lightning_fedshard.core.rounds.averaging import (
     FLOAT32_SUM,
     apply_weights,
@@ -44,15 +41,16 @@ from lightning_fedshard.core.rounds.averaging import (
 )
 from lightning_fedshard.core.rounds.base import Host, OnePendingRound, Refusal, drop
 from lightning_fedshard.core.rounds.plain import PlainRound
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.step.nonfinite import NonFiniteOuterGradientError, healthy_mix
+from lightning_fedshard.core.step.stats import SyncStats
+from lightning_fedshard.core.step.transaction import MIX, SyncKind, SyncTransaction, vote_to_commit
+from lightning_fedshard.core.wire.codecs import ChunkCodec, Codec, FloatCodec
+from lightning_fedshard.core.wire.pending import PendingSync
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from lightning_fedshard.core.outer import OuterStep
-
-#: Where ``OuterStep.syncing`` marks a mix of fragment ``f``: ``(MIX_SYNC - f, step)`` (outer steps are ``(f, step)``).
-MIX_SYNC = -2
+    from lightning_fedshard.core.step.outer import OuterStep
 
 _NO_SHARED_ANCHOR = "a mix moves no shared anchor, so there is no common pseudo-gradient for it"
 
@@ -134,14 +132,15 @@ class MixingRound(OnePendingRound):
         return replace(stats, fragment=fragment, num_fragments=fragments)
 
     @override
-    def take_part(self, fragment: int, step: int) -> SyncStats | None:
+    def take_part(self, kind: SyncKind, step: int) -> SyncStats | None:
         """Take part in the peers' mix (its messages start, or land with ``sync_delay=0``), or in their outer step.
 
         A group that healed adds nothing to a mix and takes its row's mix of the others, renormalized over them.
         """
-        if fragment > MIX_SYNC:
-            return self.inner.take_part(fragment, step)
-        mixed = MIX_SYNC - fragment
+        if kind.name != MIX:
+            return self.inner.take_part(kind, step)
+        mixed = kind.fragment
+        assert mixed is not None
         if self.config.sync_delay:
             self._pending = self._begin(mixed, step, background=True)
             return None
@@ -216,14 +215,12 @@ def begin_mix(
     """
     start = time.perf_counter()
     communicator = outer.communicator
-    outer.syncing = (MIX_SYNC - fragment, step)  # a peer that heals meanwhile takes part in this mix
-    try:
-        groups = communicator.participants()  # asked once per sync
-    finally:
-        outer.syncing = None
+    transaction = SyncTransaction(outer, SyncKind.mix(fragment), step)
+    groups = transaction.open()
     indices = outer.fragments[fragment]
     flat = flat_weights([outer.shards[i] for i in indices])
-    broken, joined = outer.absent_groups(flat, groups, step, "mix", communicator.joined())
+    transaction.exchange(bool(torch.isfinite(flat).all()), flat.device)
+    broken, joined = transaction.broken, transaction.joined
     matrix = _present(outer, weights(len(groups)), groups, broken, joined, step)
     me = groups.index(communicator.group_index)
     reference = _reference(outer, indices, codec, flat.device)
@@ -284,13 +281,11 @@ def land_mix(
     else:  # a group that joined with no one else in its row keeps the anchor it healed
         new = current
     norm, drift = apply_weights(outer, new, absent, len(groups), indices, write=False)
-    committed = communicator.should_commit()
+    committed = vote_to_commit(outer)
     if committed:
         write_weights([outer.shards[i] for i in indices], new)
         if uniform:
             write_weights([outer.anchor[i] for i in indices], mixed if reference is None else reference + mixed)
-    else:
-        outer.syncs_lost += 1
     seconds = time.perf_counter() - pending.clock
     extra = {"mixing_partners": _partners(matrix, me)}
     stats = weights_sync_stats(outer, norm, drift, pending.bytes_sent, seconds, pending.broken, kind="mix", extra=extra)
@@ -356,10 +351,12 @@ def mix(outer: OuterStep, matrix: Tensor, step: int | None = None, fragment: int
     """
     start = time.perf_counter()
     communicator = outer.communicator
-    groups = communicator.participants()  # asked once per sync
+    transaction = SyncTransaction(outer, SyncKind(MIX, fragment), step)
+    groups = transaction.open()
     indices = range(len(outer.shards)) if fragment is None else outer.fragments[fragment]
     flat = flat_weights([outer.shards[i] for i in indices])
-    broken = outer.nonfinite_groups(flat, groups, step, "mix")
+    transaction.exchange(bool(torch.isfinite(flat).all()), flat.device, joined=False)
+    broken = transaction.broken
     matrix = _without_broken(outer, matrix, broken, step)
     if communicator.group_index in broken:
         flat.zero_()  # its column is zero: nobody takes from it, and its own NaN must not meet a 0 weight

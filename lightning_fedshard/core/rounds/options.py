@@ -16,19 +16,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_fedshard.core.codecs import SparseLoCo
-from lightning_fedshard.core.elastic import Elastic
-from lightning_fedshard.core.outer_topology import Gossip, Hierarchical, Mixing, Sampled, resolve_outer_topology
-from lightning_fedshard.core.pace import Pace
-from lightning_fedshard.core.refusal import Advice
+from lightning_fedshard.core.options.elastic import Elastic
+from lightning_fedshard.core.options.outer_topology import Gossip, Hierarchical, Mixing, Sampled, resolve_outer_topology
+from lightning_fedshard.core.options.refusal import Advice
 from lightning_fedshard.core.rounds.base import Refusal
 from lightning_fedshard.core.rounds.eager import EagerRound
 from lightning_fedshard.core.rounds.mixing import MixingRound
 from lightning_fedshard.core.rounds.plain import FEEDBACK_IN_WEIGHTS_REFUSES
-from lightning_fedshard.core.rounds.sampled import SampledRound
 from lightning_fedshard.core.rounds.sites import HierarchicalRound
+from lightning_fedshard.core.step.participation import Paced, SampledGroups
+from lightning_fedshard.core.wire.codecs import SparseLoCo
 
-#: A :class:`~lightning_fedshard.core.config.FederationConfig` (which imports this module, so it is not imported here).
+#: A :class:`~lightning_fedshard.core.options.config.FederationConfig` (which imports this module, so it is not
+#: imported here).
 Config = Any
 
 
@@ -162,9 +162,9 @@ MODES: Mapping[str, Mapping[str, Refusal]] = {
     "gossip": MixingRound.refuses,
     "sampled": MixingRound.refuses,
     "mixing": MixingRound.refuses,
-    "sampled_outer_step": SampledRound.refuses,
+    "sampled_outer_step": SampledGroups.refuses,
     "elastic": Elastic.refuses,
-    "pace": Pace.refuses,
+    "pace": Paced.refuses,
     "error_feedback_weights": FEEDBACK_IN_WEIGHTS_REFUSES,
     "sparseloco": SparseLoCo.refuses,
 }

@@ -10,7 +10,6 @@ its encoding did not send stays in its own weights.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -18,13 +17,15 @@ import torch
 from typing_extensions import override
 
 from lightning_fedshard.core.fragments import landing_fragment, starting_fragment
-from lightning_fedshard.core.pending import PendingSync
 from lightning_fedshard.core.rounds.averaging import load_mean_over_groups, mean_bytes, mean_weights, write_weights
 from lightning_fedshard.core.rounds.base import Host, OnePendingRound, Refusal, drop
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.step.participation import Participation
+from lightning_fedshard.core.step.stats import SyncStats
+from lightning_fedshard.core.step.transaction import SyncKind, SyncTransaction
+from lightning_fedshard.core.wire.pending import PendingSync
 
 if TYPE_CHECKING:
-    from lightning_fedshard.core.outer import OuterStep
+    from lightning_fedshard.core.step.outer import OuterStep
 
 
 #: What error feedback in the weights (a landing policy of the plain round) does not run.
@@ -59,9 +60,7 @@ class PlainRound(OnePendingRound):
         starting = starting_fragment(step, self.period, config.fragments, config.sync_delay)
         if starting is not None:
             landing = step + config.sync_delay
-            self._pending = self.outer.begin(
-                starting, step, background=True, idle=self.idle(landing), weigh=self.weigh(starting, step)
-            )
+            self._pending = self.outer.begin(self.transaction(starting, step, landing), background=True)
         return stats
 
     def land(self, step: int) -> SyncStats:
@@ -72,50 +71,39 @@ class PlainRound(OnePendingRound):
         pending, self._pending = self._pending, None
         if pending is None or pending.fragment != fragment:  # no overlap (sync_delay=0), or resumed without one
             drop(pending)
-            pending = self.outer.begin(
-                fragment, step, background=False, idle=self.idle(step), weigh=self.weigh(fragment, step)
-            )
+            pending = self.outer.begin(self.transaction(fragment, step), background=False)
         stats = self._complete(pending, step, config.merge_alpha)
         since_snapshot = step - pending.started_at if pending.started_at is not None else 0
         discarded = (1.0 - config.merge_alpha) * since_snapshot / self.period
         return replace(stats, num_fragments=config.fragments, discarded_fraction=discarded)
 
     @override
-    def take_part(self, fragment: int, step: int) -> SyncStats | None:
+    def take_part(self, kind: SyncKind, step: int) -> SyncStats | None:
         """Land the peers' sync now, or start its sum when it overlaps with training (``sync_delay > 0``)."""
         if self.config.sync_delay == 0:
             return self.land(step)
-        self._pending = self.outer.begin(fragment, step, background=True, idle=self.idle(step + self.config.sync_delay))
+        fragment = kind.fragment
+        assert fragment is not None
+        landing = step + self.config.sync_delay
+        self._pending = self.outer.begin(self.transaction(fragment, step, landing), background=True)
         return None
 
-    def idle(self, landing: int) -> Callable[[tuple[int, ...]], tuple[int, ...]]:
-        """The groups that add nothing to the landing after optimizer step ``landing``, from the sync's participants.
+    @property
+    def participation(self) -> Participation | None:
+        """Who adds to this round's outer steps, and with what weight: the federation's rule (a per-group pace)."""
+        return self.federation.participation
 
-        :meth:`~lightning_fedshard.core.outer.OuterStep.begin` asks the communicator for the participants once and
-        passes them in. Here none: every group adds.
+    def transaction(self, fragment: int, step: int, landing: int | None = None, final: bool = False) -> SyncTransaction:
+        """The outer step of ``fragment`` whose pseudo-gradient is taken after ``step`` and lands after ``landing``.
+
+        ``final``: the end of training, where every group adds (a sample no longer applies; a pace still weighs).
         """
-        return _nobody
-
-    def weigh(self, fragment: int, step: int) -> Callable[[tuple[int, ...]], float] | None:
-        """With a per-group pace, this group's factor in the merge of a pseudo-gradient; ``None`` without.
-
-        The pseudo-gradient of ``fragment`` taken after ``step`` covers the steps since the fragment last landed; the
-        merge is recorded in the schedule.
-        """
-        pace = self.federation.pace
-        if pace is None:
-            return None
-        after, group = self.federation.landed_at[fragment], self.federation.communicator.group_index
-
-        def factor(contributors: tuple[int, ...]) -> float:
-            pace.record(step, fragment, after, contributors)
-            return pace.weights(after, step, contributors, group)
-
-        return factor
+        rule = self.federation.participation if final else self.participation
+        return SyncTransaction(self.outer, SyncKind.outer_step(fragment), step, rule, landing)
 
     def sync(self, step: int, fragment: int = 0) -> SyncStats:
         """One fragment's outer step now, synchronously (every group restarts from the new anchor); collective."""
-        pending = self.outer.begin(fragment, step, background=False, weigh=self.weigh(fragment, step))
+        pending = self.outer.begin(self.transaction(fragment, step, final=True), background=False)
         return self._complete(pending, step, 0.0)
 
     def _complete(self, pending: PendingSync, step: int, merge_alpha: float) -> SyncStats:
@@ -173,10 +161,6 @@ class PlainRound(OnePendingRound):
             self._pending = PendingSync.from_state_dict(pending, self.outer.shards[0].device)
             if not self._pending.participants:  # saved before syncs recorded their participants: every group
                 self._pending.participants = self.federation.communicator.participants()
-
-
-def _nobody(participants: tuple[int, ...]) -> tuple[int, ...]:
-    return ()
 
 
 @torch.no_grad()

@@ -20,16 +20,14 @@ step, and every group restarts from the anchor as it is.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import ClassVar
-
 from typing_extensions import override
 
-from lightning_fedshard.core.outer_topology import Sampled
-from lightning_fedshard.core.pending import PendingSync
-from lightning_fedshard.core.rounds.base import Host, Refusal
+from lightning_fedshard.core.options.outer_topology import Sampled
+from lightning_fedshard.core.rounds.base import Host
 from lightning_fedshard.core.rounds.plain import PlainRound
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.step.participation import Participation, SampledGroups, combine
+from lightning_fedshard.core.step.stats import SyncStats
+from lightning_fedshard.core.wire.pending import PendingSync
 
 
 class SampledRound(PlainRound):
@@ -41,16 +39,16 @@ class SampledRound(PlainRound):
         period: Optimizer steps between two landings of one fragment (``sync_every``): the length of a round.
     """
 
-    refuses: ClassVar[dict[str, Refusal]] = {}
-
     def __init__(self, federation: Host, topology: Sampled, period: int) -> None:
         super().__init__(federation, period)
         self.topology = topology
+        self.sampled = SampledGroups(topology, period)
 
+    @property
     @override
-    def idle(self, landing: int) -> Callable[[tuple[int, ...]], tuple[int, ...]]:
-        """The participants that the landing's round did not sample (drawn by position among them)."""
-        return not_sampled(self.topology, self.period, landing)
+    def participation(self) -> Participation | None:
+        """The round's sample, with the federation's rule (a per-group pace)."""
+        return combine(self.sampled, self.federation.participation)
 
     @override
     def _complete(self, pending: PendingSync, step: int, merge_alpha: float) -> SyncStats:
@@ -60,18 +58,3 @@ class SampledRound(PlainRound):
             self.outer.copy_anchor_to_shards(pending.fragment)
             self.federation.written()
         return stats
-
-
-def not_sampled(topology: Sampled, period: int, landing: int) -> Callable[[tuple[int, ...]], tuple[int, ...]]:
-    """The participants that the round of the landing after step ``landing`` (``(landing - 1) // period``) leaves out.
-
-    The sample is drawn by position among the sync's participants, which
-    :meth:`~lightning_fedshard.core.outer.OuterStep.begin` passes in once it asked for them.
-    """
-    number = (landing - 1) // period
-
-    def idle(participants: tuple[int, ...]) -> tuple[int, ...]:
-        chosen = set(topology.sample(number, len(participants)))
-        return tuple(g for position, g in enumerate(participants) if position not in chosen)
-
-    return idle

@@ -19,9 +19,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_fedshard.core.nonfinite import NonFiniteOuterGradientError
-from lightning_fedshard.core.outer_topology import Hierarchical
-from lightning_fedshard.core.pending import PendingSync
+from lightning_fedshard.core.options.outer_topology import Hierarchical
 from lightning_fedshard.core.rounds.averaging import (
     apply_weights,
     flat_weights,
@@ -30,15 +28,12 @@ from lightning_fedshard.core.rounds.averaging import (
     weights_sync_stats,
 )
 from lightning_fedshard.core.rounds.base import Host, Refusal, Round, combined
-from lightning_fedshard.core.stats import SyncStats
+from lightning_fedshard.core.step.stats import SyncStats
+from lightning_fedshard.core.step.transaction import SITE_SYNC, SyncKind, SyncTransaction
+from lightning_fedshard.core.wire.pending import PendingSync
 
 if TYPE_CHECKING:
-    from lightning_fedshard.core.outer import OuterStep
-
-
-#: The fragment a site sync marks itself with in ``OuterStep.syncing`` while it waits for its groups: a group that
-#: heals then takes part in the peers' site sync (:meth:`HierarchicalRound.take_part`).
-SITE_SYNC = -1
+    from lightning_fedshard.core.step.outer import OuterStep
 
 
 class HierarchicalRound(Round):
@@ -78,15 +73,15 @@ class HierarchicalRound(Round):
         return self._with_site_sync(stats, step)
 
     @override
-    def take_part(self, fragment: int, step: int) -> SyncStats | None:
+    def take_part(self, kind: SyncKind, step: int) -> SyncStats | None:
         """Take part in the peers' sync at ``step``: their site sync, or the federation's round and a site sync after.
 
         A group that heals while its site syncs holds the anchor: it adds nothing and takes its site's mean (the
         anchor if no group of its site adds).
         """
-        if fragment == SITE_SYNC:
+        if kind.name == SITE_SYNC:
             return self._with_site_sync([], step)
-        return self._with_site_sync([s for s in (self.inner.take_part(fragment, step),) if s is not None], step)
+        return self._with_site_sync([s for s in (self.inner.take_part(kind, step),) if s is not None], step)
 
     def _with_site_sync(self, stats: list[SyncStats], step: int) -> SyncStats | None:
         """``stats`` of the syncs after ``step`` so far, and the site sync due then, if any."""
@@ -187,19 +182,17 @@ def average_in_site(
     """
     start = time.perf_counter()
     communicator = outer.communicator
-    outer.syncing = (SITE_SYNC, step)  # a peer that heals meanwhile takes part in this site sync
-    try:
-        groups = communicator.participants()
-    finally:
-        outer.syncing = None
+    transaction = SyncTransaction(outer, SyncKind.site_sync(), step)
+    groups = transaction.open()
     if blocks is None:
         blocks = [groups[i : i + size] for i in range(0, len(groups), size)]
     flat = flat_weights(outer.shards)
-    broken, joined = outer.absent_groups(flat, groups, step, "site sync", communicator.joined())
-    adding = {g for g in groups if g not in broken and g not in joined}
+    transaction.exchange(bool(torch.isfinite(flat).all()), flat.device)
+    broken, joined = transaction.broken, transaction.joined
+    adding = set(transaction.contributors)
     stranded = [g for b in blocks if set(b) & set(broken) and not adding & set(b) for g in b if g in groups]
     if stranded:
-        raise NonFiniteOuterGradientError(stranded, outer.num_syncs, step, "site sync", outer.on_nonfinite)
+        transaction.fail(stranded)
     (site,) = [block for block in blocks if communicator.group_index in block]
     adds = communicator.group_index in adding
     if not adds:
@@ -213,10 +206,9 @@ def average_in_site(
     if extra:
         _average_extra(communicator, extra, size, count, not adds, flat.device)
     norm, drift = apply_weights(outer, flat, tuple({*broken, *joined}) if adding else broken, len(groups))
-    committed = communicator.should_commit()
+    committed = transaction.commit()
     if not committed:
         outer.copy_anchor_to_shards()
-        outer.syncs_lost += 1
     seconds = time.perf_counter() - start
     sent = site_sum_bytes(communicator, flat.numel(), size, len(blocks), len(groups))
     return weights_sync_stats(

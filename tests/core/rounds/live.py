@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 
 from lightning_fedshard import Hierarchical
-from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.inprocess import InProcessGroups
+from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.transport.inprocess import InProcessGroups
 
 
 class Live:

@@ -11,12 +11,12 @@ from torch import Tensor
 from torch.testing import assert_close
 
 from lightning_fedshard import Sampled
-from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.fragments import cut_fragments
-from lightning_fedshard.core.inprocess import InProcessGroups
-from lightning_fedshard.core.pending import PendingSync
+from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.rounds import EagerRound, SampledRound, build_round
+from lightning_fedshard.core.transport.inprocess import InProcessGroups
+from lightning_fedshard.core.wire.pending import PendingSync
 from tests.core.rounds.toy import ReferenceGroup, initial
 from tests.reference import federate
 

@@ -1,6 +1,6 @@
 """Sampled participation in an elastic federation: the sample is drawn among the sync's live groups.
 
-Each group is a thread (``core/inprocess.py``) that an elastic communicator's view relabels: thread ``t`` runs
+Each group is a thread (``core/transport/inprocess.py``) that an elastic communicator's view relabels: thread ``t`` runs
 the live group ``labels[t]`` of the planned ones, and the participants of a sync are the live groups in ring order.
 """
 
@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 
 from lightning_fedshard import Elastic, Gossip, Mixing, Sampled
-from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.inprocess import InProcessGroups
+from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.transport.inprocess import InProcessGroups
 from tests.core.rounds.live import Live, assert_resumed_exactly, run_live
 
 PLANNED = 4

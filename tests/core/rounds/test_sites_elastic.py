@@ -1,6 +1,6 @@
 """Sites in an elastic federation: a site is its live groups, a joining group adds nothing and takes its site's mean.
 
-Each group is a thread (``core/inprocess.py``) that an elastic communicator's view relabels: thread ``t`` runs
+Each group is a thread (``core/transport/inprocess.py``) that an elastic communicator's view relabels: thread ``t`` runs
 the live group ``labels[t]`` of the planned ones, the participants of a sync are the live groups in ring order, and a
 site sums over the whole ring, one row per planned site, as an elastic communicator sums it.
 """
@@ -14,11 +14,11 @@ import torch
 from torch import Tensor
 
 from lightning_fedshard import Elastic, Hierarchical
-from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.inprocess import InProcessGroups
+from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.rounds.averaging import mean_bytes
-from lightning_fedshard.core.rounds.sites import SITE_SYNC
+from lightning_fedshard.core.step.transaction import SyncKind
+from lightning_fedshard.core.transport.inprocess import InProcessGroups
 from tests.core.rounds.live import Live, assert_resumed_exactly, run_live
 
 PLANNED = 4
@@ -110,7 +110,7 @@ def test_a_group_that_heals_while_the_peers_are_in_a_site_sync_takes_part_in_it(
         view.on_participants = lambda: marks.append(fed.heal_state()["sync"])
         view.step = 2
         if view.group_index == 3:
-            stats = fed.take_part(2, (SITE_SYNC, 2))
+            stats = fed.take_part(2, (SyncKind.site_sync(), 2))
         else:
             shard.fill_(float(view.group_index + 1))
             stats = fed.maybe_sync(2)
@@ -122,7 +122,8 @@ def test_a_group_that_heals_while_the_peers_are_in_a_site_sync_takes_part_in_it(
     assert torch.equal(shards[1], torch.full((2,), 2.0)) and torch.equal(shards[3], shards[1])  # group 1 alone adds
     for _, (stats, marks), last_step in results:
         assert stats.joined_groups == (3,) and last_step == 2
-        assert marks == [(SITE_SYNC, 2)]  # what a healing peer reads while this group waits for the site's groups
+        # what a healing peer reads while this group waits for the site's groups
+        assert marks == [SyncKind.site_sync().marker(2)]
 
 
 def test_a_lost_site_sync_sends_every_group_back_to_the_anchor():
