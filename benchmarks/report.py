@@ -171,6 +171,10 @@ def plot(report: Report) -> list[Path]:
         paths += race.plot(analysis, IMAGES)
     if (elastic_results := report.results.get("elastic")) is not None:
         paths += elastic.plot(elastic_results, IMAGES)
+    if (hetero_results := report.results.get("hetero")) is not None:
+        paths.append(hetero.plot(hetero_results, IMAGES / "hetero.png"))
+    if (latency_results := report.results.get("latency")) is not None:
+        paths.append(latency.plot(latency_results, IMAGES / "latency.png"))
     if study := recipe_results():
         paths.append(recipes.plot(study, IMAGES / "recipes.png"))
         if (walltime_results := report.results.get("walltime")) is not None:

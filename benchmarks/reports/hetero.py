@@ -23,6 +23,7 @@ trains every step and waits), a per-group pace (``Pace()``, measured) and every 
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 from typing import Any
 
 from lightning_fedshard.plan.hetero import heterogeneous_pace
@@ -220,3 +221,25 @@ def table(results: dict[str, Any]) -> str:
             f" pace without syncs: {own})."
         )
     return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> Path:
+    """Each configuration's committed tokens/s (median, min-max bars) against the attainable pace."""
+    from benchmarks.reports.plotting import figure, save
+
+    repeats = by_repeat(results)
+    fig, ax = figure()
+    for i, kind in enumerate(KINDS):
+        values = [committed_tokens_per_s(runs[kind]) for runs in repeats.values() if kind in runs]
+        if values:
+            median = statistics.median(values)
+            ax.bar(i, median, 0.6, color="tab:blue" if "nosync" not in kind else "tab:grey")
+            ax.errorbar(i, median, yerr=[[median - min(values)], [max(values) - median]], color="black", capsize=3)
+    attainable = [sum(own_paces(runs["hetero-nosync"])) for runs in repeats.values() if "hetero-nosync" in runs]
+    if attainable:
+        ax.axhline(
+            statistics.median(attainable), color="tab:red", linestyle="--", label="attainable (sum of own paces)"
+        )
+    ax.set_xticks(range(len(KINDS)), [k.removeprefix("hetero-") for k in KINDS], fontsize=8)
+    ax.set(ylabel="committed tokens/s")
+    return save(fig, ax, "Groups of different speeds: one of 4 groups at half the CPU", path)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from benchmarks import metrics
@@ -120,3 +121,18 @@ def _spread(values: list[float], fmt: str = ",.0f") -> str:
     if not values:
         return "-"
     return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
+
+
+def plot(results: dict[str, Any], path: Path) -> Path:
+    """Every configuration's tokens/s at 0 ms and at ``RTT_MS`` (medians), side by side, on a log scale."""
+    from benchmarks.reports.plotting import bar_pair, figure, save
+
+    found = cells(results)
+    configurations = sorted({c for c, _ in found}, key=lambda c: (not c.startswith("fsdp"), c))
+    paces = [[_median(found.get((c, rtt), [])) or 0.0 for c in configurations] for rtt in (0.0, RTT_MS)]
+    fig, ax = figure()
+    labels = [c.replace("fl_fsdp-", "fl_fsdp\n") for c in configurations]
+    bar_pair(ax, labels, paces[0], paces[1], ("0 ms", f"{RTT_MS:g} ms"))
+    ax.set(ylabel="tokens/s (median of the repeats)", yscale="log")
+    ax.tick_params(axis="x", labelsize=7)
+    return save(fig, ax, f"A round trip between nodes, 20 Mbit/s links: 0 against {RTT_MS:g} ms", path)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.recipes import RECIPES, RESULTS, load_results
+from benchmarks.recipes import GROUPS, LR, RECIPES, RESULTS, STEPS, load_results
 
 #: The simulator's exactness against the Trainer (``python -m benchmarks.sim_exact``).
 EXACT_RESULTS = RESULTS.parent / "sim_exact.json"
@@ -360,8 +360,9 @@ PLANNER_OPTIONS = frozenset({"reduce_dtype", "outer", "sync_delay", "eager_updat
 
 
 def _planner_key(recipe: Any) -> tuple[object, ...] | None:
-    if recipe.groups == 1:
-        return ("fsdp",)
+    if recipe.groups == 1:  # plain FSDP at the study's batch and schedule; one group with an outer step is not it
+        plain = not recipe.options and (recipe.ranks_per_group, recipe.lr, recipe.steps) == (GROUPS, LR, STEPS)
+        return ("fsdp",) if plain else None
     if set(recipe.options) - PLANNER_OPTIONS:
         return None
     outer = recipe.options.get("outer")
