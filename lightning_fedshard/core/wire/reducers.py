@@ -202,10 +202,24 @@ class ChunkLayout:
 
 
 class _HeldResiduals:
-    """What a reducer with error feedback does with its held residuals (slots ``SLOTS`` of ``feedback``)."""
+    """A reducer of float32 values through a lossy codec, and what it does with its held residuals.
+
+    The residuals are the slots ``SLOTS`` of ``feedback`` (``None``: what is not sent is lost).
+    """
 
     SLOTS: tuple[str, ...]
-    feedback: ErrorFeedback | None
+
+    def __init__(self, codec: Any, feedback: ErrorFeedback | None = None) -> None:
+        self.codec = codec
+        self.feedback = feedback
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.codec!r}, feedback={self.feedback is not None})"
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """float32: the codec encodes float32 pseudo-gradients."""
+        return torch.float32
 
     def reset_residual(self) -> None:
         """Drop every held residual (e.g. when the vector or the ring changes); no-op without feedback."""
@@ -249,17 +263,7 @@ class ScatterGatherSum(_HeldResiduals):
     #: The sum is a new tensor; the input is left as it was.
     sums_in_place = False
 
-    def __init__(self, codec: ChunkCodec, feedback: ErrorFeedback | None = None) -> None:
-        self.codec = codec
-        self.feedback = feedback
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.codec!r}, feedback={self.feedback is not None})"
-
-    @property
-    def input_dtype(self) -> torch.dtype:
-        """float32: quantized from float32 pseudo-gradients."""
-        return torch.float32
+    codec: ChunkCodec
 
     @torch.no_grad()
     def sum_across_groups(self, x: Tensor, communicator: Communicator, members: int) -> Tensor:
@@ -376,17 +380,7 @@ class GatherMean(_HeldResiduals):
     SLOTS = ("residual",)
     sums_in_place = False
 
-    def __init__(self, codec: SparseLoCo, feedback: ErrorFeedback | None = None) -> None:
-        self.codec = codec
-        self.feedback = feedback
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.codec!r}, feedback={self.feedback is not None})"
-
-    @property
-    def input_dtype(self) -> torch.dtype:
-        """float32."""
-        return torch.float32
+    codec: SparseLoCo
 
     @torch.no_grad()
     def sum_across_groups(self, x: Tensor, communicator: Communicator, members: int) -> Tensor:
