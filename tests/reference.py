@@ -148,10 +148,12 @@ def federate(
         order.
     """
     parts = _check_fragments(list(initial), fragments)
-    streaming = len(parts) > 1 or sync_delay or merge_alpha or eager
+    streaming = len(parts) > 1 or sync_delay or merge_alpha or eager or paced is not None
+    pace_every = sync_every  # a pace's rounds are `sync_every` steps, whatever the landings' period
     if hierarchical is not None and streaming:
         sync_every = max(hierarchical)
     every = _check_schedule(sync_every, len(parts), sync_delay, merge_alpha, final_landing)
+    trained_in = None if paced is None else _trained_in(paced, pace_every, len(groups))
     if hierarchical is not None and not streaming:
         return _federate_hierarchical(initial, groups, hierarchical, outer, max_steps, sites)
     if mixing is not None:
@@ -163,7 +165,7 @@ def federate(
         if sync_delay or merge_alpha:
             raise ValueError("eager updates take no `sync_delay` or `merge_alpha`.")
         rounds = None if participants is None else (lambda done: participants((done - 1) // sync_every))
-        pace = (paced, sync_every, merge) if paced is not None else None
+        pace = (paced, pace_every, merge) if paced is not None else None
         return _federate_eager(initial, groups, parts, every, outer, max_steps, hierarchical, sites, rounds, pace)
     anchor = {k: v.clone() for k, v in initial.items()}
     outers = [Outer(**OUTERS[outer]) for _ in parts]
@@ -177,7 +179,7 @@ def federate(
     for step in range(max_steps):
         groups_before[step] = [torch.cat([v.reshape(-1) for v in g.weights().values()]) for g in groups]
         for g, group in enumerate(groups):
-            if paced is None or step % sync_every < paced(step // sync_every)[g]:
+            if paced is None or step % pace_every < paced(step // pace_every)[g]:
                 group.train_step(step)
                 counts[g] = [c + 1 for c in counts[g]]
         done = step + 1
@@ -201,7 +203,7 @@ def federate(
                 counts[g][landed] = 0
             anchors[done] = _copy(anchor)
         if hierarchical is not None:
-            _site_means(groups, hierarchical, sites, done)
+            _site_means(groups, hierarchical, sites, done, trained_in=trained_in)
     # End of training: reductions still in flight are dropped; every fragment whose groups may not hold its anchor
     # takes one synchronous outer step on its current pseudo-gradient and every group restarts from the result.
     if max_steps > 0:
@@ -243,25 +245,47 @@ def _site_means(
     done: int,
     starts: list[dict[str, Tensor]] | None = None,
     start_keys: Sequence[str] = (),
+    trained_in: Callable[[int, int], list[int]] | None = None,
 ) -> None:
     """After step ``done``: if the largest period of ``levels`` dividing it averages fewer than all groups, every block
     of that many groups (consecutive in the order ``sites`` lists them) takes its plain mean, and so do the blocks'
-    ``starts`` (eager updates' round starts) under ``start_keys``."""
+    ``starts`` (eager updates' round starts) under ``start_keys``.
+
+    With ``trained_in`` (a pace: ``(first, end) -> steps each group trained among the 0-based steps [first, end)``)
+    the means weigh each group by the steps it trained since the previous multiple of the smallest period (its
+    site's or the federation's last sync); a plain mean when no group of the block trained."""
     due = [period for period in levels if done % period == 0]
     if not due or levels[max(due)] >= len(groups):
         return
     size = levels[max(due)]
     order = [g for site in sites for g in site] if sites else list(range(len(groups)))
+    trained = None if trained_in is None else trained_in(done - min(levels), done)
     for start in range(0, len(groups), size):
-        block = [groups[g] for g in order[start : start + size]]
-        mean = {k: torch.stack([g.weights()[k] for g in block]).mean(0) for k in block[0].weights()}
-        for g in block:
-            g.load({k: v.clone() for k, v in mean.items()})
+        members = order[start : start + size]
+        counts = None if trained is None else [trained[g] for g in members]
+        mean = _block_mean([groups[g].weights() for g in members], list(groups[0].weights()), counts)
+        for g in members:
+            groups[g].load({k: v.clone() for k, v in mean.items()})
         if starts is not None and start_keys:
-            members = [starts[g] for g in order[start : start + size]]
-            start_mean = {k: torch.stack([m[k] for m in members]).mean(0) for k in start_keys}
-            for m in members:
-                m.update({k: v.clone() for k, v in start_mean.items()})
+            start_mean = _block_mean([starts[g] for g in members], list(start_keys), counts)
+            for g in members:
+                starts[g].update({k: v.clone() for k, v in start_mean.items()})
+
+
+def _block_mean(members: list[dict[str, Tensor]], keys: list[str], counts: list[int] | None) -> dict[str, Tensor]:
+    """The plain mean of ``members`` under ``keys``, or weighted by ``counts`` when any is positive."""
+    if counts is None or sum(counts) == 0:
+        return {k: torch.stack([m[k] for m in members]).mean(0) for k in keys}
+    return {k: sum(c / sum(counts) * m[k] for c, m in zip(counts, members)) for k in keys}  # type: ignore[misc]
+
+
+def _trained_in(paced: Callable[[int], Sequence[int]], every: int, num_groups: int) -> Callable[[int, int], list[int]]:
+    """``(first, end) -> steps each group trained among the 0-based steps [first, end)`` of a pace (see `federate`)."""
+
+    def trained_in(first: int, end: int) -> list[int]:
+        return [sum(s % every < paced(s // every)[g] for s in range(first, end)) for g in range(num_groups)]
+
+    return trained_in
 
 
 def _federate_hierarchical(
@@ -536,7 +560,8 @@ def _federate_eager(
             anchors[done] = _copy(anchor)
         if hierarchical is not None:
             synced = [k for f, keys in enumerate(parts) if last_sync[f] for k in keys]
-            _site_means(groups, hierarchical, sites, done, starts, synced)
+            trained_in = None if pace is None else _trained_in(pace[0], pace[1], len(groups))
+            _site_means(groups, hierarchical, sites, done, starts, synced, trained_in)
     for f, keys in enumerate(parts):
         deltas = [{k: start[k] - g.weights()[k] for k in keys} for start, g in zip(starts, groups)]
         if f in in_flight:

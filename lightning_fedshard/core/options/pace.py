@@ -149,18 +149,21 @@ class PaceSchedule:
         """Steps ``group`` trained among the steps ``(after, until]``."""
         return sum(self.trains(group, s) for s in range(after + 1, until + 1))
 
-    def weights(self, after: int, until: int, contributors: Sequence[int], group: int) -> float:
+    def weights(
+        self, after: int, until: int, contributors: Sequence[int], group: int, merge: str | None = None
+    ) -> float:
         """The factor this group's pseudo-gradient takes so that the plain mean over ``contributors`` is the merge.
 
         ``after``/``until``: the steps the pseudo-gradient covers. A group's factor is ``|C| t_g / sum_c t_c``
         (``"tokens"``) or ``mean_c t_c / t_g`` (``"normalized"``; ``0`` when it trained nothing, its update is zero).
+        ``merge``: the rule, if not the pace's own (a mean of the weights themselves is always by tokens).
         """
         counts = {c: self.trained(c, after, until) for c in contributors}
         total = sum(counts.values())
         if total == 0:
             return 1.0
         own = counts.get(group, 0)
-        if self.pace.merge == "tokens":
+        if (merge or self.pace.merge) == "tokens":
             return len(counts) * own / total
         return 0.0 if own == 0 else (total / len(counts)) / own
 

@@ -1,8 +1,9 @@
 """A hierarchical round: sites of groups average their weights often, the whole federation takes the outer step.
 
 At a step the largest period of ``Hierarchical(levels)`` that divides it decides: a level below the whole federation
-replaces every group's weights by the plain float32 mean over its site (no outer step: the anchor and the outer
-optimizer are the federation's), and the level that spans every group is the federation's own round, run by the
+replaces every group's weights by the float32 mean over its site (no outer step: the anchor and the outer optimizer
+are the federation's; with a per-group pace the mean weighs each group by the steps it trained since the previous sync
+of any level, every token alike), and the level that spans every group is the federation's own round, run by the
 round inside (plain: fragments, ``sync_delay``, ``merge_alpha``; or eager updates) with the largest period as its
 period. When both fall on one step the federation's landing comes first. With eager updates a site sync also averages
 where its groups started their rounds (their offsets below the anchor), so that each group's next pseudo-gradient is
@@ -34,6 +35,7 @@ from lightning_fedshard.core.wire.pending import PendingSync
 
 if TYPE_CHECKING:
     from lightning_fedshard.core.step.outer import OuterStep
+    from lightning_fedshard.core.step.participation import Participation
 
 
 class HierarchicalRound(Round):
@@ -90,12 +92,17 @@ class HierarchicalRound(Round):
             if self.federation.groups_may_join:  # no sum may run on the ring while a quorum rebuilds it
                 self.inner.await_in_flight()
             blocks = self.topology.blocks(size, self.num_groups)
-            site = average_in_site(self.outer, size, blocks, step=step, extra=self.inner.site_state())
+            extra, rule = self.inner.site_state(), self.federation.participation
+            site = average_in_site(self.outer, size, blocks, step, extra, rule, self._since(step))
             if site.lost:  # every shard went back to the anchor
                 self.inner.restart_from_anchor()
             stats.append(site)
             self.federation.written()
         return combined(stats, self.config.fragments) if len(stats) > 1 else (stats[0] if stats else None)
+
+    def _since(self, step: int) -> int:
+        """The step of the previous sync of any level before ``step`` (every multiple of the smallest period is one)."""
+        return step - min(self.topology.levels)
 
     @override
     def finish(self, step: int) -> list[SyncStats]:
@@ -154,13 +161,15 @@ def average_in_site(
     blocks: Sequence[Sequence[int]] | None = None,
     step: int | None = None,
     extra: Sequence[Tensor] = (),
+    participation: Participation | None = None,
+    since: int | None = None,
 ) -> SyncStats:
-    """Replace every shard by its plain mean over this group's block of ``size`` groups; collective.
+    """Replace every shard by its mean over this group's block of ``size`` groups; collective.
 
     Float32, one sum over the block, no outer step. Before anything is written every group learns which groups
     hold NaN/Inf weights, over the fed ring as the outer step does: ``on_nonfinite="raise"`` then raises in every
-    group; ``"skip_group"`` leaves a broken group out of its site's mean (the site divides by its healthy groups), and
-    the broken group takes that mean too.
+    group; ``"skip_group"`` leaves a broken group out of its site's mean, and the broken group takes that mean too.
+    The mean is plain, or weighted by a ``participation`` rule (a pace: by the steps trained after step ``since``).
 
     In an elastic federation a site is its groups that take part in the sync (the communicator's participants): a
     group that is gone adds nothing, and a site none of whose groups is left adds nothing to the others. A group that
@@ -172,9 +181,10 @@ def average_in_site(
         outer: The outer step whose shards average.
         size: Groups per block.
         blocks: Every block of ``size`` groups (the planned sites); default: consecutive groups.
-        step: The optimizer step this sync follows (for messages).
-        extra: Per-group tensors the round keeps that the site averages too, in place (e.g. eager updates' offsets:
-            where each group started its round).
+        step: The optimizer step this sync follows.
+        extra: Per-group tensors the site averages too, in place (eager updates' offsets: where each group started).
+        participation: Who adds with what weight; ``None``: every healthy group alike.
+        since: The optimizer step of the site's previous sync.
 
     Raises:
         NonFiniteOuterGradientError: If a group's weights hold NaN/Inf and ``on_nonfinite="raise"``, or every group of
@@ -182,48 +192,54 @@ def average_in_site(
     """
     start = time.perf_counter()
     communicator = outer.communicator
-    transaction = SyncTransaction(outer, SyncKind.site_sync(), step)
+    transaction = SyncTransaction(outer, SyncKind.site_sync(), step, participation)
     groups = transaction.open()
     if blocks is None:
         blocks = [groups[i : i + size] for i in range(0, len(groups), size)]
     flat = flat_weights(outer.shards)
     transaction.exchange(bool(torch.isfinite(flat).all()), flat.device)
-    broken, joined = transaction.broken, transaction.joined
-    adding = set(transaction.contributors)
-    stranded = [g for b in blocks if set(b) & set(broken) and not adding & set(b) for g in b if g in groups]
-    if stranded:
-        transaction.fail(stranded)
-    (site,) = [block for block in blocks if communicator.group_index in block]
-    adds = communicator.group_index in adding
-    if not adds:
-        flat.zero_()  # adds nothing to its site's sum
-    communicator.sum_over_site(flat, size)
-    count = len(adding & set(site))
-    if count:
-        flat.div_(count)
-    else:  # no group of this site adds: its joiners keep the anchor they healed
-        flat = flat_weights(outer.shards)
+    site = _own_site(transaction, blocks)
+    adding = [g for g in transaction.contributors if g in site]
+    factor = transaction.mean_weight(adding, since) if since is not None else None
+    mean = _mean_in_site(communicator, flat, size, len(adding), transaction.adds, factor)
+    flat = mean if mean is not None else flat_weights(outer.shards)  # none adds: joiners keep the anchor they healed
     if extra:
-        _average_extra(communicator, extra, size, count, not adds, flat.device)
+        _average_extra(communicator, extra, size, len(adding), transaction.adds, factor, flat.device)
+    broken, joined = transaction.broken, transaction.joined
     norm, drift = apply_weights(outer, flat, tuple({*broken, *joined}) if adding else broken, len(groups))
     committed = transaction.commit()
     if not committed:
         outer.copy_anchor_to_shards()
-    seconds = time.perf_counter() - start
     sent = site_sum_bytes(communicator, flat.numel(), size, len(blocks), len(groups))
     return weights_sync_stats(
-        outer,
-        norm,
-        drift,
-        sent,
-        seconds,
-        broken,
-        kind="site sync",
-        joined_groups=joined,
-        lost=not committed,
-        syncs_lost=outer.syncs_lost,
-        extra={"site_size": float(size)},
-    )
+        outer, norm, drift, sent, time.perf_counter() - start, broken, kind="site sync", joined_groups=joined,
+        lost=not committed, syncs_lost=outer.syncs_lost, extra={"site_size": float(size)},
+    )  # fmt: skip
+
+
+def _mean_in_site(
+    communicator: Any, values: Tensor, size: int, count: int, adds: bool, factor: float | None
+) -> Tensor | None:
+    """``values``, in place, as their mean over the ``count`` groups of the site that add; one float32 sum.
+
+    Each group's values weigh by its ``factor`` (``None``: alike). ``None`` when no group of the site adds.
+    """
+    if not adds:
+        values.zero_()  # adds nothing to its site's sum
+    elif factor is not None:
+        values.mul_(factor)
+    communicator.sum_over_site(values, size)
+    return values.div_(count) if count else None
+
+
+def _own_site(transaction: SyncTransaction, blocks: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """This group's block; raises if a block holds broken groups and none that adds (nothing was changed)."""
+    adding, broken, present = set(transaction.contributors), set(transaction.broken), transaction.participants
+    stranded = [g for b in blocks if set(b) & broken and not adding & set(b) for g in b if g in present]
+    if stranded:
+        transaction.fail(stranded)
+    (site,) = [block for block in blocks if transaction.group in block]
+    return tuple(site)
 
 
 def site_sum_bytes(communicator: Any, numel: int, size: int, sites: int, groups: int) -> int:
@@ -239,18 +255,22 @@ def site_sum_bytes(communicator: Any, numel: int, size: int, sites: int, groups:
 
 @torch.no_grad()
 def _average_extra(
-    communicator: Any, extra: Sequence[Tensor], size: int, healthy: int, broken: bool, device: torch.device
+    communicator: Any,
+    extra: Sequence[Tensor],
+    size: int,
+    healthy: int,
+    adds: bool,
+    factor: float | None,
+    device: torch.device,
 ) -> None:
     """Replace each of ``extra`` by its mean over the site's healthy groups (one float32 sum over the site).
 
-    With no healthy group in the site each group keeps its own (a joiner's, restarted from the anchor).
+    Weighted by the groups' ``factor``, as the weights were. With no healthy group in the site each group keeps its
+    own (a joiner's, restarted from the anchor).
     """
-    flat = torch.cat([t.reshape(-1).to(device, torch.float32) for t in extra])
-    if broken:
-        flat.zero_()
-    communicator.sum_over_site(flat, size)
-    if healthy == 0:
+    flat = _mean_in_site(communicator, torch.cat([t.reshape(-1).to(device, torch.float32) for t in extra]), size,
+                         healthy, adds, factor)  # fmt: skip
+    if flat is None:
         return
-    flat.div_(healthy)
     for tensor, part in zip(extra, flat.split([t.numel() for t in extra])):
         tensor.copy_(part.view_as(tensor))

@@ -5,11 +5,12 @@ asks them, once per sync, the same on every rank):
 
 - :meth:`Participation.idle`: which of the sync's participants it leaves out (they take part in the collective with
   zeros, and restart from the new anchor like everyone else);
-- :meth:`Participation.weight`: this group's factor in the merge, given the groups that add (``None``: alike).
+- :meth:`Participation.weight`: this group's factor in the merge, given the groups that add (``None``: alike);
+  :meth:`Participation.mean_weight` the same for a mean of the weights themselves (a site sync).
 
 Like a round, a rule declares the switches it does not run yet (:attr:`Participation.refuses`); the compatibility
 table (:mod:`~lightning_fedshard.core.rounds.options`) is derived from the declarations. A new rule is one class: its
-two answers and its refusals.
+answers and its refusals.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ class Participation:
 
     def weight(self, fragment: int, step: int, contributors: tuple[int, ...], group: int) -> float | None:
         """``group``'s factor in the merge of ``fragment``'s values taken after ``step``; ``None``: alike."""
+        return None
+
+    def mean_weight(self, since: int, step: int, contributors: tuple[int, ...], group: int) -> float | None:
+        """``group``'s factor in a mean of the weights themselves (a site sync); ``None``: alike.
+
+        ``since``/``step``: the optimizer steps whose training the weights hold since the previous sync.
+        """
         return None
 
 
@@ -85,7 +93,6 @@ class Paced(Participation):
 
     #: The sync options a per-group pace does not run yet, and why.
     refuses: ClassVar[dict[str, Refusal]] = {
-        "hierarchical": Refusal("a site's syncs would need their own weights by the steps trained within the site"),
         "gossip": Refusal("a mix of the weights themselves has no pseudo-gradient to weigh by the steps trained"),
         "sampled": Refusal("a mix of the weights themselves has no pseudo-gradient to weigh by the steps trained"),
         "mixing": Refusal("a mix of the weights themselves has no pseudo-gradient to weigh by the steps trained"),
@@ -105,6 +112,14 @@ class Paced(Participation):
         after = self.landed(fragment)
         self.schedule.record(step, fragment, after, contributors)
         return self.schedule.weights(after, step, contributors, group)
+
+    def mean_weight(self, since: int, step: int, contributors: tuple[int, ...], group: int) -> float | None:
+        """``group``'s factor by the steps each contributor trained in ``(since, step]``, every token alike.
+
+        A mean of the weights (a site sync) has no common start to normalize updates against, so it always weighs by
+        tokens, whatever the pace's ``merge``.
+        """
+        return self.schedule.weights(since, step, contributors, group, merge="tokens")
 
     def time_step(self, step: int, trained: bool) -> None:
         """Optimizer step ``step`` ended (``trained``: this group trained it); collective at a round's end.
@@ -152,6 +167,10 @@ class _Both(Participation):
     def weight(self, fragment: int, step: int, contributors: tuple[int, ...], group: int) -> float | None:
         weights = [w for rule in self.rules if (w := rule.weight(fragment, step, contributors, group)) is not None]
         assert len(weights) <= 1, "at most one participation rule weighs the groups"
+        return weights[0] if weights else None
+
+    def mean_weight(self, since: int, step: int, contributors: tuple[int, ...], group: int) -> float | None:
+        weights = [w for rule in self.rules if (w := rule.mean_weight(since, step, contributors, group)) is not None]
         return weights[0] if weights else None
 
 

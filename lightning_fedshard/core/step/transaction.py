@@ -213,6 +213,18 @@ class SyncTransaction:
         self.merge_weight = rule.weight(fragment, step, self.contributors, self.group)
         return self.merge_weight
 
+    def mean_weight(self, among: Sequence[int], since: int) -> float | None:
+        """This group's factor in a mean of the weights over ``among``, trained after step ``since``; ``None``: alike.
+
+        ``among``: the groups that add to this group's sum (e.g. its site's). Asked once per sync, after
+        :meth:`exchange`.
+        """
+        rule, step = self.participation, self.step
+        if rule is None or step is None or self.group not in among:
+            return None
+        self.merge_weight = rule.mean_weight(since, step, tuple(among), self.group)
+        return self.merge_weight
+
     def commit(self) -> bool:
         """The communicator's vote on this sync (:func:`vote_to_commit`); one not committed is counted as lost."""
         return vote_to_commit(self.outer)

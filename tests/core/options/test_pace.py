@@ -100,7 +100,7 @@ def _run(steps: int, stop_at: int | None = None, resume: list | None = None, **o
         assert fed.pace is not None
         return {"final": [s.clone() for s in shards], "trained": trained, "pace": fed.pace}
 
-    return InProcessGroups(GROUPS).run(work)
+    return InProcessGroups(GROUPS, site_blocks=config.site_blocks(GROUPS)).run(work)
 
 
 def _reference(steps: int, merge: str = "tokens", sync_delay: int = 0, **extra: Any) -> dict[str, Any]:
@@ -234,6 +234,44 @@ def test_paced_eager_updates_start_each_group_from_its_term_of_the_weighted_merg
     assert (want - torch.cat([plain["final"][n] for n in NAMES])).abs().max() > 1e-2  # the weights matter
 
 
+SITES = Hierarchical({4: 2, 8: 4}, sites=[[0, 3], [1, 2]])  # the slow group shares a site with a fast one
+
+
+@pytest.mark.parametrize(
+    ("merge", "options"),
+    [("tokens", {}), ("normalized", {}), ("tokens", dict(eager_updates=True, outer_optimizer="nesterov"))],
+    ids=["tokens", "normalized", "eager"],
+)
+@pytest.mark.parametrize("steps", [13, 16])
+def test_a_paced_site_weighs_its_groups_by_the_steps_each_trained_since_its_last_sync(
+    merge: str, options: dict[str, Any], steps: int
+) -> None:
+    """Sites of two groups sync every round (4 steps), the federation lands a fragment every 4 of its 8 steps: a site's
+    mean weighs its groups by the steps each trained since the previous multiple of 4 (every token alike, whatever the
+    merge); the landings weigh by ``merge``. The reference counts the trained steps from the pace itself."""
+    eager = options.get("eager_updates", False)
+    outer = "nesterov" if eager else "fedavg"
+    levels, sites = {4: 2, 8: 4}, [[0, 3], [1, 2]]
+    ref = _reference(steps, merge, outer=outer, eager=eager, hierarchical=levels, sites=sites)
+    want = torch.cat([ref["final"][n] for n in NAMES])
+    for result in _run(steps, pace=Pace(speeds=SLOW_LAST, merge=merge), outer_topology=SITES, **options):
+        assert_close(torch.cat(result["final"]), want, rtol=0, atol=1e-6)
+    unweighted = _reference(steps, merge, outer=outer, eager=eager, hierarchical=levels, sites=sites, paced=None)
+    assert (want - torch.cat([unweighted["final"][n] for n in NAMES])).abs().max() > 1e-2  # the weights matter
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_a_paced_site_resumes_mid_round_exactly(eager: bool) -> None:
+    options: dict[str, Any] = dict(pace=Pace(speeds=SLOW_LAST), outer_topology=SITES, sync_delay=0 if eager else 1)
+    if eager:
+        options.update(eager_updates=True, outer_optimizer="nesterov")
+    straight = _run(13, **options)
+    saved = _run(13, stop_at=6, **options)  # mid-round: the slow group skips its steps, the sites differ
+    for got, want in zip(_run(13, resume=saved, **options), straight):
+        assert all(torch.equal(a, b) for a, b in zip(got["final"], want["final"]))
+        assert got["pace"].merges == want["pace"].merges
+
+
 def test_paced_eager_updates_resume_mid_round_exactly() -> None:
     options: dict[str, Any] = dict(pace=Pace(speeds=SLOW_LAST), eager_updates=True, outer_optimizer="nesterov")
     straight = _run(13, **options)
@@ -272,8 +310,8 @@ def test_a_pace_that_does_not_fit_the_federation_is_refused() -> None:
         FederationConfig(num_groups=3, pace=Pace(speeds=SLOW_LAST))
     with pytest.raises(ValueError, match="min_steps=9.*sync_every=8"):
         FederationConfig(num_groups=4, pace=Pace(min_steps=9))
-    with pytest.raises(ValueError, match="`pace=.*` and `outer_topology=.*` are not built to run together yet"):
-        FederationConfig(num_groups=4, sync_every=2, pace=Pace(), outer_topology=Hierarchical({2: 2, 8: 4}))
+    with pytest.raises(ValueError, match="`pace=.*` and `error_feedback='weights'` are not built to run together yet"):
+        FederationConfig(num_groups=4, pace=Pace(), reduce_dtype="int4", error_feedback="weights")
     with pytest.raises(ValueError, match="must be a `lightning_fedshard.Pace`"):
         FederationConfig(num_groups=4, pace={"speeds": [1, 2]})  # type: ignore[arg-type]
 
