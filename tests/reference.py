@@ -159,8 +159,8 @@ def federate(
     if mixing is not None:
         if sync_delay or roundtrip is not None:
             schedule = (parts, every, sync_every, max_steps, sync_delay)
-            return _federate_messages(initial, groups, mixing, *schedule, roundtrip)
-        return _federate_mixing(initial, groups, mixing, parts, every, sync_every, outer, max_steps)
+            return _federate_messages(initial, groups, mixing, *schedule, roundtrip, paced, merge)
+        return _federate_mixing(initial, groups, mixing, parts, every, sync_every, outer, max_steps, paced, merge)
     if eager:
         if sync_delay or merge_alpha:
             raise ValueError("eager updates take no `sync_delay` or `merge_alpha`.")
@@ -337,11 +337,17 @@ def _federate_mixing(
     sync_every: int,
     outer: str,
     max_steps: int,
+    paced: Callable[[int], Sequence[int]] | None = None,
+    merge: str = "tokens",
 ) -> dict[str, object]:
     """After step ``s`` with ``s % K == 0`` (``K = H / P``) fragment ``(s / K - 1) % P`` mixes: group ``i``
     takes ``sum_j W_ij theta_j`` of it for ``W = mixing((s - 1) // H)``, computed here in float64; a uniform ``W``
     is the plain outer step of that fragment (everyone restarts from the mean). At the end every fragment that did not
-    just take such a step takes one: every group holds the plain mean of all groups."""
+    just take such a step takes one: every group holds the plain mean of all groups.
+
+    With ``paced`` (as `federate` takes it, rounds of ``H`` steps) a group trains its share of each round, a mix
+    weighs column ``j`` by the steps group ``j`` trained in the last ``H`` steps (`_paced_rows`), and the plain outer
+    steps weigh the groups by ``merge`` and the steps each trained since the fragment's last one."""
     if outer != "fedavg":
         raise ValueError("a mixing topology takes plain means: outer='fedavg'.")
     anchor = {k: v.clone() for k, v in initial.items()}
@@ -350,10 +356,20 @@ def _federate_mixing(
     syncs: list[Sync] = []
     met_at = [0] * len(parts)
     groups_before: dict[int, list[Tensor]] = {}
+    trained_in = None if paced is None else _trained_in(paced, sync_every, len(groups))
+
+    def meet(f: int, step: int, kind: str) -> None:
+        weights = None if trained_in is None else _pace_weights(trained_in(met_at[f], step), merge)
+        syncs.append(Sync(step, f, kind, _outer_step(anchor, opt, [g.weights() for g in groups], parts[f], weights)))
+        for g in groups:
+            g.load(_slice(anchor, parts[f], clone=True))
+        met_at[f] = step
+
     for step in range(max_steps):
         groups_before[step] = [torch.cat([v.reshape(-1) for v in g.weights().values()]) for g in groups]
-        for group in groups:
-            group.train_step(step)
+        for g, group in enumerate(groups):
+            if paced is None or step % sync_every < paced(step // sync_every)[g]:
+                group.train_step(step)
         done = step + 1
         if done % every:
             continue
@@ -361,10 +377,11 @@ def _federate_mixing(
         keys = parts[f]
         matrix = mixing((done - 1) // sync_every).double()
         if torch.equal(matrix, torch.full_like(matrix, 1.0 / len(groups))):
-            _fragment_meets(anchor, opt, groups, keys, done, f, "landing", syncs)
+            meet(f, done, "landing")
             anchors[done] = _copy(anchor)
-            met_at[f] = done
             continue
+        if trained_in is not None:
+            matrix = _paced_rows(matrix, trained_in(max(0, done - sync_every), done))
         weights = [_copy(g.weights()) for g in groups]  # copies: the groups are overwritten one by one below
         for i, g in enumerate(groups):
             g.load({
@@ -372,11 +389,23 @@ def _federate_mixing(
                 for k in keys
             })  # fmt: skip
     if max_steps > 0:
-        for f, keys in enumerate(parts):
+        for f in range(len(parts)):
             if met_at[f] != max_steps:
-                _fragment_meets(anchor, opt, groups, keys, max_steps, f, "final", syncs)
+                meet(f, max_steps, "final")
         anchors[max_steps] = _copy(anchor)
     return {"anchors": anchors, "final": anchor, "groups_before": groups_before, "syncs": syncs}
+
+
+def _paced_rows(matrix: Tensor, trained: list[int]) -> Tensor:
+    """Row ``i`` of ``matrix`` reweighed by the steps each group trained: ``W_ij t_j / sum_k W_ik t_k`` (float64); a
+    row whose partners trained nothing keeps its weights."""
+    out = matrix.clone()
+    for i in range(matrix.shape[0]):
+        mass = sum(float(matrix[i, k]) * trained[k] for k in range(matrix.shape[0]))
+        if mass > 0:
+            for j in range(matrix.shape[0]):
+                out[i, j] = float(matrix[i, j]) * trained[j] / mass
+    return out
 
 
 def _federate_messages(
@@ -389,22 +418,32 @@ def _federate_messages(
     max_steps: int,
     sync_delay: int,
     roundtrip: Callable[[Tensor], Tensor] | None,
+    paced: Callable[[int], Sequence[int]] | None = None,
+    merge: str = "tokens",
 ) -> dict[str, object]:
     """Message mixes: the landing after step ``s`` (fragment ``f``, ``W = mixing((s - 1) // H)``) uses each group's
     message ``m_j``, taken after step ``s - sync_delay``: its weights of ``f`` (flattened in float32), or with
     ``roundtrip`` the round trip of its weights less the anchor. Each group adds ``sum_j W_ij m_j - m_i`` (float64)
     to its weights of ``f`` after step ``s``; a uniform ``W`` also sets the anchor of ``f`` to the mean of the messages
     (plus the anchor with ``roundtrip``). Messages whose landing lies beyond ``T`` are dropped. At the end every
-    fragment takes one plain outer step (fedavg: every group holds the plain mean)."""
+    fragment takes one plain outer step (fedavg: every group holds the plain mean).
+
+    With ``paced`` (rounds of ``H`` steps) a group trains its share of each round, ``W``'s columns weigh by the steps
+    each group trained in the ``H`` steps before its message was taken (`_paced_rows`), and the end weighs the groups
+    by ``merge`` and the steps each trained since the start."""
     anchor = {k: v.clone() for k, v in initial.items()}
     opt = Outer(**OUTERS["fedavg"])
     anchors: dict[int, dict[str, Tensor]] = {0: _copy(anchor)}
     syncs: list[Sync] = []
     groups_before: dict[int, list[Tensor]] = {}
     in_flight: dict[int, list[Tensor]] = {}  # landing step -> every group's message
+    counted: dict[int, list[int]] = {}  # landing step -> the steps each group trained before its message
     flat = _flattener(initial)
+    trained_in = None if paced is None else _trained_in(paced, sync_every, len(groups))
 
-    def messages(keys: list[str]) -> list[Tensor]:
+    def messages(keys: list[str], taken: int, landing: int) -> list[Tensor]:
+        if trained_in is not None:
+            counted[landing] = trained_in(max(0, taken - sync_every), taken)
         sent = [flat(g.weights(), keys) for g in groups]
         if roundtrip is None:
             return sent
@@ -413,26 +452,35 @@ def _federate_messages(
 
     for step in range(max_steps):
         groups_before[step] = [torch.cat([v.reshape(-1) for v in g.weights().values()]) for g in groups]
-        for group in groups:
-            group.train_step(step)
+        for g, group in enumerate(groups):
+            if paced is None or step % sync_every < paced(step // sync_every)[g]:
+                group.train_step(step)
         done = step + 1
         if done % every == 0:
             keys = parts[_landing_fragment(done, every, len(parts))]
-            sent = in_flight.pop(done) if sync_delay else messages(keys)
+            sent = in_flight.pop(done) if sync_delay else messages(keys, done, done)
             matrix = mixing((done - 1) // sync_every).double()
+            uniform = torch.equal(matrix, torch.full_like(matrix, 1.0 / len(groups)))
+            if trained_in is not None:
+                matrix = _paced_rows(matrix, counted.pop(done))
             for i, g in enumerate(groups):
                 mixed = sum(float(matrix[i, j]) * m.double() for j, m in enumerate(sent))
                 g.load(_unflat(g.weights(), keys, flat(g.weights(), keys).double() + mixed - sent[i].double()))
-            if torch.equal(matrix, torch.full_like(matrix, 1.0 / len(groups))):
-                mean = sum(m.double() for m in sent) / len(groups)
+            if uniform:
+                mean = sum(float(matrix[0, j]) * m.double() for j, m in enumerate(sent))
                 base = torch.zeros_like(mean) if roundtrip is None else flat(anchor, keys).double()
                 anchor.update(_unflat(anchor, keys, base + mean))
                 anchors[done] = _copy(anchor)
-        if sync_delay and (done + sync_delay) % every == 0 and done + sync_delay <= max_steps:
-            in_flight[done + sync_delay] = messages(parts[_landing_fragment(done + sync_delay, every, len(parts))])
+        landing = done + sync_delay
+        if sync_delay and landing % every == 0 and landing <= max_steps:
+            in_flight[landing] = messages(parts[_landing_fragment(landing, every, len(parts))], done, landing)
     if max_steps > 0:
+        weights = None if trained_in is None else _pace_weights(trained_in(0, max_steps), merge)
         for f, keys in enumerate(parts):
-            _fragment_meets(anchor, opt, groups, keys, max_steps, f, "final", syncs)
+            outer_grad = _outer_step(anchor, opt, [g.weights() for g in groups], keys, weights)
+            syncs.append(Sync(max_steps, f, "final", outer_grad))
+            for g in groups:
+                g.load(_slice(anchor, keys, clone=True))
         anchors[max_steps] = _copy(anchor)
     return {"anchors": anchors, "final": anchor, "groups_before": groups_before, "syncs": syncs}
 
@@ -456,22 +504,6 @@ def _unflat(like: dict[str, Tensor], keys: list[str], values: Tensor) -> dict[st
             out[k] = values[offset : offset + n].reshape(like[k].shape).to(like[k].dtype)
             offset += n
     return out
-
-
-def _fragment_meets(
-    anchor: dict[str, Tensor],
-    opt: Outer,
-    groups: Sequence[Group],
-    keys: list[str],
-    step: int,
-    fragment: int,
-    kind: str,
-    syncs: list[Sync],
-) -> None:
-    """Every group meets on one fragment: plain averaging of ``anchor - weights``, every group restarts from it."""
-    syncs.append(Sync(step, fragment, kind, _outer_step(anchor, opt, [g.weights() for g in groups], keys)))
-    for g in groups:
-        g.load(_slice(anchor, keys, clone=True))
 
 
 def _federate_eager(

@@ -17,6 +17,11 @@ federation's plain outer step. Otherwise every round, a uniform one included, is
   mean never changes (the columns of ``W`` sum to 1);
 - a uniform round also moves the anchor to the mean of the messages (every group receives all of them and adds them
   in group order, so the anchors stay identical).
+
+With a per-group pace each column ``j`` of a round's matrix weighs by the steps group ``j`` trained in the fragment's
+last ``sync_every`` steps, every row renormalized (:func:`weigh_columns`): a group takes more of the partners that
+trained more, and the mix no longer keeps the groups' plain mean. A uniform round is the federation's outer step,
+weighed by the pace's merge.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from lightning_fedshard.core.step.outer import OuterStep
+    from lightning_fedshard.core.step.participation import Participation
 
 _NO_SHARED_ANCHOR = "a mix moves no shared anchor, so there is no common pseudo-gradient for it"
 
@@ -105,7 +111,13 @@ class MixingRound(OnePendingRound):
 
     def _begin(self, fragment: int, step: int, background: bool) -> PendingSync:
         landing = step + (self.config.sync_delay if background else 0)
-        return begin_mix(self.outer, self.weights(landing), fragment, step, self.config.codec, background)
+        rule = self.federation.participation
+        weights, codec = self.weights(landing), self.config.codec
+        return begin_mix(self.outer, weights, fragment, step, codec, background, rule, self._since(step))
+
+    def _since(self, step: int) -> int:
+        """The step after which a fragment's message taken after ``step`` was trained: its previous message's."""
+        return max(0, step - self.config.sync_every)
 
     def _land(self, step: int, pending: PendingSync | None = None) -> SyncStats:
         config = self.config
@@ -127,7 +139,8 @@ class MixingRound(OnePendingRound):
         matrix = self.weights(step)(len(self.federation.communicator.participants()))
         if _uniform(matrix):
             return replace(self.inner.sync(step, fragment), num_fragments=fragments)
-        stats = mix(self.outer, matrix, step=step, fragment=None if fragments == 1 else fragment)
+        part = None if fragments == 1 else fragment
+        stats = mix(self.outer, matrix, step, part, self.federation.participation, self._since(step))
         self.federation.written()
         return replace(stats, fragment=fragment, num_fragments=fragments)
 
@@ -201,27 +214,36 @@ def _reference(outer: OuterStep, indices: Sequence[int], codec: Codec, device: t
 
 @torch.no_grad()
 def begin_mix(
-    outer: OuterStep, weights: Callable[[int], Tensor], fragment: int, step: int, codec: Codec, background: bool
+    outer: OuterStep,
+    weights: Callable[[int], Tensor],
+    fragment: int,
+    step: int,
+    codec: Codec,
+    background: bool,
+    participation: Participation | None = None,
+    since: int = 0,
 ) -> PendingSync:
     """Take this group's message of ``fragment`` now and start mixing the messages (see the module); collective.
 
     ``weights`` gives the round's matrix for the number of groups that take part (asked here, once). Broken groups
     (NaN/Inf weights) and, in an elastic federation, groups that joined at this sync are found here, before anything
-    travels: they send nothing, and every row is renormalized over the others (:func:`healthy_mix`). The pending mix's
-    result holds two rows: ``sum_j W_ij m^_j`` and this group's own ``m^_i`` (zero for an absent group).
+    travels: they send nothing, and every row is renormalized over the others (:func:`healthy_mix`). A
+    ``participation`` rule that weighs the groups (a pace: by the steps each trained after ``since``) weighs the
+    columns, every row renormalized (:func:`weigh_columns`). The pending mix's result holds two rows:
+    ``sum_j W_ij m^_j`` and this group's own ``m^_i`` (zero for an absent group).
 
     Raises:
         NonFiniteOuterGradientError: As for :func:`mix`; nothing was changed then.
     """
     start = time.perf_counter()
     communicator = outer.communicator
-    transaction = SyncTransaction(outer, SyncKind.mix(fragment), step)
+    transaction = SyncTransaction(outer, SyncKind.mix(fragment), step, participation)
     groups = transaction.open()
     indices = outer.fragments[fragment]
     flat = flat_weights([outer.shards[i] for i in indices])
     transaction.exchange(bool(torch.isfinite(flat).all()), flat.device)
     broken, joined = transaction.broken, transaction.joined
-    matrix = _present(outer, weights(len(groups)), groups, broken, joined, step)
+    matrix = weigh_columns(_present(outer, weights(len(groups)), groups, broken, joined, step), transaction, since)
     me = groups.index(communicator.group_index)
     reference = _reference(outer, indices, codec, flat.device)
     if communicator.group_index in (*broken, *joined):
@@ -298,6 +320,21 @@ def land_mix(
     )
 
 
+def weigh_columns(matrix: Tensor, transaction: SyncTransaction, since: int) -> Tensor:
+    """``matrix`` with column ``j`` weighed by group ``j``'s factor in the sync's merge, each row renormalized.
+
+    ``W'_ij = W_ij c_j / sum_k W_ik c_k``: a group takes the same partners' weights, each counted by what it trained
+    (with a pace: the steps after ``since``). A row whose partners all weigh 0 stays as it was, and so does the
+    whole matrix when no rule weighs the groups.
+    """
+    factors = transaction.column_weights(since)
+    if factors is None:
+        return matrix
+    weighted = matrix * torch.tensor(factors, dtype=matrix.dtype, device=matrix.device)[None, :]
+    mass = weighted.sum(dim=1, keepdim=True)
+    return torch.where(mass > 0, weighted / mass.clamp_min(1e-300), matrix)
+
+
 def _partners(matrix: Tensor, me: int) -> int:
     """The groups that take from group (position) ``me`` under ``matrix``: whom it sends its message to."""
     return sum(1 for j in range(matrix.shape[0]) if j != me and matrix[j, me] > 0)
@@ -336,10 +373,18 @@ def _without_broken(outer: OuterStep, matrix: Tensor, broken: Sequence[int], ste
 
 
 @torch.no_grad()
-def mix(outer: OuterStep, matrix: Tensor, step: int | None = None, fragment: int | None = None) -> SyncStats:
+def mix(
+    outer: OuterStep,
+    matrix: Tensor,
+    step: int | None = None,
+    fragment: int | None = None,
+    participation: Participation | None = None,
+    since: int = 0,
+) -> SyncStats:
     """Replace every shard by ``sum_j W_ij theta_j`` (this group ``i``, float32); collective over the fed ring.
 
-    With ``fragment``, only that fragment's shards.
+    With ``fragment``, only that fragment's shards. A ``participation`` rule that weighs the groups weighs the columns
+    (:func:`weigh_columns`).
 
     Broken groups (NaN/Inf weights) are found before anything is written, as for a site sync. With
     ``on_nonfinite="skip_group"`` they send nothing, and every row's weights are renormalized over the healthy groups:
@@ -351,13 +396,13 @@ def mix(outer: OuterStep, matrix: Tensor, step: int | None = None, fragment: int
     """
     start = time.perf_counter()
     communicator = outer.communicator
-    transaction = SyncTransaction(outer, SyncKind(MIX, fragment), step)
+    transaction = SyncTransaction(outer, SyncKind(MIX, fragment), step, participation)
     groups = transaction.open()
     indices = range(len(outer.shards)) if fragment is None else outer.fragments[fragment]
     flat = flat_weights([outer.shards[i] for i in indices])
     transaction.exchange(bool(torch.isfinite(flat).all()), flat.device, joined=False)
     broken = transaction.broken
-    matrix = _without_broken(outer, matrix, broken, step)
+    matrix = weigh_columns(_without_broken(outer, matrix, broken, step), transaction, since)
     if communicator.group_index in broken:
         flat.zero_()  # its column is zero: nobody takes from it, and its own NaN must not meet a 0 weight
     flat = communicator.mix_over_groups(flat, matrix)

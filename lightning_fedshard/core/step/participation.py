@@ -46,9 +46,10 @@ class Participation:
         return None
 
     def mean_weight(self, since: int, step: int, contributors: tuple[int, ...], group: int) -> float | None:
-        """``group``'s factor in a mean of the weights themselves (a site sync); ``None``: alike.
+        """``group``'s factor in a mean of the weights themselves (a site sync, a mix); ``None``: alike.
 
-        ``since``/``step``: the optimizer steps whose training the weights hold since the previous sync.
+        ``since``/``step``: the optimizer steps whose training the weights hold since the previous sync. A mix asks
+        for every group's factor: the answer must be the same on every rank.
         """
         return None
 
@@ -93,9 +94,6 @@ class Paced(Participation):
 
     #: The sync options a per-group pace does not run yet, and why.
     refuses: ClassVar[dict[str, Refusal]] = {
-        "gossip": Refusal("a mix of the weights themselves has no pseudo-gradient to weigh by the steps trained"),
-        "sampled": Refusal("a mix of the weights themselves has no pseudo-gradient to weigh by the steps trained"),
-        "mixing": Refusal("a mix of the weights themselves has no pseudo-gradient to weigh by the steps trained"),
         "error_feedback_weights": Refusal("the residual kept in the weights would count with the next round's weight"),
         "sparseloco": Refusal("its median clip and per-coordinate mean would re-weigh the groups' weighted updates"),
     }

@@ -225,6 +225,19 @@ class SyncTransaction:
         self.merge_weight = rule.mean_weight(since, step, tuple(among), self.group)
         return self.merge_weight
 
+    def column_weights(self, since: int) -> list[float] | None:
+        """Every participant's factor in a mix of the weights, by position (an absent group's column is gone anyway).
+
+        ``since``: the mix holds what the steps after it trained. ``None``: alike. Collective-free: the rule answers
+        for every group the same on every rank.
+        """
+        rule, step = self.participation, self.step
+        if rule is None or step is None:
+            return None
+        adding = self.contributors
+        factors = [rule.mean_weight(since, step, adding, g) if g in adding else 1.0 for g in self.participants]
+        return None if any(f is None for f in factors) else [float(f) for f in factors if f is not None]
+
     def commit(self) -> bool:
         """The communicator's vote on this sync (:func:`vote_to_commit`); one not committed is counted as lost."""
         return vote_to_commit(self.outer)

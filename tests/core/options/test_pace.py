@@ -10,13 +10,13 @@ import torch
 from torch import Tensor
 from torch.testing import assert_close
 
-from lightning_fedshard import Hierarchical, Pace, Sampled
+from lightning_fedshard import Gossip, Hierarchical, Mixing, Pace, Sampled
 from lightning_fedshard.core.fragments import cut_fragments
 from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.options.pace import PaceSchedule
 from lightning_fedshard.core.transport.inprocess import InProcessGroups
 from tests.core.rounds.toy import ReferenceGroup, initial, snapshot, start_or_resume
-from tests.reference import federate
+from tests.reference import federate, roundtrip_of
 
 GROUPS, UNITS, SYNC_EVERY = 4, 3, 4
 NAMES = [f"u{u}" for u in range(UNITS)]
@@ -270,6 +270,47 @@ def test_a_paced_site_resumes_mid_round_exactly(eager: bool) -> None:
     for got, want in zip(_run(13, resume=saved, **options), straight):
         assert all(torch.equal(a, b) for a, b in zip(got["final"], want["final"]))
         assert got["pace"].merges == want["pace"].merges
+
+
+RING = [[0.5, 0.25, 0, 0.25], [0.25, 0.5, 0.25, 0], [0, 0.25, 0.5, 0.25], [0.25, 0, 0.25, 0.5]]
+MIXES = {
+    "gossip": Gossip(peers=1, seed=1),
+    "sampled": Sampled(groups_per_round=2, seed=1),
+    "ring": Mixing(RING),
+}
+WIRES = {
+    "float32": dict(reduce_dtype="float32"),
+    "int8, overlapped": dict(reduce_dtype="int8", sync_delay=1),
+}
+
+
+@pytest.mark.parametrize("wire", list(WIRES))
+@pytest.mark.parametrize("topology", list(MIXES))
+@pytest.mark.parametrize("merge", ["tokens", "normalized"])
+def test_a_paced_mix_weighs_each_column_by_the_steps_its_group_trained(topology: str, wire: str, merge: str) -> None:
+    """A group takes more of the partners that trained more: ``W_ij t_j / sum_k W_ik t_k``, ``t`` over the last
+    round; the end of training is the federation's outer step, weighed by ``merge``. The reference reweighs the rows
+    itself, in float64."""
+    mixing, options = MIXES[topology], dict(WIRES[wire])
+    codec = FederationConfig(num_groups=GROUPS, **options).codec
+    extra: dict[str, Any] = dict(mixing=lambda r: mixing.weights(r, GROUPS), sync_delay=options.get("sync_delay", 0))
+    if not codec.exact:
+        extra["roundtrip"] = roundtrip_of(codec)
+    ref = _reference(14, merge, **extra)
+    want = torch.cat([ref["final"][n] for n in NAMES])
+    for result in _run(14, pace=Pace(speeds=SLOW_LAST, merge=merge), outer_topology=mixing, **options):
+        assert_close(torch.cat(result["final"]), want, rtol=0, atol=1e-5)
+    unweighted = _reference(14, merge, paced=None, **extra)
+    assert (want - torch.cat([unweighted["final"][n] for n in NAMES])).abs().max() > 1e-2  # the weights matter
+
+
+def test_a_paced_mix_resumes_mid_round_exactly() -> None:
+    options: dict[str, Any] = dict(pace=Pace(speeds=SLOW_LAST), outer_topology=MIXES["gossip"], reduce_dtype="int8")
+    options["sync_delay"] = 1
+    straight = _run(14, **options)
+    saved = _run(14, stop_at=7, **options)  # a mix in flight, the slow group skipping its steps
+    for got, want in zip(_run(14, resume=saved, **options), straight):
+        assert all(torch.equal(a, b) for a, b in zip(got["final"], want["final"]))
 
 
 def test_paced_eager_updates_resume_mid_round_exactly() -> None:

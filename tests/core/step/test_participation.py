@@ -30,6 +30,17 @@ def test_a_pace_weighs_by_the_steps_each_group_trained_since_the_fragment_landed
     assert weights == pytest.approx([4 / 6 * 2, 2 / 6 * 2])  # 4 and 2 steps trained; the sum's mean weighs them
 
 
+@pytest.mark.parametrize("merge", ["tokens", "normalized"])
+def test_a_mean_of_the_weights_weighs_by_tokens_over_its_own_window_whatever_the_merge(merge):
+    schedule = PaceSchedule(Pace(speeds=(1.0, 0.5), merge=merge), num_groups=2, period=4)
+    rule = Paced(schedule, landed=lambda fragment: 0, communicator=None)  # type: ignore[arg-type]
+    assert [rule.mean_weight(4, 8, (0, 1), g) for g in (0, 1)] == pytest.approx([4 / 6 * 2, 2 / 6 * 2])
+    assert [rule.mean_weight(6, 8, (0, 1), g) for g in (0, 1)] == [2.0, 0.0]  # steps 7-8: the slow group skips
+    assert [rule.mean_weight(8, 8, (0, 1), g) for g in (0, 1)] == [1.0, 1.0]  # nothing trained: alike
+    assert schedule.merges == []  # a mean of the weights is not a merge of the outer step: nothing recorded
+    assert Everyone().mean_weight(0, 4, (0, 1), 0) is None
+
+
 def test_combined_rules_leave_out_either_rules_groups_and_at_most_one_weighs():
     class Out(Participation):
         def __init__(self, out):
@@ -41,4 +52,4 @@ def test_combined_rules_leave_out_either_rules_groups_and_at_most_one_weighs():
     both = combine(Out((2,)), Out((0,)))
     assert both is not None and both.idle((0, 1, 2, 3), 4) == (0, 2)
     assert both.weight(0, 4, (1, 3), 1) is None
-    assert "hierarchical" in Paced.refuses and Participation.refuses == SampledGroups.refuses == {}
+    assert "sparseloco" in Paced.refuses and Participation.refuses == SampledGroups.refuses == {}
