@@ -69,7 +69,6 @@ class Elastic:
 
     #: What an elastic federation does not run yet (see :mod:`lightning_fedshard.core.rounds.options`).
     refuses: ClassVar[dict[str, Refusal]] = {
-        "mixing": Refusal("a fixed matrix names groups that may not be alive"),
         "error_feedback_weights": Refusal("a joining group would heal onto the anchor without the residuals"),
     }
 

@@ -24,6 +24,9 @@ class Options(Protocol):
     """The federation options a round reads (a :class:`~lightning_fedshard.core.options.config.FederationConfig`)."""
 
     @property
+    def num_groups(self) -> int | None: ...  # noqa: D102
+
+    @property
     def sync_every(self) -> int: ...  # noqa: D102
 
     @property

@@ -89,15 +89,20 @@ class MixingRound(OnePendingRound):
         due = landing_fragment(step, self.config.sync_every, self.config.fragments) is not None
         return due and step > self.federation.last_synced_step
 
-    def weights(self, landing: int) -> Callable[[int], Tensor]:
-        """The matrix, by the number of groups taking part, of the round the landing after step ``landing`` is in.
+    def weights(self, landing: int) -> Callable[[Sequence[int]], Tensor]:
+        """The matrix, by the groups taking part, of the round the landing after step ``landing`` is in.
 
         That round is ``(landing - 1) // sync_every``: with ``P`` fragments the ``P`` landings of one
-        ``sync_every``-step period mix with that round's matrix. In an elastic federation its rows and columns are the
-        positions of the live groups in ring order.
+        ``sync_every``-step period mix with that round's matrix. Its rows and columns are the positions of the groups
+        in ring order. In an elastic federation a gossip or a sample is drawn among the live groups; a fixed matrix
+        names the planned groups, so its gone groups' columns are left out and every row renormalized
+        (:func:`live_rows`).
         """
         round = (landing - 1) // self.config.sync_every
-        return lambda groups: self.topology.weights(round, groups)
+        if type(self.topology) is not Mixing:
+            return lambda groups: self.topology.weights(round, len(groups))
+        planned = self.config.num_groups
+        return lambda groups: live_rows(self.topology.weights(round, planned or len(groups)), groups)
 
     @override
     def after_step(self, step: int) -> SyncStats | None:
@@ -136,7 +141,7 @@ class MixingRound(OnePendingRound):
     def _mix_weights(self, step: int, fragment: int) -> SyncStats:
         """The float32 mix of the weights themselves, or the plain outer step for a uniform matrix (one job)."""
         fragments = self.config.fragments
-        matrix = self.weights(step)(len(self.federation.communicator.participants()))
+        matrix = self.weights(step)(self.federation.communicator.participants())
         if _uniform(matrix):
             return replace(self.inner.sync(step, fragment), num_fragments=fragments)
         part = None if fragments == 1 else fragment
@@ -215,7 +220,7 @@ def _reference(outer: OuterStep, indices: Sequence[int], codec: Codec, device: t
 @torch.no_grad()
 def begin_mix(
     outer: OuterStep,
-    weights: Callable[[int], Tensor],
+    weights: Callable[[Sequence[int]], Tensor],
     fragment: int,
     step: int,
     codec: Codec,
@@ -243,7 +248,7 @@ def begin_mix(
     flat = flat_weights([outer.shards[i] for i in indices])
     transaction.exchange(bool(torch.isfinite(flat).all()), flat.device)
     broken, joined = transaction.broken, transaction.joined
-    matrix = weigh_columns(_present(outer, weights(len(groups)), groups, broken, joined, step), transaction, since)
+    matrix = weigh_columns(_present(outer, weights(groups), groups, broken, joined, step), transaction, since)
     me = groups.index(communicator.group_index)
     reference = _reference(outer, indices, codec, flat.device)
     if communicator.group_index in (*broken, *joined):
@@ -277,7 +282,7 @@ def begin_mix(
 
 @torch.no_grad()
 def land_mix(
-    outer: OuterStep, pending: PendingSync, weights: Callable[[int], Tensor], step: int, codec: Codec
+    outer: OuterStep, pending: PendingSync, weights: Callable[[Sequence[int]], Tensor], step: int, codec: Codec
 ) -> SyncStats:
     """Add ``sum_j W_ij m^_j - m^_i`` to this group's weights of the fragment (see the module); collective.
 
@@ -289,7 +294,7 @@ def land_mix(
     mixed, own = pending.result().unbind(0)
     communicator = outer.communicator
     groups, absent = pending.participants, (*pending.broken, *pending.joined)
-    matrix = weights(len(groups))
+    matrix = weights(groups)
     uniform = _uniform(matrix)
     matrix = _present(outer, matrix, groups, pending.broken, pending.joined, step)
     me = groups.index(communicator.group_index)
@@ -318,6 +323,20 @@ def land_mix(
         lost=not committed,
         syncs_lost=outer.syncs_lost,
     )
+
+
+def live_rows(matrix: Tensor, groups: Sequence[int]) -> Tensor:
+    """The rows and columns of the live ``groups`` (planned indices, in ring order) of a matrix over the planned groups.
+
+    The gone groups' columns are left out and every row renormalized over the live groups (:func:`healthy_mix`): each
+    live group takes the same mix of the live groups it took from before; one whose partners are all gone keeps its
+    weights. With every planned group alive, the matrix as it is.
+    """
+    gone = [g for g in range(matrix.shape[0]) if g not in groups]
+    if gone:
+        matrix, _ = healthy_mix(matrix, gone)
+    index = torch.tensor(list(groups), dtype=torch.long)
+    return matrix.index_select(0, index).index_select(1, index)
 
 
 def weigh_columns(matrix: Tensor, transaction: SyncTransaction, since: int) -> Tensor:

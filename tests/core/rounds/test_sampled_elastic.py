@@ -11,12 +11,13 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor
+from torch.testing import assert_close
 
 from lightning_fedshard import Elastic, Gossip, Mixing, Sampled
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.transport.inprocess import InProcessGroups
-from tests.core.rounds.live import Live, assert_resumed_exactly, run_live
+from tests.core.rounds.live import Live, assert_resumed_exactly, run_live, update
 
 PLANNED = 4
 
@@ -25,11 +26,58 @@ def _config(topology: Sampled, **options: Any) -> FederationConfig:
     return FederationConfig(num_groups=PLANNED, reduce_dtype="float32", outer_topology=topology, **options)
 
 
-def test_an_elastic_federation_takes_sampled_participation_and_sampled_mixes_but_not_a_fixed_matrix():
-    for topology in (Sampled(2, outer_step=True), Sampled(2), Gossip(peers=1)):  # drawn among the live groups
+RING = [[0.5, 0.25, 0, 0.25], [0.25, 0.5, 0.25, 0], [0, 0.25, 0.5, 0.25], [0.25, 0, 0.25, 0.5]]
+
+
+def test_an_elastic_federation_takes_sampled_participation_sampled_mixes_and_a_fixed_matrix():
+    for topology in (Sampled(2, outer_step=True), Sampled(2), Gossip(peers=1), Mixing(RING)):
         assert _config(topology, elastic=Elastic(group=1)).elastic is not None
-    with pytest.raises(ValueError, match=r"`elastic=Elastic\(\.\.\.\)` and `outer_topology=Mixing\("):
-        _config(Mixing([[0.5, 0.5], [0.5, 0.5]]), elastic=Elastic(group=1))  # a matrix of the planned groups
+
+
+def _replay_ring(labels: list[tuple[int, tuple[int, ...]]], joined_at: dict[int, int], steps: int) -> dict[str, Any]:
+    """Independently: every live group's weights after every step under the ring of the planned groups, its gone and
+    joining groups' columns left out and each row renormalized (float64); the end: the plain mean of the last ones."""
+    ring = torch.tensor(RING, dtype=torch.float64)
+    held = {g: [torch.full((2,), float(u)) for u in range(3)] for g in range(PLANNED)}
+    anchor = [torch.full((2,), float(u)) for u in range(3)]
+    history: dict[int, dict[int, list[Tensor]]] = {}
+    live: tuple[int, ...] = ()
+    starts = {first for first, _ in labels}
+    for step in range(1, steps + 1):
+        live = [groups for first, groups in labels if first <= step][-1]
+        for g in live:
+            if step in starts and g not in labels[0][1]:
+                held[g] = [a.clone() for a in anchor]  # a new group took the federation's state
+            update(g, step, held[g])
+        if step % 4 == 0:
+            adding = [g for g in live if joined_at.get(g) != step]
+            mixed = {}
+            for g in live:
+                row = {h: float(ring[g, h]) for h in adding}
+                mass = sum(row.values())
+                mixed[g] = held[g] if mass == 0 else [
+                    sum(w / mass * held[h][u].double() for h, w in row.items()).float() for u in range(3)
+                ]  # fmt: skip
+            held.update(mixed)
+        history[step] = {g: [s.clone() for s in held[g]] for g in live}
+    final = [torch.stack([held[g][u] for g in live]).mean(0) for u in range(3)]
+    return {"history": history, "final": final, "live": live}
+
+
+def test_a_fixed_matrix_mixes_the_live_groups_by_their_planned_rows_and_columns():
+    """Group 1 of four planned is gone before step 6 and group 3 takes its thread, joining the mix after step 8: each
+    live group takes its row of the ring over the live groups that add, renormalized (the gone group's column left
+    out), as an independent replay computes it."""
+    labels, joined_at = [(0, (0, 1, 2)), (6, (0, 3, 2))], {3: 8}
+    config = _config(Mixing(RING), sync_every=4)
+    results = run_live(config, labels, joined_at, 12)
+    replay = _replay_ring(labels, joined_at, 12)
+    for t, result in enumerate(results):
+        for step, weights in result["history"].items():
+            group = [live for first, live in labels if first <= step][-1][t]
+            assert_close(torch.cat(weights), torch.cat(replay["history"][step][group]), rtol=0, atol=1e-6)
+        assert_close(torch.cat(result["final"]), torch.cat(replay["final"]), rtol=0, atol=1e-6)
+    assert not torch.equal(results[0]["history"][8][0], results[2]["history"][8][0])  # the groups differ between syncs
 
 
 @pytest.mark.parametrize(("live", "per_round"), [((0, 2, 3), 2), ((1, 3), 3)])
