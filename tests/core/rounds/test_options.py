@@ -131,7 +131,7 @@ def _train(options: dict[str, Any], nan_at: int | None = None) -> list[Tensor] |
 
 
 def _accepted() -> list[tuple[str, str]]:
-    """Every (mode, switch) where the mode runs the switch; elastic federations run in processes (tests/elastic)."""
+    """Every (mode, switch) where the mode runs the switch; the elastic switch is walked on its own (below)."""
     pairs = []
     for mode in MODES:
         for switch in PROBES:
@@ -162,3 +162,25 @@ def test_every_option_a_mode_accepts_changes_what_it_computes(mode, switch):
         return
     difference = max(float((x - y).abs().max()) for x, y in zip(before, after))
     assert difference > 1e-4, f"{switch} changed nothing under {mode}"
+
+
+def _elastic_pairs() -> list[str]:
+    """Every switch an elastic federation runs (in one process: threads whose live groups a view relabels)."""
+    return [s for s in PROBES if s != "elastic" and refusal("elastic", s) is None]
+
+
+@pytest.mark.parametrize("switch", _elastic_pairs())
+def test_every_option_an_elastic_federation_accepts_runs_through_a_change_of_members(switch):
+    """Three live groups of four planned; group 1 is gone before step 6 and group 3 takes its place, joining the sync
+    that lands after step 8 (adding nothing). Every option the elastic federation accepts runs through it: the
+    replacement is recorded as joined, and every live group ends on one finite consensus."""
+    from tests.core.rounds.live import run_live
+
+    config = FederationConfig(**_options("elastic", switch))
+    joined = 8 - config.sync_delay
+    results = run_live(config, [(0, (0, 1, 2)), (6, (0, 3, 2))], {3: joined}, STEPS)
+    finals = [torch.cat(result["final"]) for result in results]
+    assert all(bool(torch.isfinite(final).all()) for final in finals), switch
+    assert all(torch.equal(final, finals[0]) for final in finals), f"{switch}: the groups end apart"
+    joins = {g for result in results for stats in result["landed"].values() for g in stats.joined_groups}
+    assert joins == {3}, (switch, joins)
