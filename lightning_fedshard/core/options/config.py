@@ -508,17 +508,24 @@ def _size_argument(codec: ChunkCodec) -> str:
     return "chunk_size" if isinstance(codec, SparseTopK) else "block_size"
 
 
+def args_doc(options: type) -> str:
+    """The ``Args:`` entries of a class's docstring, indented as they stand in it.
+
+    Wherever the fields of a class of options are arguments too, its docstring stays their one description.
+    """
+    lines = (options.__doc__ or "").split("\n")
+    start = next(i for i, line in enumerate(lines) if line.strip() == "Args:") + 1
+    end = next(i for i in range(start, len(lines)) if not lines[i].strip())
+    return "\n".join(lines[start:end])
+
+
 def federation_args_doc() -> str:
     """The ``Args:`` entries of :class:`FederationConfig`'s docstring, indented for a class docstring.
 
     The strategies append them to their own docstrings, so every place that documents the federation arguments
     (Python's ``help``, LightningCLI's ``--help``) shows this one description.
     """
-    doc = FederationConfig.__doc__ or ""
-    lines = doc.split("\n")
-    start = next(i for i, line in enumerate(lines) if line.strip() == "Args:") + 1
-    end = next(i for i in range(start, len(lines)) if not lines[i].strip())
-    return "\n".join(lines[start:end])
+    return args_doc(FederationConfig)
 
 
 def resolve_outer_optimizer(spec: OuterOptimizerSpec) -> OuterOptimizerFactory:
