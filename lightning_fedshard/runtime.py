@@ -2,16 +2,17 @@
 
 Lightning keeps two FSDP strategy hierarchies (``lightning.pytorch`` and ``lightning.fabric``). Each adapter owns one
 :class:`FederatedRuntime` and only routes Lightning's hooks to it; the runtime owns the topology, the mesh, the
-:class:`~lightning_fedshard.core.federation.Federation`, the wrapped module and its optimizers, the count of optimizer
-steps, the restart of skipped groups and the checkpointer. A sync reaches the core the same way from both adapters:
+:class:`~lightning_fedshard.core.federation.Federation`, the wrapped module and its optimizers (a
+:class:`~lightning_fedshard.federated_model.FederatedModel`), the count of optimizer steps, the restart of skipped
+groups and the checkpointer. A sync reaches the core the same way from both adapters:
 one call of :meth:`FederatedRuntime.after_optimizer_step` after every real optimizer step.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -27,15 +28,15 @@ from lightning_fedshard.core.backends.fsdp import FSDP1
 from lightning_fedshard.core.backends.sharding import ShardingBackend
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.lazy import required
-from lightning_fedshard.core.listeners import SyncListener, UtilizationClock
+from lightning_fedshard.core.listeners import Listeners, SyncListener, UtilizationClock
 from lightning_fedshard.core.options.config import FederationConfig
-from lightning_fedshard.core.quiet import torch_choices_silenced
 from lightning_fedshard.core.step.stats import SyncStats
 from lightning_fedshard.core.transport.comm import Communicator
 from lightning_fedshard.core.transport.mesh import FederationMesh, build_federation_mesh
 from lightning_fedshard.core.transport.topology import FederationTopology
 from lightning_fedshard.elastic import ElasticMembership
 from lightning_fedshard.elastic.host import ElasticHost
+from lightning_fedshard.federated_model import FederatedModel
 
 log = logging.getLogger(__name__)
 
@@ -86,14 +87,14 @@ class FederatedRuntime:
         self.step = 0
         self.last_sync_stats: SyncStats | None = None
         self.devices_per_node = 1
-        self.listeners: list[SyncListener] = list(listeners) if listeners is not None else [UtilizationClock()]
+        self.listeners = Listeners(listeners if listeners is not None else [UtilizationClock()])
         self._make_communicator = communicator or _mesh_communicator
         self._build_mesh = mesh
         self._topology: FederationTopology | None = None
         self._mesh: FederationMesh | None = None
         self._federation: Federation | None = None
-        self._module: Module | None = None
-        self._optimizers: list[Optimizer] = []
+        #: The federated model and its inner optimizers.
+        self.model = FederatedModel(backend, name, lambda: self.mesh)
         #: Elastic: this job's place in its federation (joins, heals, standby); ``None`` in one job.
         self.elastic: ElasticHost | None = ElasticHost(self) if config.elastic is not None else None
 
@@ -225,22 +226,11 @@ class FederatedRuntime:
         Raises:
             RuntimeError: If another model was wrapped already: the federation holds one model.
         """
-        if self._module is not None:
-            if self.holds(module):
-                return self._module
-            raise RuntimeError(
-                f"`{self.name}` federates one model, and one was set up already. Put all trainable modules into one"
-                " `nn.Module` before setting it up."
-            )
-        with torch_choices_silenced():
-            wrapped = wrap(module)
-        self._synchronize_initial_weights(wrapped)
-        self._module = wrapped
-        return wrapped
+        return self.model.wrap(module, wrap)
 
     def holds(self, module: Module) -> bool:
         """Whether ``module`` is the federated model, or the module inside its FSDP wrapper."""
-        return self._module is not None and any(m is module for m in self._module.modules())
+        return self.model.holds(module)
 
     def release_model(self) -> None:
         """Forget the federated model and start a new federation on the same mesh, for another model to be set up.
@@ -251,40 +241,26 @@ class FederatedRuntime:
             self._federation.finish_pending()
             self.close()
             self._federation = self._new_federation()
-        self._module = None
-        self._optimizers = []
+        self.model.release()
         self.step = 0
-
-    @torch.no_grad()
-    def _synchronize_initial_weights(self, module: Module) -> None:
-        """All groups and replicas start from the same weights and buffers, whatever each process initialized."""
-        self.mesh.broadcast_shards(self.backend.local_shards(module))
-        buffers = list(module.buffers())
-        if buffers:
-            self.mesh.broadcast_buffers(buffers)
 
     @property
     def module(self) -> Module:
         """The FSDP-wrapped model."""
-        return required(self._module, "The model has not been set up by the federated strategy yet.")
+        return self.model.module
 
     def local_shards(self) -> list[Tensor]:
         """This rank's local parameter shards of the wrapped model (written in place by the outer step)."""
-        return self.backend.local_shards(self.module)
-
-    def free_unsharded_params(self) -> None:
-        """Make the next forward gather the (just rewritten) shards instead of reusing gathered weights."""
-        if self._module is not None:
-            self.backend.free_unsharded(self._module)
+        return self.model.local_shards()
 
     def set_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """The inner optimizers of the model; a group that a sync skipped restarts them with an empty state."""
-        self._optimizers = list(optimizers)
+        self.model.set_optimizers(optimizers)
 
     @property
     def optimizers(self) -> list[Optimizer]:
         """The inner optimizers given to :meth:`set_optimizers`."""
-        return list(self._optimizers)
+        return self.model.optimizers
 
     # -- the sync schedule ------------------------------------------------------------------------------------
 
@@ -315,13 +291,13 @@ class FederatedRuntime:
             joined = self.join(step)
             step = self.step
         self.step = step
-        for listener in self.listeners:
-            listener.on_start(step)
+        self.listeners.on_start(step)
         federation = self.federation
         self.start_federation(step)
         rank_zero_info(self.describe())
         if federation.config.fragments > 1:
-            rank_zero_info(f"{self.name}: streaming fragments (in module order): {self._fragment_summary()}")
+            summary = self.model.fragment_summary(federation.outer.fragments)
+            rank_zero_info(f"{self.name}: streaming fragments (in module order): {summary}")
         if joined is not None or self.syncs_are_identity:
             return joined
         return self._synced(federation.maybe_sync(step))
@@ -331,8 +307,8 @@ class FederatedRuntime:
         self.federation.start(
             self.local_shards(),
             step,
-            on_write=self.free_unsharded_params,
-            unit_sizes=self.backend.unit_sizes(self.module),
+            on_write=self.model.free_unsharded_params,
+            unit_sizes=self.model.unit_sizes(),
         )
 
     # -- elastic ----------------------------------------------------------------------------------------------
@@ -403,11 +379,9 @@ class FederatedRuntime:
         """End of training: sync once more if it stopped between two syncs, so every group holds the consensus."""
         if self.syncs_are_identity:
             return None
-        for listener in self.listeners:
-            listener.on_stop(self.step)  # the end-of-training sync is not part of the training pace
+        self.listeners.on_stop(self.step)  # the end-of-training sync is not part of the training pace
         stats = self._synced(self.federation.finish(self.step))
-        for listener in self.listeners:
-            listener.on_finish(self)
+        self.listeners.on_finish(self)
         if self.config.elastic is not None:
             self.close()
         return stats
@@ -417,9 +391,7 @@ class FederatedRuntime:
             self.elastic.raise_if_fell_behind()
         if stats is None:
             return None
-        for listener in self.listeners:
-            stats = listener.on_sync(stats)
-        self.last_sync_stats = stats
+        stats = self.last_sync_stats = self.listeners.on_sync(stats)
         self._restart_skipped_groups(stats)
         if stats.lost:
             rank_zero_warn(
@@ -431,16 +403,7 @@ class FederatedRuntime:
     @property
     def fragment_parameter_names(self) -> list[list[str]]:
         """The model's parameter names in each streaming fragment, in order (known once the federation started)."""
-        names = self.backend.unit_parameter_names(self.module)
-        return [[n for unit in fragment for n in names[unit]] for fragment in self.federation.outer.fragments]
-
-    def _fragment_summary(self) -> str:
-        fragments = self.federation.outer.fragments
-        sizes = [sum(self.local_shards()[u].numel() for u in fragment) for fragment in fragments]
-        return "; ".join(
-            f"{f}: units {units[0]}-{units[-1]}, {size:,} local values, {len(names)} parameter(s) from {names[0]!r}"
-            for f, (units, size, names) in enumerate(zip(fragments, sizes, self.fragment_parameter_names))
-        )
+        return self.model.fragment_parameter_names(self.federation.outer.fragments)
 
     def _restart_skipped_groups(self, stats: SyncStats) -> None:
         """After ``on_nonfinite="skip_group"`` left groups out of a sync: say so, and clear their inner optimizer state.
@@ -454,17 +417,11 @@ class FederatedRuntime:
             return
         rank_zero_warn(message)
         if self.federation.communicator.group_index in stats.skipped_groups:
-            for optimizer in self._optimizers:
-                optimizer.state.clear()
+            self.model.restart_optimizers()
 
-    @contextmanager
-    def consensus_weights(self) -> Iterator[None]:
+    def consensus_weights(self) -> AbstractContextManager[None]:
         """Within the block the model holds the consensus of the last sync; its own weights come back on exit."""
-        if self._federation is None:
-            yield
-            return
-        with self._federation.consensus_weights():
-            yield
+        return nullcontext() if self._federation is None else self._federation.consensus_weights()
 
     # -- checkpoints ------------------------------------------------------------------------------------------
 
@@ -477,7 +434,7 @@ class FederatedRuntime:
             self.mesh.rank,
             self.federation,
             self.module,
-            self.free_unsharded_params,
+            self.model.free_unsharded_params,
             self.backend,
         )
 

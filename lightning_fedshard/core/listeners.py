@@ -29,6 +29,34 @@ class SyncListener(Protocol):
         """After the end-of-training sync; collective (``runtime`` is the federated runtime)."""
 
 
+class Listeners(list[SyncListener]):
+    """A runtime's listeners, in order, told of each hook as one listener.
+
+    A list: listeners can be added to it. A sync's statistics pass through each listener in turn.
+    """
+
+    def on_start(self, step: int) -> None:
+        """Tell every listener that training starts (or resumes) after optimizer step ``step``."""
+        for listener in self:
+            listener.on_start(step)
+
+    def on_sync(self, stats: SyncStats) -> SyncStats:
+        """``stats`` completed by every listener, in order."""
+        for listener in self:
+            stats = listener.on_sync(stats)
+        return stats
+
+    def on_stop(self, step: int) -> None:
+        """Tell every listener that the training loop ended after optimizer step ``step``."""
+        for listener in self:
+            listener.on_stop(step)
+
+    def on_finish(self, runtime: Any) -> None:
+        """Tell every listener that the end-of-training sync ran; collective."""
+        for listener in self:
+            listener.on_finish(runtime)
+
+
 class UtilizationClock:
     """Sets ``compute_utilization`` of each sync: ``1 - exposed / round`` over the round the sync closes.
 
@@ -61,4 +89,4 @@ class UtilizationClock:
         """Nothing to do."""
 
 
-__all__ = ["SyncListener", "UtilizationClock"]
+__all__ = ["Listeners", "SyncListener", "UtilizationClock"]

@@ -29,6 +29,31 @@ def gather_options() -> Any:
     return AllgatherOptions()
 
 
+def _quorum_groups(
+    global_ranks: list[int] | None, group_rank: int | None, group_world_size: int | None
+) -> tuple[int, ...]:
+    """The groups of a quorum in ring order, from the global ranks of one in-group position's ring.
+
+    torchft numbers the ranks of a quorum (group index) * (ranks per group) + (rank in the group), in ring order, from
+    the trailing digits of each replica id ("<federation>_<group>").
+    """
+    size, position = group_world_size or 1, group_rank or 0
+    return tuple((r - position) // size for r in (global_ranks or [0]))
+
+
+def _held_back(
+    built: tuple[int | None, tuple[int, ...]] | None, quorum_id: int | None, members: tuple[int, ...]
+) -> bool:
+    """Whether a quorum from a restarted lighthouse lacks groups of the ring built last, which is then kept.
+
+    A restarted lighthouse counts quorum ids from the start: a lower id than the built ring's, with fewer groups, is
+    an answer given before every group of that ring reconnected.
+    """
+    if built is None or built[0] is None or quorum_id is None:
+        return False
+    return quorum_id < built[0] and set(members) < set(built[1])
+
+
 def fed_rings(timeout: timedelta) -> Any:
     """Torchft's reconfigurable gloo group for the sums, with a second ring for statistics configured beside it."""
     from torchft.process_group import ProcessGroupGloo
@@ -58,23 +83,18 @@ def fed_rings(timeout: timedelta) -> Any:
             global_ranks: list[int] | None = None,
         ) -> None:
             args = (replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks)
-            # torchft numbers the ranks of a quorum (group index) * (ranks per group) + (rank in the group), in ring
-            # order, from the trailing digits of each replica id ("<federation>_<group>").
-            size, position = group_world_size or 1, group_rank or 0
-            members = tuple((r - position) // size for r in (global_ranks or [0]))
+            members = _quorum_groups(global_ranks, group_rank, group_world_size)
             self.members, self.quorum_id = members, quorum_id
             # Every member of a quorum sees the same step: the rendezvous differs from an earlier ring's with the same
             # id (a restarted lighthouse counts ids from the start).
             build = (f"{store_addr}/{self.max_step}", args)
             if self._built == (quorum_id, members):
                 return  # this quorum's ring is built already (a restarted lighthouse gave out its id again)
-            built_id = self._built[0] if self._built is not None else None
-            if built_id is not None and quorum_id is not None and quorum_id < built_id:
-                if set(members) < set(self._built[1]):  # type: ignore[index]
-                    # A restarted lighthouse answered before every group of the last ring reconnected: keep that
-                    # ring until they are back (the communicator asks again) or given up for (build_deferred).
-                    self._deferred = build
-                    return
+            if _held_back(self._built, quorum_id, members):
+                # A restarted lighthouse answered before every group of the last ring reconnected: keep that ring
+                # until they are back (the communicator asks again) or given up for (build_deferred).
+                self._deferred = build
+                return
             self._build(*build)
 
         def _build(self, prefix: str, args: tuple[Any, ...]) -> None:

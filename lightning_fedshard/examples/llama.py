@@ -162,38 +162,12 @@ class LlamaLM(LightningModule):
         meta_init: bool = False,
     ) -> None:
         super().__init__()
-        if size not in LLAMA_SIZES:
-            raise ValueError(f"`size` must be one of {sorted(LLAMA_SIZES)}, got `size={size!r}`.")
-        preset = LLAMA_SIZES[size]
-        shape = LlamaShape(
-            hidden_size=preset.hidden_size if hidden_size is None else hidden_size,
-            num_layers=preset.num_layers if num_layers is None else num_layers,
-            num_heads=preset.num_heads if num_heads is None else num_heads,
-            intermediate_size=preset.intermediate_size if intermediate_size is None else intermediate_size,
-        )
+        shape = _shape(size, hidden_size, num_layers, num_heads, intermediate_size)
         _validate(shape, vocab_size, max_seq_len, lr, betas, weight_decay, warmup_fraction, min_lr_ratio)
-        kv_heads = shape.num_heads if num_kv_heads is None else num_kv_heads
-        if kv_heads < 1 or shape.num_heads % kv_heads:
-            raise ValueError(f"`num_heads={shape.num_heads}` must be a multiple of `num_kv_heads={num_kv_heads}`.")
-        if rope_theta <= 0:
-            raise ValueError(f"`rope_theta` must be positive, got `rope_theta={rope_theta}`.")
+        config = _llama_config(shape, vocab_size, max_seq_len, num_kv_heads, rope_theta, tie_word_embeddings)
         self.save_hyperparameters()
         self.shape = shape
-        self.config = LlamaConfig(
-            vocab_size=vocab_size,
-            hidden_size=shape.hidden_size,
-            intermediate_size=shape.intermediate_size,
-            num_hidden_layers=shape.num_layers,
-            num_attention_heads=shape.num_heads,
-            num_key_value_heads=kv_heads,
-            rope_theta=rope_theta,  # type: ignore[call-arg]  # transformers 5 folds it into rope_parameters
-            max_position_embeddings=max_seq_len,
-            tie_word_embeddings=tie_word_embeddings,
-            # The tokenizer has no special tokens; Llama's defaults (1, 2) would point at ordinary tokens.
-            bos_token_id=None,
-            eos_token_id=None,
-            pad_token_id=None,
-        )
+        self.config = config
         self.init_seed = init_seed
         self.meta_init = meta_init
         self.model: LlamaForCausalLM
@@ -328,6 +302,56 @@ class LlamaLM(LightningModule):
                 it first, e.g. with FSDP's full state dict), since the live parameters then hold only shards.
         """
         self.model.save_pretrained(str(path), state_dict=state_dict)
+
+
+def _shape(
+    size: str,
+    hidden_size: int | None,
+    num_layers: int | None,
+    num_heads: int | None,
+    intermediate_size: int | None,
+) -> LlamaShape:
+    """The preset's shape with the given overrides."""
+    if size not in LLAMA_SIZES:
+        raise ValueError(f"`size` must be one of {sorted(LLAMA_SIZES)}, got `size={size!r}`.")
+    preset = LLAMA_SIZES[size]
+    return LlamaShape(
+        hidden_size=preset.hidden_size if hidden_size is None else hidden_size,
+        num_layers=preset.num_layers if num_layers is None else num_layers,
+        num_heads=preset.num_heads if num_heads is None else num_heads,
+        intermediate_size=preset.intermediate_size if intermediate_size is None else intermediate_size,
+    )
+
+
+def _llama_config(
+    shape: LlamaShape,
+    vocab_size: int,
+    max_seq_len: int,
+    num_kv_heads: int | None,
+    rope_theta: float,
+    tie_word_embeddings: bool,
+) -> LlamaConfig:
+    """The transformers configuration of a network of this shape (after checking its attention heads)."""
+    kv_heads = shape.num_heads if num_kv_heads is None else num_kv_heads
+    if kv_heads < 1 or shape.num_heads % kv_heads:
+        raise ValueError(f"`num_heads={shape.num_heads}` must be a multiple of `num_kv_heads={num_kv_heads}`.")
+    if rope_theta <= 0:
+        raise ValueError(f"`rope_theta` must be positive, got `rope_theta={rope_theta}`.")
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=kv_heads,
+        rope_theta=rope_theta,  # type: ignore[call-arg]  # transformers 5 folds it into rope_parameters
+        max_position_embeddings=max_seq_len,
+        tie_word_embeddings=tie_word_embeddings,
+        # The tokenizer has no special tokens; Llama's defaults (1, 2) would point at ordinary tokens.
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
 
 
 def _count_parameters(model: nn.Module) -> int:

@@ -6,51 +6,20 @@ import inspect
 import json as jsonlib
 import sys
 import typing
-from dataclasses import asdict, fields, replace
-from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, Literal
+from dataclasses import asdict, fields
+from typing import Any
 
-from lightning_fedshard.core.options.checks import check_positive_int
-from lightning_fedshard.core.options.config import FederationConfig, federation_args_doc
+from lightning_fedshard.core.options.config import FederationConfig, args_doc
 from lightning_fedshard.plan.hetero import heterogeneous
+from lightning_fedshard.plan.inputs import PlannerInputs
 from lightning_fedshard.plan.predict import Prediction
 from lightning_fedshard.plan.quality import STUDY, tokens_to_target
-from lightning_fedshard.plan.specs import CLUSTERS, GIB, MODELS, ClusterSpec, ModelSpec, TrainSetup
+from lightning_fedshard.plan.specs import GIB, ClusterSpec, TrainSetup
 from lightning_fedshard.plan.sweep import compare, relative_time_to_target
 from lightning_fedshard.plan.sweep import sweep as sweep_setups
 
 
-def _plan(
-    federation: FederationConfig,
-    *,
-    model: str = "llama-3.1-8b",
-    model_config: Path | None = None,
-    seq_len: int | None = None,
-    cluster: str = "leonardo-512",
-    nodes: int | None = None,
-    devices_per_node: int | None = None,
-    peak_tflops: float | None = None,
-    mfu: float | None = None,
-    step_seconds: float | None = None,
-    device_memory_gib: float | None = None,
-    intra_gbytes_per_s: float | None = None,
-    intra_latency_us: float | None = None,
-    inter_gbit_per_s: float | None = None,
-    inter_latency_us: float | None = None,
-    rtt_ms: float | None = None,
-    nodes_per_site: int | None = None,
-    site_mbit_per_s: float | None = None,
-    micro_batch: int = 2,
-    grad_accum: int = 1,
-    precision: Literal["bf16", "fp32"] = "bf16",
-    activation_checkpointing: bool = False,
-    sweep: bool = False,
-    top: int = 10,
-    rank: Literal["time_to_target", "tokens_per_s"] = "time_to_target",
-    node_speeds: list[float] | None = None,
-    json: bool = False,
-) -> list[Prediction]:
+def _plan(federation: FederationConfig, inputs: PlannerInputs) -> list[Prediction]:
     """Predict throughput, traffic, memory and the bottleneck of FSDP, HSDP, FL+FSDP and FL+HSDP before a run.
 
     Prints a table of the four strategies at the given settings, or with ``--sweep true`` the fastest
@@ -59,71 +28,23 @@ def _plan(
 
     Args:
         federation: The sync options (:func:`plan` takes them as keywords, one per ``FederationConfig`` field).
-        model: Model preset: the example sizes ``xs``, ``s``, ``m``, ``l`` (vocabulary 4096, 128 tokens) or
-            ``llama-3.1-8b`` (2,048 tokens).
-        model_config: A transformers ``config.json`` of a Llama-like model instead of the preset.
-        seq_len: Tokens per sequence (default: the preset's).
-        cluster: Cluster preset: ``leonardo-512`` (the paper's 128 x 4 A100) or ``emulated-4x2`` (the benchmark).
-        nodes: Nodes (default: the preset's).
-        devices_per_node: Ranks per node.
-        peak_tflops: Peak TFLOP/s of one device at the training precision.
-        mfu: Assumed model FLOPs utilization (0-1) of the compute.
-        step_seconds: Measured compute seconds of one micro-batch on one rank; replaces ``peak_tflops * mfu``.
-        device_memory_gib: Memory per device (GiB).
-        intra_gbytes_per_s: Rank-to-rank bandwidth inside a node (GB/s).
-        intra_latency_us: Latency of a message inside a node (microseconds).
-        inter_gbit_per_s: Network bandwidth of one node (Gbit/s), shared by its ranks.
-        inter_latency_us: Latency of a message between nodes (microseconds), one way.
-        rtt_ms: Round trip between two nodes (milliseconds), e.g. 70-100 across the Atlantic: a message between
-            nodes then takes half of it (instead of ``inter_latency_us``).
-        nodes_per_site: Consecutive nodes that form a site (default: the preset's; ``emulated-2x2x2`` has 2).
-        site_mbit_per_s: Bandwidth of each site's uplink to the other sites (Mbit/s).
-        micro_batch: Sequences per rank per micro-batch.
-        grad_accum: Micro-batches per optimizer step.
-        precision: ``bf16`` (parameters gathered and gradients reduced in bf16, float32 master weights and AdamW) or
-            ``fp32``.
-        activation_checkpointing: Recompute each layer in the backward pass.
-        sweep: Rank the federated configurations instead of comparing the four strategies.
-        top: Rows of the sweep.
-        rank: What the sweep ranks by: ``time_to_target`` (tokens/s over the tokens-to-target factor the recipe
-            study measured for the row's sync options; unmeasured rows follow by tokens/s) or ``tokens_per_s``.
-        node_speeds: Each node's compute speed relative to the cluster's device (e.g. ``[1, 1, 1, 0.5]``): every
-            federated row then also gets the tokens/s of the barrier (every group waits for the slowest at each sync)
-            and of a per-group pace (``Pace``), and the attainable sum of the groups' own paces (docs/pace.md).
-        json: Print JSON instead of a table.
+        inputs: Everything else (:func:`plan` takes them as keywords too, one per ``PlannerInputs`` field).
 
     Returns:
         The predictions printed.
     """
-    check_positive_int("top", top)
-    if rtt_ms is not None:
-        if rtt_ms < 0:
-            raise ValueError(f"`rtt_ms={rtt_ms}` must be at least 0.")
-        inter_latency_us = rtt_ms * 1000 / 2
-    spec = _model(model, model_config, seq_len)
-    machine = _cluster(
-        cluster, nodes, devices_per_node, peak_tflops, mfu, step_seconds, device_memory_gib,
-        intra_gbytes_per_s, intra_latency_us, inter_gbit_per_s, inter_latency_us, nodes_per_site, site_mbit_per_s,
-    )  # fmt: skip
-    wide = 4 if precision == "fp32" else 2
-    base = TrainSetup(
-        strategy="fl_fsdp",
-        federation=federation,
-        micro_batch=micro_batch,
-        grad_accum=grad_accum,
-        param_bytes=wide,
-        grad_bytes=wide,
-        activation_checkpointing=activation_checkpointing,
-    )
-    speeds = _node_speeds(node_speeds, machine.num_nodes)
-    if sweep:
-        predictions = sweep_setups(spec, machine, base, top=top, rank=rank, node_speeds=speeds)
+    spec, machine = inputs.model_spec(), inputs.cluster_spec()
+    speeds = inputs.checked_node_speeds(machine.num_nodes)
+    base = inputs.setup(federation)
+    if inputs.sweep:
+        predictions = sweep_setups(spec, machine, base, top=inputs.top, rank=inputs.rank, node_speeds=speeds)
     else:
         predictions = compare(spec, machine, base)
-    if json:
+    if inputs.json:
         print(to_json(predictions, speeds))
     else:
-        print(table(predictions, ranked=rank if sweep else None, node_speeds=speeds if sweep else None))
+        ranked = inputs.rank if inputs.sweep else None
+        print(table(predictions, ranked=ranked, node_speeds=speeds if inputs.sweep else None))
         if speeds is not None:
             print("\n" + heterogeneous_table(predictions, speeds))
     return predictions
@@ -133,44 +54,35 @@ def plan(**options: Any) -> list[Prediction]:
     """The planner with the sync options as keywords: see the signature and ``fedshard plan --help``."""
     names = {f.name for f in fields(FederationConfig)}
     federation = FederationConfig(**{k: v for k, v in options.items() if k in names})
-    return _plan(federation, **{k: v for k, v in options.items() if k not in names})
+    return _plan(federation, PlannerInputs(**{k: v for k, v in options.items() if k not in names}))
 
 
-def _federation_parameters() -> list[inspect.Parameter]:
-    """Every :class:`FederationConfig` field as a keyword of :func:`plan`, with its type and default."""
-    hints = typing.get_type_hints(FederationConfig)
+def _keywords(options: type) -> list[inspect.Parameter]:
+    """Every field of a dataclass of options as a keyword of :func:`plan`, with its type and default."""
+    hints = typing.get_type_hints(options)
     return [
         inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
-        for f in fields(FederationConfig)
+        for f in fields(options)
     ]
 
 
 def _plan_signature() -> inspect.Signature:
     """The planner's own inputs, then the federation's: the one signature of :func:`plan` (and of its command)."""
-    own = list(inspect.signature(_plan, eval_str=True).parameters.values())[1:]  # after `federation`
-    return inspect.Signature([*own, *_federation_parameters()], return_annotation=list[Prediction])
+    return inspect.Signature(
+        [*_keywords(PlannerInputs), *_keywords(FederationConfig)], return_annotation=list[Prediction]
+    )
 
 
 def _plan_doc() -> str:
-    """:func:`_plan`'s description with the federation options' entries (FederationConfig's own) in its ``Args:``."""
-    doc = inspect.getdoc(_plan) or ""
-    head, _, returns = doc.partition("\nReturns:")
-    first, *rest = [line for line in head.rstrip().split("\n") if not line.startswith("    federation: ")]
-    own = "\n".join("    " + line if line else line for line in rest)
-    returned = "\n".join("    " + line if line else line for line in returns.split("\n"))
-    return f"{first}\n{own}\n{federation_args_doc()}\n\n    Returns:{returned}"
+    """:func:`_plan`'s description and ``Returns:``, with the entries of both its inputs' fields as ``Args:``."""
+    doc = _plan.__doc__ or ""
+    description, returns = doc.partition("\n\n    Args:")[0], doc.partition("\n    Returns:")[2].rstrip()
+    args = f"{args_doc(PlannerInputs)}\n{args_doc(FederationConfig)}"
+    return f"{description}\n\n    Args:\n{args}\n\n    Returns:{returns}"
 
 
 plan.__signature__ = _plan_signature()  # type: ignore[attr-defined]
 plan.__doc__ = _plan_doc()
-
-
-def _node_speeds(speeds: list[float] | None, nodes: int) -> list[float] | None:
-    if speeds is None:
-        return None
-    if len(speeds) != nodes or any(v <= 0 for v in speeds):
-        raise ValueError(f"`node_speeds={speeds!r}` must give each of the {nodes} nodes a positive speed.")
-    return [float(v) for v in speeds]
 
 
 def heterogeneous_table(predictions: list[Prediction], node_speeds: list[float]) -> str:
@@ -191,36 +103,6 @@ def heterogeneous_table(predictions: list[Prediction], node_speeds: list[float])
                 f" {h.pace:,.0f} | {h.attainable:,.0f} | {'/'.join(map(str, h.steps))} |"
             )
     return "\n".join(rows)
-
-
-def _model(name: str, config: Path | None, seq_len: int | None) -> ModelSpec:
-    if config is not None:
-        fields = SimpleNamespace(**jsonlib.loads(Path(config).read_text()))
-        return ModelSpec.from_transformers_config(fields, seq_len or 2048, name=Path(config).parent.name or "model")
-    if name not in MODELS:
-        raise ValueError(f"Unknown `model={name!r}`; choose one of {sorted(MODELS)} or give `model_config`.")
-    return MODELS[name] if seq_len is None else replace(MODELS[name], seq_len=seq_len)
-
-
-def _cluster(name: str, *overrides: float | None) -> ClusterSpec:
-    if name not in CLUSTERS:
-        raise ValueError(f"Unknown `cluster={name!r}`; choose one of {sorted(CLUSTERS)}.")
-    nodes, devices, tflops, mfu, step, memory, intra_bw, intra_lat, inter_bw, inter_lat, per_site, site = overrides
-    changes: dict[str, Any] = {
-        "num_nodes": nodes,
-        "devices_per_node": devices,
-        "peak_flops": None if tflops is None else tflops * 1e12,
-        "mfu": mfu,
-        "step_seconds": step,
-        "device_memory": None if memory is None else memory * GIB,
-        "intra_bandwidth": None if intra_bw is None else intra_bw * 1e9,
-        "intra_latency": None if intra_lat is None else intra_lat * 1e-6,
-        "inter_bandwidth": None if inter_bw is None else inter_bw * 1e9 / 8,
-        "inter_latency": None if inter_lat is None else inter_lat * 1e-6,
-        "nodes_per_site": per_site,
-        "site_bandwidth": None if site is None else site * 1e6 / 8,
-    }
-    return replace(CLUSTERS[name], **{k: v for k, v in changes.items() if v is not None})
 
 
 def summary(p: Prediction) -> dict[str, Any]:

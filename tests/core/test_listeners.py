@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 
 from lightning_fedshard.core import listeners
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.listeners import UtilizationClock
+from lightning_fedshard.core.listeners import Listeners, UtilizationClock
 from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.step.stats import SyncStats
 from lightning_fedshard.core.transport.inprocess import InProcessGroups
@@ -57,3 +58,36 @@ def test_landings_report_the_share_of_the_round_they_discard(options, discarded)
 
     seen = InProcessGroups(2).run(work)[0]
     assert seen and all(d == pytest.approx(discarded) for d in seen)
+
+
+class _Recorder:
+    def __init__(self, name: str, calls: list[tuple[str, Any]]) -> None:
+        self.name, self.calls = name, calls
+
+    def on_start(self, step: int) -> None:
+        self.calls.append((self.name, ("start", step)))
+
+    def on_sync(self, stats: SyncStats) -> SyncStats:
+        self.calls.append((self.name, ("sync", stats.syncs_lost)))
+        return dataclasses.replace(stats, syncs_lost=stats.syncs_lost + 1)
+
+    def on_stop(self, step: int) -> None:
+        self.calls.append((self.name, ("stop", step)))
+
+    def on_finish(self, runtime: Any) -> None:
+        self.calls.append((self.name, ("finish", runtime)))
+
+
+def test_listeners_are_told_in_order_and_a_syncs_statistics_pass_through_each():
+    calls: list[tuple[str, Any]] = []
+    chain = Listeners([_Recorder("a", calls)])
+    chain.append(_Recorder("b", calls))  # still a list
+    chain.on_start(3)
+    stats = chain.on_sync(SyncStats(0.0, 0.0, 0, 0.05, 1))
+    chain.on_stop(4)
+    chain.on_finish("runtime")
+    assert stats.syncs_lost == 2
+    assert calls == [
+        ("a", ("start", 3)), ("b", ("start", 3)), ("a", ("sync", 0)), ("b", ("sync", 1)),
+        ("a", ("stop", 4)), ("b", ("stop", 4)), ("a", ("finish", "runtime")), ("b", ("finish", "runtime")),
+    ]  # fmt: skip

@@ -50,9 +50,9 @@ def test_the_sweep_ranks_measured_setups_by_time_to_target_then_the_others_by_to
 
 def test_node_speeds_rank_by_the_barriers_pace_a_slow_node_hurting_compute_bound_setups_most() -> None:
     """A slow link (50 Mbit/s): float32 syncs are link-bound, int4 ones compute-bound (factors 1.0 and 1.5 here)."""
-    from lightning_fedshard.plan.command import _cluster
+    from lightning_fedshard.plan.inputs import PlannerInputs
 
-    cluster = _cluster("emulated-4x2", None, None, None, None, 0.1, None, None, None, 0.05, None, None, None)
+    cluster = PlannerInputs(cluster="emulated-4x2", step_seconds=0.1, inter_gbit_per_s=0.05).cluster_spec()
     base = TrainSetup("fl_fsdp", micro_batch=4, param_bytes=4, grad_bytes=4, federation=FederationConfig(num_groups=4))
     grid = dict(sync_every=(8,), fragments=(1,), reduce_dtypes=("float32", "int4"), sync_delays=(0,))
     grid["eager_updates"] = (False,)

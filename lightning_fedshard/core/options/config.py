@@ -1,6 +1,7 @@
-"""Validation of the user-facing federation options, shared by the Trainer and Fabric strategies.
+"""The user-facing federation options, validated as they are built, shared by the Trainer and Fabric strategies.
 
-Everything here runs in the constructor, before any process is launched, so that a typo fails in seconds.
+Every check (:mod:`~lightning_fedshard.core.options.validation`) runs in the constructor, before any process is
+launched, so that a typo fails in seconds.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import inspect
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 import torch
@@ -27,17 +27,25 @@ from lightning_fedshard.core.options.outer_topology import (
     resolve_outer_topology,
 )
 from lightning_fedshard.core.options.pace import Pace
+from lightning_fedshard.core.options.validation import (
+    FEEDBACK_IN_WEIGHTS,
+    check_choices,
+    check_codec_options,
+    check_elastic,
+    check_error_feedback,
+    check_feedback_in_weights,
+    check_outer_topology,
+    check_pace,
+    check_streaming,
+)
 from lightning_fedshard.core.rounds.options import check_compatible
-from lightning_fedshard.core.step.nonfinite import NONFINITE_POLICIES
 from lightning_fedshard.core.step.outer import OuterOptimizerFactory, build_outer_optimizer
 from lightning_fedshard.core.transport.topology import FederationTopology
 from lightning_fedshard.core.wire.codecs import (
     DEFAULT_BLOCK_SIZE,
-    QUANTIZED_REDUCE_DTYPES,
     ChunkCodec,
     Codec,
     SparseLoCo,
-    SparseTopK,
     resolve_codec,
 )
 from lightning_fedshard.core.wire.reducers import Reducer, make_reducer
@@ -52,13 +60,6 @@ OUTER_OPTIMIZERS: dict[str, OuterOptimizerFactory] = {
 }
 
 OuterOptimizerSpec = str | Callable[[Iterable[Tensor]], Optimizer]
-
-#: What stands in for the mean in flight with eager updates: this group's share of it (the paper's), or its own
-#: pseudo-gradient for the whole of it.
-EAGER_RULES: tuple[str, ...] = ("share", "local")
-
-#: Where error feedback keeps what a group's encoding dropped, besides ``True``'s buffer for its next sync.
-FEEDBACK_IN_WEIGHTS = "weights"
 
 #: What ``reduce_dtype=None`` (the default) runs: int4 with error feedback, and float32 with a mixing outer topology,
 #: whose plain outer steps (a uniform round, the end of training) carry the pseudo-gradient of the whole run.
@@ -202,144 +203,20 @@ class FederationConfig:
         _check_learning_rate_given(self.outer_optimizer)
         # Build the outer optimizer once on a probe tensor, so a broken factory fails before any rank starts.
         build_outer_optimizer(self.outer_optimizer_factory, [torch.zeros(1, requires_grad=True)])
-        if self.error_feedback is not None and not isinstance(self.error_feedback, bool):
-            if self.error_feedback != FEEDBACK_IN_WEIGHTS:
-                raise ValueError(
-                    f"`error_feedback` must be True, False, None (automatic) or {FEEDBACK_IN_WEIGHTS!r}, got"
-                    f" {self.error_feedback!r}."
-                )
+        check_error_feedback(self.error_feedback)
         check_positive_int("quant_block_size", self.quant_block_size)
-        self._check_outer_topology()
-        self._check_feedback_in_weights()
+        check_outer_topology(self)
+        check_feedback_in_weights(self)
         # Builds a reducer once: an unknown dtype, or error feedback with a float dtype, fail here.
         self.reducer()
-        self._check_codec_options()
-        if self.anchor_device not in ("cpu", "device"):
-            raise ValueError(f"`anchor_device` must be 'cpu' or 'device', got {self.anchor_device!r}.")
-        if self.on_nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"`on_nonfinite` must be one of {list(NONFINITE_POLICIES)}, got {self.on_nonfinite!r}.")
-        self._check_streaming()
-        self._check_elastic()
-        self._check_pace()
+        check_codec_options(self)
+        check_choices(self.anchor_device, self.on_nonfinite)
+        check_streaming(self)
+        check_elastic(self)
+        check_pace(self)
         check_compatible(self)
         if self.feedback_in_weights:
             warnings.warn(FEEDBACK_IN_WEIGHTS_RETIRED, FutureWarning, stacklevel=3)
-
-    def _check_feedback_in_weights(self) -> None:
-        if not self.feedback_in_weights:
-            return
-        if not self.compressed:
-            raise ValueError(
-                f"`error_feedback='weights'` keeps what a lossy codec dropped;"
-                f" `reduce_dtype={self.effective_reduce_dtype!r}` drops nothing. Use 'int8', 'int4' or 'sparse'."
-            )
-
-    def _check_outer_topology(self) -> None:
-        """Refuse an error-feedback setting under a mixing outer topology, whose mixes keep what they drop."""
-        topology = resolve_outer_topology(self.outer_topology)
-        if self.mixing is None or self.error_feedback is None:
-            return
-        if self.codec.exact and self.error_feedback is not False:
-            raise ValueError(
-                f"`outer_topology={topology!r}` runs in float32, which drops nothing for"
-                f" `error_feedback={self.error_feedback!r}` to keep. Leave `error_feedback` unset."
-            )
-        if not self.codec.exact and not self.feedback_in_weights:  # that one: refused by the compatibility table
-            raise ValueError(
-                f"`outer_topology={topology!r}` with `reduce_dtype={self.effective_reduce_dtype!r}` keeps what a mix's"
-                f" encoding dropped in each group's own weights, always; `error_feedback={self.error_feedback!r}`"
-                " cannot change that. Leave `error_feedback` unset."
-            )
-
-    def _check_codec_options(self) -> None:
-        """Refuse what the codec would silently ignore: a block size it does not use, or sparse without feedback."""
-        codec = self.codec
-        named = isinstance(self.effective_reduce_dtype, str) and self.effective_reduce_dtype in QUANTIZED_REDUCE_DTYPES
-        if self.quant_block_size != DEFAULT_BLOCK_SIZE and isinstance(self.reduce_dtype, Codec):
-            raise ValueError(
-                f"`quant_block_size={self.quant_block_size}` is for the named 'int8' / 'int4'; the codec"
-                f" {self.reduce_dtype!r} carries its own parameters."
-            )
-        if self.quant_block_size != DEFAULT_BLOCK_SIZE and isinstance(codec, ChunkCodec) and not named:
-            raise ValueError(
-                f"`quant_block_size={self.quant_block_size}` is for 'int8' / 'int4' given by name;"
-                f" `reduce_dtype={self.reduce_dtype!r}` is `{codec!r}`, which carries its own parameters: give"
-                f" `lightning_fedshard.{type(codec).__name__}({_size_argument(codec)}=...)` (in YAML a `class_path`"
-                " with `init_args`)."
-            )
-        sent = _sent_per_chunk(codec)
-        if self.error_feedback is False and sent is not None and sent[0] < sent[1]:
-            kept, chunk = sent
-            raise ValueError(
-                f"`reduce_dtype={self.reduce_dtype!r}` with `error_feedback=False` sends {kept} of every"
-                f" {chunk} values and drops the others for good: {Fraction(chunk - kept, chunk)} of every update would"
-                " be lost. Leave `error_feedback` unset (on with a sparse codec), set it to True, or use 'int8' /"
-                " 'int4' (which send every value)."
-            )
-
-    def _check_pace(self) -> None:
-        if self.pace is None:
-            return
-        if not isinstance(self.pace, Pace):
-            raise ValueError(f"`pace` must be a `lightning_fedshard.Pace` or None, got {self.pace!r}.")
-        if isinstance(self.num_groups, int):
-            self.pace.check(self.num_groups, self.sync_every)
-        if self.elastic is not None and self.pace.measured:
-            raise ValueError(
-                "A measured `Pace()` is agreed by every group of one job at every round's end; the groups of an"
-                " elastic federation change between syncs. Give the planned groups' speeds,"
-                " `Pace(speeds=(...))`, one per group of `num_groups`."
-            )
-
-    def _check_elastic(self) -> None:
-        if self.elastic is None:
-            return
-        if not isinstance(self.elastic, Elastic):
-            raise ValueError(f"`elastic` must be a `lightning_fedshard.Elastic` or None, got {self.elastic!r}.")
-        if self.num_groups is None:
-            raise ValueError(
-                "An elastic federation needs `num_groups`: the number of groups it is planned for (the data is split"
-                " into that many parts, and each group's index is in [0, num_groups))."
-            )
-        for name in ("min_groups", "start_groups"):
-            value = getattr(self.elastic, name)
-            if value is not None and isinstance(self.num_groups, int) and value > self.num_groups:
-                raise ValueError(
-                    f"`Elastic({name}={value})` is larger than `num_groups={self.num_groups}`: the federation is"
-                    f" planned for {self.num_groups} group(s), so it would wait for groups that never come (and fail"
-                    f" after `quorum_timeout={self.elastic.quorum_timeout:g}` s). Set `{name}` <= `num_groups`."
-                )
-        if self.hierarchical is not None and isinstance(self.num_groups, int):
-            self.hierarchical.check_groups(self.num_groups)  # the sites hold planned groups, whichever are running
-
-    def _check_streaming(self) -> None:
-        check_positive_int("fragments", self.fragments)
-        topology = resolve_outer_topology(self.outer_topology)
-        if isinstance(topology, Hierarchical):
-            topology.check_sync_every(self.sync_every)
-        period = self.outer_period
-        if self.hierarchical is None:
-            given, name = f"`sync_every={period}`", "sync_every"
-        else:  # the federation's round runs at the largest period
-            given, name = f"The largest period of `outer_topology={self.hierarchical!r}` ({period} steps)", "period"
-        if period % self.fragments:
-            raise ValueError(
-                f"{given} must be divisible by `fragments={self.fragments}`: one fragment lands every"
-                f" `{name} / fragments` optimizer steps."
-            )
-        interval = period // self.fragments
-        delay = self.sync_delay
-        if not isinstance(delay, int) or isinstance(delay, bool) or not 0 <= delay < interval:
-            raise ValueError(
-                f"`sync_delay` must be an integer in [0, {name} / fragments) = [0, {interval}), got {delay!r}."
-            )
-        alpha = self.merge_alpha
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"`merge_alpha` must be a number in [0, 1], got {alpha!r}.")
-        if not (isinstance(self.eager_updates, bool) or self.eager_updates in EAGER_RULES):
-            raise ValueError(
-                f"`eager_updates` must be False, True, or one of {list(EAGER_RULES)}, got {self.eager_updates!r}."
-            )
 
     def topology(self, num_nodes: int, devices_per_node: int, hybrid: bool) -> FederationTopology:
         """The job's topology once the number of nodes and devices per node are known.
@@ -494,18 +371,15 @@ class FederationConfig:
         return make_reducer(self.effective_reduce_dtype, block_size, feedback, residual_device)
 
 
-def _sent_per_chunk(codec: Codec) -> tuple[int, int] | None:
-    """``(values sent, values)`` of each chunk of a sparse codec (``SparseTopK``, ``SparseLoCo``), else ``None``."""
-    if isinstance(codec, SparseTopK):
-        return codec.kept, codec.chunk_size
-    if isinstance(codec, SparseLoCo):
-        return codec.top_k, codec.chunk_size
-    return None
+def args_doc(options: type) -> str:
+    """The ``Args:`` entries of a class's docstring, indented as they stand in it.
 
-
-def _size_argument(codec: ChunkCodec) -> str:
-    """The argument that sets a chunk codec's block: ``chunk_size`` for the sparse codec, else ``block_size``."""
-    return "chunk_size" if isinstance(codec, SparseTopK) else "block_size"
+    Wherever the fields of a class of options are arguments too, its docstring stays their one description.
+    """
+    lines = (options.__doc__ or "").split("\n")
+    start = next(i for i, line in enumerate(lines) if line.strip() == "Args:") + 1
+    end = next(i for i in range(start, len(lines)) if not lines[i].strip())
+    return "\n".join(lines[start:end])
 
 
 def federation_args_doc() -> str:
@@ -514,11 +388,7 @@ def federation_args_doc() -> str:
     The strategies append them to their own docstrings, so every place that documents the federation arguments
     (Python's ``help``, LightningCLI's ``--help``) shows this one description.
     """
-    doc = FederationConfig.__doc__ or ""
-    lines = doc.split("\n")
-    start = next(i for i, line in enumerate(lines) if line.strip() == "Args:") + 1
-    end = next(i for i in range(start, len(lines)) if not lines[i].strip())
-    return "\n".join(lines[start:end])
+    return args_doc(FederationConfig)
 
 
 def resolve_outer_optimizer(spec: OuterOptimizerSpec) -> OuterOptimizerFactory:

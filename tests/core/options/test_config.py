@@ -148,21 +148,6 @@ def test_error_feedback_in_the_weights_warns_that_it_is_deprecated_with_the_evid
         FederationConfig(reduce_dtype="int8", error_feedback=True)
 
 
-def test_a_mixing_refuses_an_error_feedback_setting():
-    from lightning_fedshard import BlockQuantizer, Gossip
-
-    for feedback in (True, "weights"):
-        with pytest.raises(ValueError, match=rf"drops nothing for `error_feedback={feedback!r}` to keep"):
-            FederationConfig(outer_topology=Gossip(peers=1), error_feedback=feedback)
-    assert isinstance(FederationConfig(outer_topology=Gossip(peers=1), error_feedback=False).reducer(), AllReduceSum)
-    for feedback in (True, False):
-        with pytest.raises(ValueError, match=rf"always; `error_feedback={feedback!r}` cannot change that"):
-            FederationConfig(outer_topology=Gossip(), reduce_dtype=BlockQuantizer(8, 64), error_feedback=feedback)
-    message = r"`error_feedback='weights'` cannot be combined: a mix already keeps what its encoding dropped"
-    with pytest.raises(ValueError, match=message):
-        FederationConfig(outer_topology=Gossip(peers=1), reduce_dtype="int4", error_feedback="weights")
-
-
 def test_merge_alpha_is_refused_with_a_mixing_that_has_no_anchor_to_merge_towards():
     from lightning_fedshard import FLFSDPStrategy, Gossip
 
@@ -175,29 +160,6 @@ def test_merge_alpha_is_refused_with_a_mixing_that_has_no_anchor_to_merge_toward
     with pytest.raises(ValueError, match=message):  # in the strategy's constructor, before any process starts
         FLFSDPStrategy(merge_alpha=0.25, outer_topology=Gossip(peers=1))
     assert FederationConfig(merge_alpha=0.5).describe().endswith("merge_alpha=0.5, anchor on the CPU")
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        (dict(reduce_dtype="sparse", quant_block_size=64),
-         "`quant_block_size=64` is for 'int8' / 'int4' given by name; `reduce_dtype='sparse'` is `SparseTopK(density="
-         "0.015625, value_bits=2, chunk_size=4096)`, which carries its own parameters: give"
-         " `lightning_fedshard.SparseTopK(chunk_size=...)`"),
-        (dict(reduce_dtype="lightning_fedshard.BlockQuantizer", quant_block_size=64),
-         "`quant_block_size=64` is for 'int8' / 'int4' given by name"),
-        (dict(reduce_dtype="sparse", error_feedback=False),
-         "`reduce_dtype='sparse'` with `error_feedback=False` sends 64 of every 4096 values and drops the others for"
-         " good: 63/64 of every update would be lost."),
-        (dict(reduce_dtype=SparseLoCo(), error_feedback=False),
-         "with `error_feedback=False` sends 64 of every 4096 values and drops the others for good: 63/64 of every"
-         " update would be lost."),
-    ],
-)  # fmt: skip
-def test_sparse_options_that_would_do_nothing_useful_are_refused(kwargs, message):
-    with pytest.raises(ValueError) as error:
-        FederationConfig(**kwargs)
-    assert message in str(error.value)
 
 
 def test_sparse_keeps_its_valid_neighbours():
