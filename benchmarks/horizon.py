@@ -30,7 +30,6 @@ HORIZON_OPTIONS = (
     "fl_fsdp-int4ef-eager-local",
     "fl_fsdp-sparse",
     "fl_fsdp-sparse-eager-local",
-    "fl_fsdp-sparse-weights",
 )
 
 

@@ -41,15 +41,23 @@ class Configuration:
         strategy: ``"fsdp"``, ``"hsdp"``, ``"fl_fsdp"`` or ``"fl_hsdp"``.
         federation: ``FederationConfig`` fields that differ from the package's defaults.
         training: Other ``RunConfig`` fields that differ from the sweep's (e.g. a longer run).
+        retired: Why it no longer runs (an option it sets was removed); its recorded runs stay, as the evidence.
     """
 
     name: str
     strategy: str
     federation: Mapping[str, Any] = field(default_factory=dict)
     training: Mapping[str, Any] = field(default_factory=dict)
+    retired: str | None = None
 
     def run_config(self, training: Mapping[str, Any], **changes: Any) -> RunConfig:
-        """The ``RunConfig`` of this configuration on top of a sweep's ``training`` settings."""
+        """The ``RunConfig`` of this configuration on top of a sweep's ``training`` settings.
+
+        Raises:
+            ValueError: For a retired configuration, saying why.
+        """
+        if self.retired is not None:
+            raise ValueError(f"The configuration {self.name!r} no longer runs: {self.retired}")
         settings = {**training, **self.training, **changes}
         return RunConfig(strategy=self.strategy, federation=FederationConfig(**self.federation), **settings)
 
@@ -80,7 +88,12 @@ CONFIGURATIONS = _catalogue(
     Configuration("fl_fsdp-nesterov", "fl_fsdp", {**FLOAT32, "outer_optimizer": "nesterov"}),
     Configuration("fl_fsdp-sparse", "fl_fsdp", SPARSE),
     Configuration("fl_fsdp-sparse-eager", "fl_fsdp", {**SPARSE, **EAGER}),
-    Configuration("fl_fsdp-sparse-weights", "fl_fsdp", {**SPARSE, "error_feedback": "weights"}),
+    Configuration(
+        "fl_fsdp-sparse-weights",
+        "fl_fsdp",
+        {**SPARSE, "error_feedback": "weights"},
+        retired="`error_feedback='weights'` was removed (these runs are why)",
+    ),
     Configuration("fl_fsdp-int4ef-eager", "fl_fsdp", EAGER),
     Configuration("fl_fsdp-sparse-eager-local", "fl_fsdp", {**SPARSE, "eager_updates": "local"}),
     Configuration("fl_fsdp-int4ef-eager-local", "fl_fsdp", {"eager_updates": "local"}),
@@ -454,7 +467,6 @@ RACE_OPTIONS = (
     "fl_fsdp-sparse-eager",
     "fl_fsdp-sparse-eager-local",
     "fl_fsdp-int4ef-eager-local",
-    "fl_fsdp-sparse-weights",
 )
 #: Every race run trains on the unthrottled 4 x 2 cluster with the sweeps' model and batch, scored on a larger
 #: validation set.

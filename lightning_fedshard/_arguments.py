@@ -139,7 +139,7 @@ class FederatedArguments:
         fragments: int = 1,
         reduce_dtype: str | torch.dtype | Codec | None = None,
         quant_block_size: int = 128,
-        error_feedback: bool | str | None = None,
+        error_feedback: bool | None = None,
         sync_delay: int = 0,
         merge_alpha: float = 0.0,
         eager_updates: bool | str = False,

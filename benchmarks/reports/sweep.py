@@ -280,5 +280,7 @@ def configurations_table(configurations: Iterable[Configuration]) -> str:
         baseline = BASELINE_FEDERATION if c.strategy in BASELINES else {}
         changes = {**baseline, **c.federation, **c.training}
         described = ", ".join(f"`{k}={v!r}`" for k, v in changes.items()) or "none"
+        if c.retired is not None:
+            described += f" (retired: {c.retired})"
         lines.append(f"| {c.name} | {STRATEGY_LABELS[c.strategy]} | {described} |")
     return "\n".join(lines)

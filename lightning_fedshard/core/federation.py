@@ -254,8 +254,8 @@ class Federation:
         """Temporarily load the consensus into the shards, e.g. for validation between syncs.
 
         The consensus is the round's: the anchor; with eager updates the anchor each fragment will have once its sum
-        in flight has landed; with a hierarchical or mixing outer topology, or with ``error_feedback="weights"``, the
-        exact mean over all groups of their current weights (a float32 all-reduce over the fed ring).
+        in flight has landed; with a hierarchical or mixing outer topology the exact mean over all groups of their
+        current weights (a float32 all-reduce over the fed ring).
 
         With a single group there is nothing to agree on: its current weights are the consensus and stay in place
         (so a one-group run validates and saves what plain FSDP would).

@@ -109,7 +109,13 @@ def test_the_presets_plan_the_recorded_sweeps(preset: str):
 def test_the_race_plan_matches_the_recorded_race():
     recorded = records.load(RESULTS / "race.json")
     assert {run["identity"]["configuration"] for run in recorded["runs"]} <= set(CONFIGURATIONS)
+    retired = {name for name, c in CONFIGURATIONS.items() if c.retired is not None}
+    assert any(run["identity"]["configuration"] in retired for run in recorded["runs"])  # their runs are kept
     for run in recorded["runs"]:
+        if run["identity"]["configuration"] in retired:
+            with pytest.raises(ValueError, match="no longer runs"):
+                race_job(Path("/tmp/work"), run["identity"]["configuration"], 8, 1e-3, 0)
+            continue
         cfg = run["config"]
         job = race_job(Path("/tmp/work"), run["identity"]["configuration"], cfg["max_steps"], cfg["lr"], cfg["seed"])
         assert job.name == run["name"]

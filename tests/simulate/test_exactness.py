@@ -69,7 +69,6 @@ SCENARIOS: list[dict[str, Any]] = [
         reduce_dtype="float32",
         max_steps=6,
     ),  # fmt: skip
-    dict(name="weights_int8", sync_every=2, reduce_dtype="int8", error_feedback="weights", max_steps=6),
     # the last group half as fast: it skips the second half of every round, the merges weigh the steps trained
     dict(name="paced_int4", sync_every=4, fragments=2, pace=dict(speeds=[1, 1, 1, 0.5]), max_steps=9),
 ]

@@ -72,15 +72,14 @@ def test_fit_with_the_sanity_check_then_test_validate_predict_and_fit_again(rank
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_the_same_workflow_with_sums_in_flight_and_groups_that_differ(ranks, name):
-    """Eager updates (a sum in flight at every validation), error feedback in the weights and outer topologies (groups
-    that differ after a sync)."""
+    """Eager updates (a sum in flight at every validation) and outer topologies (groups that differ after a sync)."""
     for seen in ranks:
         run = seen[name]
         assert run["sanity_batches"] == 2 and run["predictions"] > 0 and set(run["validate"]) == {"val_loss"}
         assert run["same_federation"] and run["global_step"] == 8
         assert_close(run["after_test"], run["after_fit"], rtol=0, atol=0)
-    # eager, weights: 2 groups of 2 shards (each shard against its peer); the topologies: 4 one-rank groups (all equal)
-    pairs = _peers(ranks, name, "after_second_fit") if name in ("eager", "weights") else [
+    # eager: 2 groups of 2 shards (each shard against its peer); the topologies: 4 one-rank groups (all equal)
+    pairs = _peers(ranks, name, "after_second_fit") if name == "eager" else [
         (seen[name]["after_second_fit"], ranks[0][name]["after_second_fit"]) for seen in ranks
     ]  # fmt: skip
     for mine, peer in pairs:

@@ -21,7 +21,6 @@ NAMES = ("fl_fsdp", "fl_hsdp", "fl_fsdp2", "fl_hsdp2")
 #: The same workflow with sync options whose groups hold sums in flight or differ between syncs (sync_every=2).
 VARIANTS = {
     "eager": lambda: FLFSDPStrategy(sync_every=2, eager_updates="local"),
-    "weights": lambda: FLFSDPStrategy(sync_every=2, reduce_dtype="sparse", error_feedback="weights"),
     "hierarchical": lambda: FLFSDPStrategy(num_groups=4, sync_every=2, outer_topology=Hierarchical({2: 2, 4: 4})),
     "gossip": lambda: FLFSDPStrategy(num_groups=4, sync_every=2, outer_topology=Gossip(peers=1)),  # reduce_dtype unset
     # the mixes travel a step while training goes on, int4-encoded against the anchor

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -28,12 +27,10 @@ from lightning_fedshard.core.options.outer_topology import (
 )
 from lightning_fedshard.core.options.pace import Pace
 from lightning_fedshard.core.options.validation import (
-    FEEDBACK_IN_WEIGHTS,
     check_choices,
     check_codec_options,
     check_elastic,
     check_error_feedback,
-    check_feedback_in_weights,
     check_outer_topology,
     check_pace,
     check_streaming,
@@ -65,14 +62,6 @@ OuterOptimizerSpec = str | Callable[[Iterable[Tensor]], Optimizer]
 #: whose plain outer steps (a uniform round, the end of training) carry the pseudo-gradient of the whole run.
 DEFAULT_REDUCE_DTYPE = "int4"
 MIXING_REDUCE_DTYPE = "float32"
-
-#: Why ``error_feedback="weights"`` is on its way out, shown when it is chosen.
-FEEDBACK_IN_WEIGHTS_RETIRED = (
-    "`error_feedback='weights'` is deprecated and will be removed in a future release: over longer runs it trained"
-    " worse than the default error-feedback buffer (with the sparse codec, +39% perplexity over float32 after 256"
-    " steps against the buffer's +29%; docs/benchmarks.md), and it composes with fewer options. Leave `error_feedback`"
-    " unset (the buffer, on with int8, int4 and sparse)."
-)
 
 
 @dataclass(frozen=True)
@@ -112,12 +101,7 @@ class FederationConfig:
         error_feedback: With ``"int8"`` / ``"int4"`` / ``"sparse"``, carry what each rank's encoding dropped into its
             next sync, so that rounding errors (and unsent entries) are delayed instead of lost (kept in
             checkpoints). Default ``None``: on with a compressed ``reduce_dtype``, off with a float one. ``True`` is
-            rejected with a float ``reduce_dtype``, which has no residual. ``"weights"``: what a group did not send
-            stays in its own weights (it restarts from ``anchor - residual``, not from the anchor), so the mean of the
-            groups' weights is exactly float32 averaging's and they differ only by what they have not sent yet;
-            validation, checkpoints' consensus and the end of training take that mean with one float32 all-reduce.
-            With ``"sparse"`` it measured better than the buffer over a few syncs and worse over many (see
-            docs/configuration.md, "Error feedback in the weights").
+            rejected with a float ``reduce_dtype``, which has no residual.
         anchor_device: Where the anchor (float32) and the outer optimizer state live: ``"cpu"`` (default; host
             memory, the accelerator pays nothing) or ``"device"`` (next to the model's shards).
         on_nonfinite: What a sync does when a group's pseudo-gradient holds NaN/Inf. ``"raise"`` (default): stop
@@ -175,7 +159,7 @@ class FederationConfig:
             period / fragments)``, ``merge_alpha`` outside ``[0, 1]``, ``quant_block_size < 1``, a
             ``quant_block_size`` with a codec that does not use it (``"sparse"``, a codec object),
             ``error_feedback=False`` with a sparse codec (``"sparse"``, ``SparseLoCo``) that drops values,
-            ``error_feedback=True`` or ``"weights"`` with a float ``reduce_dtype``, error feedback with a mixing, or two
+            ``error_feedback=True`` with a float ``reduce_dtype``, error feedback with a mixing, or two
             options that do not compose (see above).
     """
 
@@ -190,7 +174,7 @@ class FederationConfig:
     sync_delay: int = 0
     merge_alpha: float = 0.0
     quant_block_size: int = DEFAULT_BLOCK_SIZE
-    error_feedback: bool | str | None = None
+    error_feedback: bool | None = None
     eager_updates: bool | str = False
     outer_topology: OuterTopologySpec = "all"
     elastic: Elastic | None = None
@@ -206,7 +190,6 @@ class FederationConfig:
         check_error_feedback(self.error_feedback)
         check_positive_int("quant_block_size", self.quant_block_size)
         check_outer_topology(self)
-        check_feedback_in_weights(self)
         # Builds a reducer once: an unknown dtype, or error feedback with a float dtype, fail here.
         self.reducer()
         check_codec_options(self)
@@ -215,8 +198,6 @@ class FederationConfig:
         check_elastic(self)
         check_pace(self)
         check_compatible(self)
-        if self.feedback_in_weights:
-            warnings.warn(FEEDBACK_IN_WEIGHTS_RETIRED, FutureWarning, stacklevel=3)
 
     def topology(self, num_nodes: int, devices_per_node: int, hybrid: bool) -> FederationTopology:
         """The job's topology once the number of nodes and devices per node are known.
@@ -269,8 +250,6 @@ class FederationConfig:
             dtype += " mix messages, what they drop kept in the weights"
         elif self.compressed:
             dtype += f" {'with' if self.error_feedback is not False else 'without'} error feedback"
-            if self.feedback_in_weights:
-                dtype += " in the weights"
         parts = [f"outer step every {self.sync_every} optimizer steps ({outer})", f"outer traffic {dtype}"]
         if self.fragments > 1:
             parts.append(f"{self.fragments} streaming fragments")
@@ -327,11 +306,6 @@ class FederationConfig:
         return "share" if self.eager_updates is True else str(self.eager_updates)
 
     @property
-    def feedback_in_weights(self) -> bool:
-        """Whether each group keeps what it did not send in its own weights (``error_feedback="weights"``)."""
-        return self.error_feedback == FEEDBACK_IN_WEIGHTS
-
-    @property
     def outer_optimizer_factory(self) -> OuterOptimizerFactory:
         """A callable that builds the outer optimizer from a list of anchor tensors."""
         return resolve_outer_optimizer(self.outer_optimizer)
@@ -367,8 +341,7 @@ class FederationConfig:
         if self.mixing is not None:  # the mixes carry the codec; the end of training averages exactly
             return make_reducer(MIXING_REDUCE_DTYPE, None, None, residual_device)
         block_size = None if isinstance(self.reduce_dtype, Codec) else self.quant_block_size
-        feedback = self.error_feedback if isinstance(self.error_feedback, bool) else self.feedback_in_weights or None
-        return make_reducer(self.effective_reduce_dtype, block_size, feedback, residual_device)
+        return make_reducer(self.effective_reduce_dtype, block_size, self.error_feedback, residual_device)
 
 
 def args_doc(options: type) -> str:

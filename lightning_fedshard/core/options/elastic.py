@@ -68,9 +68,7 @@ class Elastic:
     """
 
     #: What an elastic federation does not run yet (see :mod:`lightning_fedshard.core.rounds.options`).
-    refuses: ClassVar[dict[str, Refusal]] = {
-        "error_feedback_weights": Refusal("a joining group would heal onto the anchor without the residuals"),
-    }
+    refuses: ClassVar[dict[str, Refusal]] = {}
 
     lighthouse: str | None = None
     group: int | None = None

@@ -45,9 +45,6 @@ class Options(Protocol):
     def eager_rule(self) -> str | None: ...  # noqa: D102
 
     @property
-    def feedback_in_weights(self) -> bool: ...  # noqa: D102
-
-    @property
     def outer_period(self) -> int: ...  # noqa: D102
 
     @property

@@ -55,7 +55,6 @@ class EagerRound(Round):
     refuses = {
         "sync_delay": Refusal("eager updates already overlap each sum with a whole round", impossible=True),
         "merge_alpha": Refusal("eager updates keep all local progress, there is nothing to merge", impossible=True),
-        "error_feedback_weights": Refusal("each group's start already differs from the anchor by its own share"),
     }
 
     def __init__(self, federation: Host, period: int, sampled: Sampled | None = None) -> None:

@@ -74,9 +74,6 @@ class MixingRound(OnePendingRound):
         "merge_alpha": Refusal(f"{_NO_SHARED_ANCHOR} to merge towards", impossible=True),
         "eager_updates": Refusal(f"{_NO_SHARED_ANCHOR} to share in advance", impossible=True),
         "outer_momentum": Refusal(f"{_NO_SHARED_ANCHOR} to keep momentum on", impossible=True),
-        "error_feedback_weights": Refusal(
-            "a mix already keeps what its encoding dropped in each group's own weights", impossible=True
-        ),
     }
 
     def __init__(self, federation: Host, topology: Mixing, inner: PlainRound) -> None:

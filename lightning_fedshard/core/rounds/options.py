@@ -22,7 +22,6 @@ from lightning_fedshard.core.options.refusal import Advice
 from lightning_fedshard.core.rounds.base import Refusal
 from lightning_fedshard.core.rounds.eager import EagerRound
 from lightning_fedshard.core.rounds.mixing import MixingRound
-from lightning_fedshard.core.rounds.plain import FEEDBACK_IN_WEIGHTS_REFUSES
 from lightning_fedshard.core.rounds.sites import HierarchicalRound
 from lightning_fedshard.core.step.participation import Paced, SampledGroups
 from lightning_fedshard.core.wire.codecs import SparseLoCo
@@ -119,13 +118,6 @@ SWITCHES: tuple[Switch, ...] = (
     ),
     Switch("pace", "Pace", lambda c: c.pace is not None, _given("pace"), "leave `pace=None`"),
     Switch(
-        "error_feedback_weights",
-        "error_feedback='weights'",
-        lambda c: c.feedback_in_weights,
-        _given("error_feedback"),
-        "leave `error_feedback` unset",
-    ),
-    Switch(
         "outer_momentum",
         "stateful outer optimizer (nesterov)",
         lambda c: c.outer_optimizer != "fedavg",
@@ -165,7 +157,6 @@ MODES: Mapping[str, Mapping[str, Refusal]] = {
     "sampled_outer_step": SampledGroups.refuses,
     "elastic": Elastic.refuses,
     "pace": Paced.refuses,
-    "error_feedback_weights": FEEDBACK_IN_WEIGHTS_REFUSES,
     "sparseloco": SparseLoCo.refuses,
 }
 

@@ -3,36 +3,25 @@
 Every ``period / fragments`` optimizer steps one fragment lands: the outer step on the groups' mean pseudo-gradient,
 after which every group holds ``anchor + merge_alpha * (local - anchor)`` (the anchor itself with the default
 ``merge_alpha=0``). With ``sync_delay = d`` the pseudo-gradient is taken ``d`` steps before the landing and summed in
-the background meanwhile. With ``error_feedback="weights"`` a landing leaves each group at ``anchor - residual``: what
-its encoding did not send stays in its own weights.
+the background meanwhile.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import torch
 from typing_extensions import override
 
 from lightning_fedshard.core.fragments import landing_fragment, starting_fragment
-from lightning_fedshard.core.rounds.averaging import load_mean_over_groups, mean_bytes, mean_weights, write_weights
-from lightning_fedshard.core.rounds.base import Host, OnePendingRound, Refusal, drop
+from lightning_fedshard.core.rounds.base import Host, OnePendingRound, drop
 from lightning_fedshard.core.step.participation import Participation
 from lightning_fedshard.core.step.stats import SyncStats
 from lightning_fedshard.core.step.transaction import SyncKind, SyncTransaction
 from lightning_fedshard.core.wire.pending import PendingSync
 
 if TYPE_CHECKING:
-    from lightning_fedshard.core.step.outer import OuterStep
-
-
-#: What error feedback in the weights (a landing policy of the plain round) does not run.
-FEEDBACK_IN_WEIGHTS_REFUSES = {
-    "merge_alpha": Refusal("the merged weights and the residual kept in them are not defined together"),
-    "sampled_outer_step": Refusal("a group left out of a round would keep the residual of a sum it added nothing to"),
-}
+    pass
 
 
 class PlainRound(OnePendingRound):
@@ -108,8 +97,6 @@ class PlainRound(OnePendingRound):
 
     def _complete(self, pending: PendingSync, step: int, merge_alpha: float) -> SyncStats:
         stats = self.outer.complete(pending, step=step, merge_alpha=merge_alpha)
-        if self.config.feedback_in_weights and not stats.lost:
-            residual_into_weights(self.outer, pending.fragment)
         self.federation.written()
         self.federation.last_synced_step = self.federation.landed_at[pending.fragment] = step
         return stats
@@ -118,8 +105,7 @@ class PlainRound(OnePendingRound):
     def finish(self, step: int) -> list[SyncStats]:
         """A sum in flight is dropped; every fragment that did not land at ``step`` takes one synchronous outer step.
 
-        A fragment that landed at ``step`` with ``merge_alpha > 0`` gets the new anchor copied in. With
-        ``error_feedback="weights"`` the groups then take the exact mean of their weights, which becomes the anchor.
+        A fragment that landed at ``step`` with ``merge_alpha > 0`` gets the new anchor copied in.
         """
         self.forget_in_flight()
         synced = []
@@ -130,19 +116,12 @@ class PlainRound(OnePendingRound):
                     self.federation.written()
                 continue
             synced.append(self.sync(step, fragment))
-        if self.config.feedback_in_weights and len(self.federation.communicator.participants()) > 1:
-            synced.insert(0, agree_on_mean(self.outer))  # counted in the bytes; the norms are the last sync's
-            self.federation.written()
         return synced
 
     @override
     def load_consensus(self) -> None:
-        """The anchor; with ``error_feedback="weights"`` the exact mean of the groups' weights (they differ)."""
-        if self.config.feedback_in_weights:
-            self.await_in_flight()  # the mean travels on the fed ring, where the sum in flight runs
-            load_mean_over_groups(self.federation)
-        else:
-            self.outer.copy_anchor_to_shards()
+        """The anchor."""
+        self.outer.copy_anchor_to_shards()
 
     @property
     def pending(self) -> PendingSync | None:
@@ -161,47 +140,3 @@ class PlainRound(OnePendingRound):
             self._pending = PendingSync.from_state_dict(pending, self.outer.shards[0].device)
             if not self._pending.participants:  # saved before syncs recorded their participants: every group
                 self._pending.participants = self.federation.communicator.participants()
-
-
-@torch.no_grad()
-def residual_into_weights(outer: OuterStep, fragment: int) -> None:
-    """This group keeps what its encoding dropped: the fragment's shards become ``anchor - residual``.
-
-    The residual leaves the reducer (its next sync adds nothing): the next pseudo-gradient ``anchor - shard`` already
-    holds it. With ``R`` replicas each kept the residual of the part it encoded; the parts are gathered inside the
-    group (float32, the replicate axis only).
-    """
-    residual = outer.reducers[fragment].take_residual()
-    if residual is None:  # nothing was encoded (a single group)
-        return
-    indices = outer.fragments[fragment]
-    flat = residual.reshape(-1).to(outer.shards[indices[0]].device)
-    replicas = outer.communicator.num_replicas
-    if replicas > 1:
-        parts = torch.empty(replicas * flat.numel(), dtype=flat.dtype, device=flat.device)
-        outer.communicator.gather_replicas(parts, flat)
-        flat = parts
-    offset = 0
-    for i in indices:
-        shard = outer.shards[i]
-        n = shard.numel()
-        shard.sub_(flat[offset : offset + n].view_as(shard).to(shard.dtype))
-        offset += n
-
-
-@torch.no_grad()
-def agree_on_mean(outer: OuterStep) -> SyncStats:
-    """Every group's shards and the anchor become the exact float32 mean of the groups' weights; collective.
-
-    The end of training with ``error_feedback="weights"``: the groups differ by what they have not sent, their mean is
-    the consensus. No outer step (the outer optimizer does not change).
-    """
-    start = time.perf_counter()
-    groups = len(outer.communicator.participants())
-    flat = mean_weights(outer)
-    write_weights(outer.shards, flat)
-    for anchor, shard in zip(outer.anchor, outer.shards):
-        anchor.copy_(shard.detach().reshape(anchor.shape))
-    seconds = time.perf_counter() - start
-    sent = mean_bytes(flat.numel(), groups)
-    return SyncStats(0.0, 0.0, sent, seconds, outer.num_syncs, exposed_seconds=seconds, site_syncs=outer.site_syncs)

@@ -28,7 +28,7 @@ from lightning_fedshard.core.rounds.averaging import (
     mean_bytes,
     weights_sync_stats,
 )
-from lightning_fedshard.core.rounds.base import Host, Refusal, Round, combined
+from lightning_fedshard.core.rounds.base import Host, Round, combined
 from lightning_fedshard.core.step.stats import SyncStats
 from lightning_fedshard.core.step.transaction import SITE_SYNC, SyncKind, SyncTransaction
 from lightning_fedshard.core.wire.pending import PendingSync
@@ -46,10 +46,6 @@ class HierarchicalRound(Round):
         topology: The sites and their periods.
         inner: The federation's round at the largest period.
     """
-
-    refuses = {
-        "error_feedback_weights": Refusal("a site sync would average away the residuals each group keeps"),
-    }
 
     def __init__(self, federation: Host, topology: Hierarchical, inner: Round) -> None:
         super().__init__(federation)

@@ -94,7 +94,6 @@ class Paced(Participation):
 
     #: The sync options a per-group pace does not run yet, and why.
     refuses: ClassVar[dict[str, Refusal]] = {
-        "error_feedback_weights": Refusal("the residual kept in the weights would count with the next round's weight"),
         "sparseloco": Refusal("its median clip and per-coordinate mean would re-weigh the groups' weighted updates"),
     }
 

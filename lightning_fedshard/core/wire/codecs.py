@@ -384,10 +384,6 @@ class SparseLoCo(Codec):
         "gossip": Refusal(_GATHERED_WHOLE),
         "sampled": Refusal(_GATHERED_WHOLE),
         "mixing": Refusal(_GATHERED_WHOLE),
-        "error_feedback_weights": Refusal(
-            "its error-feedback buffer decays between syncs, which a residual kept in the weights cannot",
-            impossible=True,
-        ),
         "outer_momentum": Refusal(
             "its decaying error-feedback buffer is the recipe's outer momentum (it steps with plain averaging), and a"
             " second momentum on top compounds the two: on the examples' Llama (4 groups, sync every 8, validated at"

@@ -44,11 +44,6 @@ class ErrorFeedback:
         """Hold ``intended - sent`` (shaped like ``intended``) for ``slot``'s next call."""
         self.residuals[slot] = (intended - sent.view(intended.shape)).to(self.device or intended.device)
 
-    def take(self, slot: str) -> Tensor | None:
-        """The residual held for ``slot``, no longer held here (``None`` if none was)."""
-        residual, self.residuals[slot] = self.residuals.get(slot), None
-        return residual
-
     def reset(self) -> None:
         """Drop every residual (e.g. when the vector or the ring it is summed over changes)."""
         self.residuals = dict.fromkeys(self.residuals)

@@ -94,14 +94,6 @@ class Reducer(Protocol):
         A reducer without error feedback keeps nothing, and this does nothing.
         """
 
-    def take_residual(self) -> Tensor | None:
-        """Remove and return this rank's residual of the last sync: what its encoding of its own input dropped.
-
-        Returns:
-            The residual, shaped like the last input (``None`` if the reducer keeps none). It is no longer held: the
-            next sync does not add it.
-        """
-
     def state_dict(self) -> dict[str, Any]:
         """What must survive a checkpoint."""
 
@@ -155,14 +147,6 @@ class AllReduceSum:
 
     def reset_residual(self) -> None:
         """Nothing to forget: a float sum drops nothing."""
-
-    def take_residual(self) -> Tensor | None:
-        """``None``: a float sum keeps no residual.
-
-        Returns:
-            Always ``None``.
-        """
-        return None
 
     def state_dict(self) -> dict[str, Any]:
         """Nothing: a float sum keeps no state."""
@@ -225,17 +209,6 @@ class _HeldResiduals:
         """Drop every held residual (e.g. when the vector or the ring changes); no-op without feedback."""
         if self.feedback is not None:
             self.feedback.reset()
-
-    def take_residual(self) -> Tensor | None:
-        """Remove and return what this rank's own encoding dropped in the last call (slot ``"residual"``).
-
-        Other slots (e.g. the residual of the chunk a rank sums) stay held for the next call.
-
-        Returns:
-            ``input - decoded``, shaped like the last input; ``None`` without error feedback, before the first call
-            with more than one member, or once taken.
-        """
-        return self.feedback.take("residual") if self.feedback is not None else None
 
     def state_dict(self) -> dict[str, Any]:
         """The held residuals of this rank (``None`` before the first call or without feedback)."""

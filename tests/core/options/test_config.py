@@ -1,7 +1,6 @@
 import dataclasses
 import functools
 import inspect
-import warnings
 
 import pytest
 import torch
@@ -136,16 +135,7 @@ def test_a_mixing_with_a_lossy_reduce_dtype_encodes_its_mixes_and_ends_in_float3
         assert not config.codec.exact  # the mixes' messages
         assert "mix messages, what they drop kept in the weights" in config.describe()
         reducer = config.reducer()  # the end of training: exact, with no residual to carry
-        assert isinstance(reducer, AllReduceSum) and reducer.codec.exact and reducer.take_residual() is None
-
-
-@pytest.mark.filterwarnings("default")
-def test_error_feedback_in_the_weights_warns_that_it_is_deprecated_with_the_evidence():
-    with pytest.warns(FutureWarning, match=r"`error_feedback='weights'` is deprecated .* \+39% .* the buffer's \+29%"):
-        FederationConfig(reduce_dtype="int8", error_feedback="weights")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        FederationConfig(reduce_dtype="int8", error_feedback=True)
+        assert isinstance(reducer, AllReduceSum) and reducer.codec.exact and reducer.state_dict() == {}
 
 
 def test_merge_alpha_is_refused_with_a_mixing_that_has_no_anchor_to_merge_towards():
@@ -166,7 +156,6 @@ def test_sparse_keeps_its_valid_neighbours():
     from lightning_fedshard import SparseTopK
 
     assert FederationConfig(reduce_dtype="sparse", error_feedback=True).reducer().feedback is not None
-    assert FederationConfig(reduce_dtype="sparse", error_feedback="weights").feedback_in_weights
     # Nothing is dropped when every value is sent: no feedback is then a choice, not a loss.
     assert FederationConfig(reduce_dtype=SparseTopK(density=1.0), error_feedback=False).reducer().feedback is None
     every = FederationConfig(reduce_dtype=SparseLoCo(top_k=8, chunk_size=8), error_feedback=False)

@@ -41,10 +41,6 @@ def test_the_largest_period_that_divides_the_step_decides():
             dict(outer_topology=Hierarchical({8: 2, 16: 4}), fragments=2, sync_delay=8),
             r"\[0, period / fragments\) = \[0, 8\), got 8",
         ),
-        (
-            dict(outer_topology=Hierarchical({8: 2, 16: 4}), reduce_dtype="int8", error_feedback="weights"),
-            r"are not built to run together yet",
-        ),
     ],
 )
 def test_bad_topologies_fail_in_the_constructor(options, match):

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.testing import assert_close
 
-from lightning_fedshard import Gossip, Hierarchical, Mixing, Pace, Sampled
+from lightning_fedshard import Gossip, Hierarchical, Mixing, Pace, Sampled, SparseLoCo
 from lightning_fedshard.core.fragments import cut_fragments
 from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.options.pace import PaceSchedule
@@ -351,8 +351,8 @@ def test_a_pace_that_does_not_fit_the_federation_is_refused() -> None:
         FederationConfig(num_groups=3, pace=Pace(speeds=SLOW_LAST))
     with pytest.raises(ValueError, match="min_steps=9.*sync_every=8"):
         FederationConfig(num_groups=4, pace=Pace(min_steps=9))
-    with pytest.raises(ValueError, match="`pace=.*` and `error_feedback='weights'` are not built to run together yet"):
-        FederationConfig(num_groups=4, pace=Pace(), reduce_dtype="int4", error_feedback="weights")
+    with pytest.raises(ValueError, match="`pace=.*` and `reduce_dtype=SparseLoCo.*` are not built to run together yet"):
+        FederationConfig(num_groups=4, pace=Pace(), reduce_dtype=SparseLoCo())
     with pytest.raises(ValueError, match="must be a `lightning_fedshard.Pace`"):
         FederationConfig(num_groups=4, pace={"speeds": [1, 2]})  # type: ignore[arg-type]
 

@@ -8,11 +8,17 @@ from lightning_fedshard.core.options.validation import check_choices, check_erro
 from lightning_fedshard.core.wire.reducers import AllReduceSum
 
 
-def test_error_feedback_is_true_false_none_or_weights():
-    for feedback in (True, False, None, "weights"):
+def test_error_feedback_is_true_false_or_none():
+    for feedback in (True, False, None):
         check_error_feedback(feedback)
-    with pytest.raises(ValueError, match=r"must be True, False, None \(automatic\) or 'weights', got 'w'"):
+    with pytest.raises(ValueError, match=r"must be True, False or None \(automatic\), got 'w'"):
         check_error_feedback("w")
+
+
+def test_the_removed_error_feedback_in_the_weights_is_refused_with_the_evidence_and_what_to_use():
+    message = r"`error_feedback='weights'` was removed: .* \+39% .* the buffer's \+29%.* Leave `error_feedback` unset"
+    with pytest.raises(ValueError, match=message):
+        FederationConfig(reduce_dtype="int8", error_feedback="weights")  # type: ignore[arg-type]
 
 
 def test_an_unknown_anchor_device_or_nonfinite_policy_is_refused():
@@ -26,16 +32,12 @@ def test_an_unknown_anchor_device_or_nonfinite_policy_is_refused():
 def test_a_mixing_refuses_an_error_feedback_setting():
     from lightning_fedshard import BlockQuantizer, Gossip
 
-    for feedback in (True, "weights"):
-        with pytest.raises(ValueError, match=rf"drops nothing for `error_feedback={feedback!r}` to keep"):
-            FederationConfig(outer_topology=Gossip(peers=1), error_feedback=feedback)
+    with pytest.raises(ValueError, match=r"drops nothing for `error_feedback=True` to keep"):
+        FederationConfig(outer_topology=Gossip(peers=1), error_feedback=True)
     assert isinstance(FederationConfig(outer_topology=Gossip(peers=1), error_feedback=False).reducer(), AllReduceSum)
     for feedback in (True, False):
         with pytest.raises(ValueError, match=rf"always; `error_feedback={feedback!r}` cannot change that"):
             FederationConfig(outer_topology=Gossip(), reduce_dtype=BlockQuantizer(8, 64), error_feedback=feedback)
-    message = r"`error_feedback='weights'` cannot be combined: a mix already keeps what its encoding dropped"
-    with pytest.raises(ValueError, match=message):
-        FederationConfig(outer_topology=Gossip(peers=1), reduce_dtype="int4", error_feedback="weights")
 
 
 @pytest.mark.parametrize(

@@ -40,7 +40,6 @@ PROBES: dict[str, dict[str, Any]] = {
     "sampled_outer_step": dict(outer_topology=Sampled(groups_per_round=2, seed=1, outer_step=True)),
     "mixing": dict(outer_topology=Mixing(RING)),
     "elastic": dict(elastic=Elastic(lighthouse="http://localhost:29510", group=0)),
-    "error_feedback_weights": dict(reduce_dtype="int8", error_feedback="weights"),
     "outer_momentum": dict(outer_optimizer="nesterov"),
     "skip_group": dict(on_nonfinite="skip_group"),
     "lossy_dtype": dict(reduce_dtype="int8"),
@@ -150,8 +149,6 @@ def test_every_option_a_mode_accepts_changes_what_it_computes(mode, switch):
     """Nothing is accepted and then ignored: the option set on its own changes the groups' final weights."""
     base = () if mode == "plain" else (mode,)
     without, with_it = _options(*base), _options(*base, switch)
-    if switch == "error_feedback_weights":  # against error feedback in a buffer, on the same codec
-        without = {**without, "reduce_dtype": "int8"}
     nan_at = 5 if switch == "skip_group" else None  # the policy acts on a group whose weights hold NaN
     before, after = _train(without, nan_at), _train(with_it, nan_at)
     if switch == "skip_group":  # the broken group was left out and restarted: every group ends finite

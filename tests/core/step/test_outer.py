@@ -5,7 +5,6 @@ import torch
 from torch.testing import assert_close
 
 from lightning_fedshard.core.options.config import OUTER_OPTIMIZERS
-from lightning_fedshard.core.rounds.plain import agree_on_mean, residual_into_weights
 from lightning_fedshard.core.step.outer import OuterStep
 from lightning_fedshard.core.step.transaction import SyncKind, SyncTransaction
 from lightning_fedshard.core.transport.inprocess import InProcessGroups
@@ -212,82 +211,3 @@ def test_each_sync_reads_its_participants_once_and_divides_by_them():
         assert asked == 1 and participants == (0, 1, 2)
         assert_close(shard, torch.full((2,), 1.0))  # (0 + 1 + 2) / 3
         assert sent == 2 * 2 * 2 * 4 // 3  # a ring all-reduce of 2 float32 values over 3 members
-
-
-def _codec_round_trip(codec, values: torch.Tensor) -> torch.Tensor:
-    """What ``codec`` makes of ``values`` (chunk-local, so one piece holds every chunk)."""
-    padded = torch.zeros(codec.padded_length(values.numel()))
-    padded[: values.numel()] = values
-    return codec.decode_pieces(codec.encode_pieces(padded, 1), padded.numel()).reshape(-1)[: values.numel()]
-
-
-@pytest.mark.parametrize("reduce_dtype", ["sparse", "int4"])
-def test_error_feedback_in_the_weights_matches_a_hand_written_reference(reduce_dtype):
-    """``feedback_in_weights``: each group restarts from ``anchor - (d_g - sent_g)``; the mean is float32 averaging's.
-
-    The reference applies the codec twice, as the reducer does: to each group's pseudo-gradient (its residual stays in
-    its weights), and to the summed chunks (that residual waits for the next sum, as with buffered feedback).
-    """
-    from lightning_fedshard.core.wire.codecs import resolve_codec
-    from lightning_fedshard.core.wire.reducers import make_reducer
-
-    num_groups, numel, rounds = 3, 5000, 3
-    codec = resolve_codec(reduce_dtype, 128)
-    generator = torch.Generator().manual_seed(1)
-    anchor0 = torch.randn(numel, generator=generator)
-    moves = [[0.01 * torch.randn(numel, generator=generator) for _ in range(num_groups)] for _ in range(rounds)]
-
-    def work(g, comm):
-        shard = anchor0.clone()
-        outer = OuterStep(
-            [shard],
-            OUTER_OPTIMIZERS["fedavg"],
-            comm,
-            reducer=lambda: make_reducer(reduce_dtype, 128, True),
-        )
-        seen = []
-        for round_moves in moves:
-            shard.sub_(round_moves[g])
-            outer.step()
-            residual_into_weights(outer, 0)
-            seen.append((shard.clone(), outer.anchor[0].detach().clone()))
-        assert outer.reducers[0].state_dict()["residual"] is None  # the residual lives in the weights
-        return seen
-
-    results = InProcessGroups(num_groups).run(work)
-
-    weights = [anchor0.clone() for _ in range(num_groups)]
-    anchor, sum_residual = anchor0.clone(), torch.zeros(numel)
-    for k, round_moves in enumerate(moves):
-        pseudo = [anchor - (w - m) for w, m in zip(weights, round_moves)]
-        sent = [_codec_round_trip(codec, d) for d in pseudo]
-        total = sum(sent[1:], sent[0].clone()) + sum_residual
-        applied = _codec_round_trip(codec, total)
-        sum_residual = total - applied
-        anchor = anchor - applied / num_groups
-        weights = [anchor - (d - s) for d, s in zip(pseudo, sent)]
-        for g in range(num_groups):
-            shard, group_anchor = results[g][k]
-            assert_close(group_anchor, anchor, rtol=0, atol=1e-6)
-            assert_close(shard, weights[g], rtol=0, atol=1e-6)
-        # the groups differ by what they did not send; their mean is float32 averaging's, but for what the summed
-        # chunks' encoding holds back for the next sum
-        mean = torch.stack(weights).mean(0)
-        exact = torch.stack([anchor0 - sum(m[g] for m in moves[: k + 1]) for g in range(num_groups)]).mean(0)
-        assert_close(mean - sum_residual / num_groups, exact, rtol=0, atol=1e-5)
-    differ = (results[0][-1][0] - results[1][-1][0]).abs().max()
-    assert differ > 0
-
-
-def test_agree_on_mean_leaves_every_group_and_the_anchor_on_the_exact_mean():
-    def work(g, comm):
-        shard = torch.tensor([1.0, 2.0])
-        outer = OuterStep([shard], OUTER_OPTIMIZERS["fedavg"], comm)
-        shard.copy_(torch.tensor([float(g), 3.0 * g]))
-        stats = agree_on_mean(outer)
-        return shard.clone(), outer.anchor[0].clone(), stats.bytes_sent
-
-    for shard, anchor, sent in InProcessGroups(3).run(work):
-        assert_close(shard, torch.tensor([1.0, 3.0]), rtol=0, atol=0)
-        assert_close(anchor, shard, rtol=0, atol=0)
-        assert sent == 2 * 2 * 2 * 4 // 3
