@@ -21,7 +21,7 @@ from lightning_fedshard.core.options.pace import PaceSchedule
 from lightning_fedshard.core.rounds import Round, build_round
 from lightning_fedshard.core.rounds.base import combined
 from lightning_fedshard.core.step.outer import OuterStep
-from lightning_fedshard.core.step.participation import Paced
+from lightning_fedshard.core.step.participation import Paced, Participation, Probation, combine
 from lightning_fedshard.core.step.stats import SyncStats
 from lightning_fedshard.core.step.transaction import SyncKind
 from lightning_fedshard.core.transport.comm import Communicator
@@ -55,9 +55,11 @@ class Federation:
         self.extra_state: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
         #: The steps each group trains per round, with a per-group pace (``config.pace``); set by :meth:`start`.
         self.pace: PaceSchedule | None = None
-        #: Who adds to an outer step, with what weight (a per-group pace weighs by the steps trained); set by
-        #: :meth:`start`. ``None``: every participant, alike (a round may add its own rule, e.g. a sample).
-        self.participation: Paced | None = None
+        #: Who adds to a sync, with what weight (a per-group pace weighs by the steps trained; an elastic federation's
+        #: probation leaves out groups that joined recently); set by :meth:`start`. ``None``: every participant,
+        #: alike (a round may add its own rule, e.g. a sample).
+        self.participation: Participation | None = None
+        self._paced: Paced | None = None
         #: What a sync does: the one round for these options.
         self.round: Round = build_round(self)
 
@@ -132,7 +134,10 @@ class Federation:
             assert groups is not None
             self.config.pace.check(groups, self.config.sync_every)
             self.pace = PaceSchedule(self.config.pace, groups, self.config.sync_every)
-            self.participation = Paced(self.pace, self._landed, self.communicator)
+            self._paced = Paced(self.pace, self._landed, self.communicator)
+        elastic = self.config.elastic
+        probation = Probation(elastic.probation) if elastic is not None and elastic.probation > 0 else None
+        self.participation = combine(self._paced, probation)
 
     def trains(self, step: int) -> bool:
         """Whether this group trains optimizer step ``step`` (1-based); with a per-group pace it may skip it."""
@@ -163,12 +168,19 @@ class Federation:
             return None
         stats = self.round.after_step(step)
         self.last_step = step
-        if self.participation is not None:
-            self.participation.time_step(step, self.trains(step))
+        if self._paced is not None:
+            self._paced.time_step(step, self.trains(step))
         return stats if stats is None or self.annotate_stats is None else self.annotate_stats(stats)
 
     def _landed(self, fragment: int) -> int:
         return self.landed_at[fragment]
+
+    def _participation_state(self) -> dict[str, Any] | None:
+        return None if self.participation is None else self.participation.state_dict()
+
+    def _load_participation_state(self, state: dict[str, Any] | None) -> None:
+        if self.participation is not None and state is not None:
+            self.participation.load_state_dict(state)
 
     def heal_state(self) -> dict[str, Any]:
         """This rank's federation state for a group that joins or fell behind: outer state, schedule, sync, round.
@@ -187,6 +199,7 @@ class Federation:
             },  # fmt: skip
             "sync": outer.syncing,
             "round": self.round.state_dict(),
+            "participation": self._participation_state(),
         }
 
     @torch.no_grad()
@@ -205,6 +218,7 @@ class Federation:
         self.last_synced_step, self.last_step = int(schedule["last_synced_step"]), int(schedule["last_step"])
         self.landed_at = [int(s) for s in schedule["landed_at"]]
         self.round.load_state_dict(state.get("round", {}))
+        self._load_participation_state(state.get("participation"))
         outer.copy_anchor_to_shards()
         self.round.restart_from_anchor()
         self._on_write()
@@ -293,6 +307,7 @@ class Federation:
             "pending": None,
             "eager": {},
             "pace": self.pace.state_dict() if self.pace is not None else None,
+            "participation": self._participation_state(),
             **self.round.state_dict(),
             **{name: save() for name, (save, _) in self.extra_state.items()},
         }
@@ -331,6 +346,7 @@ class Federation:
                 load(state[name])
         if self.pace is not None and state.get("pace") is not None:
             self.pace.load_state_dict(state["pace"])
+        self._load_participation_state(state.get("participation"))
         self.round.load_state_dict(state)
 
 

@@ -65,6 +65,11 @@ class Elastic:
             group (a group fails as a unit; a half-dead group would stall the federation at every quorum).
         hostname: The address other groups reach this group's manager at; default: the machine's host name.
         manager_port: Port of this group's manager (rank 0); default: a free one.
+        probation: Syncs a group must have been present for before its updates count: a group that joined (a new
+            group, a standby, a group that came back) adds nothing to the next ``probation`` syncs after the one it
+            joined at (it trains, takes part and restarts from the federation's weights like every group). ``0``:
+            a group adds from the sync after it joined. For nodes that come and go: a group must stay up
+            ``probation`` syncs before it moves the federation.
     """
 
     #: What an elastic federation does not run yet (see :mod:`lightning_fedshard.core.rounds.options`).
@@ -84,6 +89,7 @@ class Elastic:
     group_timeout: float = 30.0
     hostname: str | None = None
     manager_port: int | None = None
+    probation: int = 0
 
     def __post_init__(self) -> None:
         for name in ("min_groups", "max_failures"):
@@ -91,10 +97,10 @@ class Elastic:
         check_positive_int(
             "Elastic(start_groups=...)", self.start_groups, allow_none=True, expected="a positive integer or None"
         )
-        if not isinstance(self.quorum_retries, int) or self.quorum_retries < 0:
-            raise ValueError(
-                f"`Elastic(quorum_retries=...)` must be a non-negative integer, got {self.quorum_retries!r}."
-            )
+        for name in ("quorum_retries", "probation"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"`Elastic({name}=...)` must be a non-negative integer, got {value!r}.")
         for name in ("timeout", "quorum_timeout", "connect_timeout", "group_timeout"):
             check_positive_number(f"Elastic({name}=...)", getattr(self, name), unit="seconds")
         if not self.federation or not all(c.isalnum() or c in "-." for c in self.federation):

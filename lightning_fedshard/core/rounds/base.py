@@ -10,7 +10,7 @@ from typing_extensions import override
 
 from lightning_fedshard.core.options.refusal import Refusal
 from lightning_fedshard.core.step.outer import OuterStep
-from lightning_fedshard.core.step.participation import Paced
+from lightning_fedshard.core.step.participation import Participation
 from lightning_fedshard.core.step.stats import SyncStats
 from lightning_fedshard.core.step.transaction import SyncKind
 from lightning_fedshard.core.transport.comm import Communicator
@@ -55,7 +55,7 @@ class Host(Protocol):
     """What a round drives: the federation's outer step, collectives and schedule (a ``Federation``)."""
 
     communicator: Communicator
-    participation: Paced | None
+    participation: Participation | None
     groups_may_join: bool
     last_synced_step: int
     landed_at: list[int]

@@ -244,11 +244,11 @@ def begin_mix(
     indices = outer.fragments[fragment]
     flat = flat_weights([outer.shards[i] for i in indices])
     transaction.exchange(bool(torch.isfinite(flat).all()), flat.device)
-    broken, joined = transaction.broken, transaction.joined
-    matrix = weigh_columns(_present(outer, weights(groups), groups, broken, joined, step), transaction, since)
+    broken, left_out = transaction.broken, (*transaction.joined, *transaction.idle)
+    matrix = weigh_columns(_present(outer, weights(groups), groups, broken, left_out, step), transaction, since)
     me = groups.index(communicator.group_index)
     reference = _reference(outer, indices, codec, flat.device)
-    if communicator.group_index in (*broken, *joined):
+    if not transaction.adds:
         flat.zero_()
     elif reference is not None:
         flat.sub_(reference)
@@ -264,7 +264,8 @@ def begin_mix(
         participants=groups,
         started_at=step,
         broken=broken,
-        joined=joined,
+        joined=transaction.joined,
+        idle=transaction.idle,
         own_sq=0.0,
         bytes_sent=receivers * wire.numel() * wire.element_size(),
         clock=start,
@@ -283,17 +284,18 @@ def land_mix(
 ) -> SyncStats:
     """Add ``sum_j W_ij m^_j - m^_i`` to this group's weights of the fragment (see the module); collective.
 
-    An absent group (broken, or joined at this sync) takes ``reference + sum_j W_ij m^_j``, the mix of the others, or
-    keeps its weights if its row has no one else. A uniform matrix also moves the anchor to
-    ``reference + sum_j m^_j / G``. Nothing is written unless the communicator commits the sync (an elastic vote).
+    An absent group (broken, joined at this sync, or left out by a participation rule) takes
+    ``reference + sum_j W_ij m^_j``, the mix of the others, or keeps its weights if its row has no one else. A uniform
+    matrix also moves the anchor to ``reference + sum_j m^_j / G``. Nothing is written unless the communicator commits
+    the sync (an elastic vote).
     """
     start = time.perf_counter()
     mixed, own = pending.result().unbind(0)
     communicator = outer.communicator
-    groups, absent = pending.participants, (*pending.broken, *pending.joined)
+    groups, absent = pending.participants, (*pending.broken, *pending.joined, *pending.idle)
     matrix = weights(groups)
     uniform = _uniform(matrix)
-    matrix = _present(outer, matrix, groups, pending.broken, pending.joined, step)
+    matrix = _present(outer, matrix, groups, pending.broken, (*pending.joined, *pending.idle), step)
     me = groups.index(communicator.group_index)
     indices = outer.fragments[pending.fragment]
     current = flat_weights([outer.shards[i] for i in indices])
@@ -361,17 +363,20 @@ def _present(
     matrix: Tensor,
     groups: Sequence[int],
     broken: Sequence[int],
-    joined: Sequence[int],
+    left_out: Sequence[int],
     step: int | None,
 ) -> Tensor:
-    """``matrix`` (by position among ``groups``) without the broken and joined groups' columns (:func:`healthy_mix`).
+    """``matrix`` (by position among ``groups``) without the columns of the groups that add nothing.
+
+    Those are the broken ones and those ``left_out``: joined at this sync, or left out by a participation rule
+    (:func:`healthy_mix`).
 
     Raises:
         NonFiniteOuterGradientError: For a broken group left with no healthy partner.
     """
-    if not broken and not joined:
+    if not broken and not left_out:
         return matrix
-    matrix, stranded = healthy_mix(matrix, [groups.index(g) for g in (*broken, *joined)])
+    matrix, stranded = healthy_mix(matrix, [groups.index(g) for g in (*broken, *left_out)])
     stranded_broken = [groups[p] for p in stranded if groups[p] in broken]
     if stranded_broken:
         raise NonFiniteOuterGradientError(stranded_broken, outer.num_syncs, step, "mix", outer.on_nonfinite)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from lightning_fedshard.core.options.outer_topology import Sampled
     from lightning_fedshard.core.transport.comm import Communicator
 
-__all__ = ["Everyone", "Paced", "Participation", "SampledGroups", "combine"]
+__all__ = ["Everyone", "Paced", "Participation", "Probation", "SampledGroups", "combine"]
 
 
 class Participation:
@@ -52,6 +52,13 @@ class Participation:
         for every group's factor: the answer must be the same on every rank.
         """
         return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the rule keeps between syncs (checkpoints, and a joining group's heal); nothing by default."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
 
 
 class Everyone(Participation):
@@ -151,6 +158,43 @@ class Paced(Participation):
         return everyone.tolist()
 
 
+class Probation(Participation):
+    """A group adds only once it was present at each of the federation's last syncs (``Elastic(probation=k)``).
+
+    Availability is measured from the syncs themselves: each sync's participants (the same on every rank) are kept
+    for the last ``k + 1`` syncs, and a group adds to a sync only if it took part in every one of them (of those the
+    federation had, at its start). A group that joined at sync ``j`` adds nothing at ``j`` (it joined), nor at the
+    ``k`` syncs after it; from sync ``j + k + 1`` on it adds like any other. Every sync counts: each fragment's landing,
+    site sync and mix. The participants of those syncs are the rule's state: checkpoints keep it, and a joining group
+    receives it with the federation's (so that it decides what its peers decide).
+
+    Args:
+        syncs: ``k``: the syncs after its join a group adds nothing to.
+    """
+
+    #: Leaving a group out of a sync is what every round already does for a group that joined: it composes with all.
+    refuses: ClassVar[dict[str, Refusal]] = {}
+
+    def __init__(self, syncs: int) -> None:
+        self.syncs = syncs
+        #: The participants of the last ``syncs + 1`` syncs, oldest first (this one last, once asked).
+        self.seen: list[tuple[int, ...]] = []
+
+    def idle(self, participants: tuple[int, ...], landing: int) -> tuple[int, ...]:
+        """The participants missing from any of the syncs before this one kept; records this sync's participants."""
+        before = self.seen
+        self.seen = [*before, tuple(participants)][-(self.syncs + 1) :]
+        return tuple(g for g in participants if any(g not in earlier for earlier in before))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The participants of the syncs kept."""
+        return {"seen": [list(groups) for groups in self.seen]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.seen = [tuple(int(g) for g in groups) for groups in state.get("seen", [])]
+
+
 class _Both(Participation):
     """Several rules at once: a group any of them leaves out adds nothing; the one rule that weighs, weighs."""
 
@@ -169,6 +213,13 @@ class _Both(Participation):
     def mean_weight(self, since: int, step: int, contributors: tuple[int, ...], group: int) -> float | None:
         weights = [w for rule in self.rules if (w := rule.mean_weight(since, step, contributors, group)) is not None]
         return weights[0] if weights else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {str(i): rule.state_dict() for i, rule in enumerate(self.rules)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for i, rule in enumerate(self.rules):
+            rule.load_state_dict(state.get(str(i), {}))
 
 
 def combine(*rules: Participation | None) -> Participation | None:

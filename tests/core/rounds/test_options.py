@@ -166,14 +166,18 @@ def _elastic_pairs() -> list[str]:
     return [s for s in PROBES if s != "elastic" and refusal("elastic", s) is None]
 
 
+@pytest.mark.parametrize("probation", [0, 1])
 @pytest.mark.parametrize("switch", _elastic_pairs())
-def test_every_option_an_elastic_federation_accepts_runs_through_a_change_of_members(switch):
+def test_every_option_an_elastic_federation_accepts_runs_through_a_change_of_members(switch, probation):
     """Three live groups of four planned; group 1 is gone before step 6 and group 3 takes its place, joining the sync
-    that lands after step 8 (adding nothing). Every option the elastic federation accepts runs through it: the
-    replacement is recorded as joined, and every live group ends on one finite consensus."""
+    that lands after step 8 (adding nothing; with a probation, nor to the next sync). Every option the elastic
+    federation accepts runs through it: the replacement is recorded as joined, and every live group ends on one finite
+    consensus."""
     from tests.core.rounds.live import run_live
 
-    config = FederationConfig(**_options("elastic", switch))
+    options = _options("elastic", switch)
+    options["elastic"] = Elastic(lighthouse="http://localhost:29510", group=0, probation=probation)
+    config = FederationConfig(**options)
     joined = 8 - config.sync_delay
     results = run_live(config, [(0, (0, 1, 2)), (6, (0, 3, 2))], {3: joined}, STEPS)
     finals = [torch.cat(result["final"]) for result in results]

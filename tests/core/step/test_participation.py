@@ -1,10 +1,11 @@
 """The participation rules: who adds to an outer step, and with what weight."""
 
 import pytest
+import torch
 
 from lightning_fedshard.core.options.outer_topology import Sampled
 from lightning_fedshard.core.options.pace import Pace, PaceSchedule
-from lightning_fedshard.core.step.participation import Everyone, Paced, Participation, SampledGroups, combine
+from lightning_fedshard.core.step.participation import Everyone, Paced, Participation, Probation, SampledGroups, combine
 
 
 def test_everyone_adds_alike():
@@ -53,3 +54,81 @@ def test_combined_rules_leave_out_either_rules_groups_and_at_most_one_weighs():
     assert both is not None and both.idle((0, 1, 2, 3), 4) == (0, 2)
     assert both.weight(0, 4, (1, 3), 1) is None
     assert "sparseloco" in Paced.refuses and Participation.refuses == SampledGroups.refuses == {}
+
+
+def test_probation_leaves_a_group_out_of_the_k_syncs_after_the_one_it_joined_at():
+    rule = Probation(2)
+    syncs = [(0, 1, 2), (0, 1, 2), (0, 3, 2), (0, 3, 2), (0, 3, 2), (0, 3, 2), (3, 2)]
+    idle = [rule.idle(participants, landing=4 * (i + 1)) for i, participants in enumerate(syncs)]
+    # group 3 joins at the third sync (adding nothing then), and the two after it; it adds from the sixth on
+    assert idle == [(), (), (3,), (3,), (3,), (), ()]
+    assert Probation.refuses == {}
+
+
+def test_probation_decides_the_same_after_its_state_is_restored():
+    syncs = [(0, 1), (0, 1), (0, 2), (0, 2), (0, 2), (1, 0, 2)]
+    straight, first = Probation(2), Probation(2)
+    expected = [straight.idle(s, 0) for s in syncs]
+    for s in syncs[:3]:
+        first.idle(s, 0)
+    resumed = Probation(2)
+    resumed.load_state_dict(first.state_dict())  # a checkpoint, or the state a joining group heals
+    assert [resumed.idle(s, 0) for s in syncs[3:]] == expected[3:]
+    assert expected[-1] == (1,)  # group 1 came back: on probation again
+
+
+def test_probation_is_an_elastic_option_refused_when_negative():
+    from lightning_fedshard.core.options.elastic import Elastic
+
+    assert Elastic(probation=2).probation == 2
+    with pytest.raises(ValueError, match=r"`Elastic\(probation=...\)` must be a non-negative integer, got -1"):
+        Elastic(probation=-1)
+
+
+def _probation_run(probation: int):
+    """Three live groups of four planned, plain averaging: group 1 is gone before step 6 and group 3 joins the sync
+    after step 8; every thread's weights after every step."""
+    from lightning_fedshard.core.options.config import FederationConfig
+    from lightning_fedshard.core.options.elastic import Elastic
+    from tests.core.rounds.live import run_live
+
+    elastic = Elastic(lighthouse="http://localhost:29510", group=0, probation=probation)
+    config = FederationConfig(num_groups=4, sync_every=4, reduce_dtype="float32", elastic=elastic)
+    return run_live(config, [(0, (0, 1, 2)), (6, (0, 3, 2))], {3: 8}, 16)
+
+
+def _replay(probation_idle: dict[int, set[int]]) -> dict[int, dict[int, torch.Tensor]]:
+    """Independently: plain averaging over the groups that add (not joined, not on probation) at each sync."""
+    from tests.core.rounds.live import update
+
+    held = {g: [torch.full((2,), float(u)) for u in range(3)] for g in range(4)}
+    anchor = [torch.full((2,), float(u)) for u in range(3)]
+    after: dict[int, dict[int, torch.Tensor]] = {}
+    for step in range(1, 17):
+        live = (0, 1, 2) if step < 6 else (0, 3, 2)
+        if step == 6:
+            held[3] = [a.clone() for a in anchor]
+        for g in live:
+            update(g, step, held[g])
+        if step % 4 == 0:
+            adding = [g for g in live if not (g == 3 and step == 8) and g not in probation_idle.get(step, set())]
+            anchor = [torch.stack([held[g][u] for g in adding]).mean(0) for u in range(3)]
+            for g in live:
+                held[g] = [a.clone() for a in anchor]
+        after[step] = {g: torch.cat(held[g]) for g in live}
+    return after
+
+
+@pytest.mark.parametrize(("probation", "idle"), [(0, {}), (1, {12: {3}}), (2, {12: {3}, 16: {3}})])
+def test_an_elastic_federation_on_probation_equals_an_independent_replay(probation, idle):
+    """The replacement adds nothing at the sync it joins (step 8) nor at the ``probation`` syncs after it."""
+    results = _probation_run(probation)
+    replay = _replay(idle)
+    labels = {t: g for t, g in enumerate((0, 3, 2))}
+    for t, result in enumerate(results):
+        for step in (12, 16):
+            got = torch.cat(result["history"][step])
+            assert torch.allclose(got, replay[step][labels[t]], rtol=0, atol=1e-6), (probation, t, step)
+    if probation:
+        plain = torch.cat(_probation_run(0)[0]["history"][12])
+        assert not torch.allclose(torch.cat(results[0]["history"][12]), plain, atol=1e-4)  # the probation acted
