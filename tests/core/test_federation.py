@@ -94,3 +94,27 @@ def test_starting_again_with_new_tensors_of_the_same_layout_keeps_the_state_and_
     second.add_(1.0)
     fed.maybe_sync(2)
     assert not torch.equal(second, first), "the sync wrote to the old tensor"
+
+
+def test_a_joining_group_heals_the_participation_rules_state_and_a_checkpoint_keeps_it():
+    """With a probation the rule's record of who took part is the federation's: a group that heals decides the same."""
+    from lightning_fedshard.core.options.elastic import Elastic
+    from lightning_fedshard.core.step.participation import Probation
+
+    elastic = Elastic(lighthouse="http://localhost:29510", group=0, probation=2)
+    config = FederationConfig(num_groups=2, sync_every=2, reduce_dtype="float32", elastic=elastic)
+
+    def work(g, comm):
+        fed = Federation(config, comm)
+        fed.start([torch.zeros(3)], step=0)
+        for step in (1, 2, 3, 4):
+            fed.maybe_sync(step)
+        return fed.heal_state(), fed.state_dict()
+
+    healed, saved = InProcessGroups(2).run(work)[0]
+    assert healed["participation"] == saved["participation"] == {"seen": [[0, 1], [0, 1]]}
+    for state, load in ((healed, "load_heal_state"), (saved, "load_state_dict")):
+        joiner = Federation(config, InProcessGroups(1).run(lambda g, c: c)[0])
+        joiner.start([torch.zeros(3)], step=0)
+        getattr(joiner, load)(state)
+        assert isinstance(joiner.participation, Probation) and joiner.participation.seen == [(0, 1), (0, 1)]
