@@ -260,16 +260,9 @@ def begin_mix(
 
     receivers = len(groups) - 1 if getattr(communicator, "mixes_by_all_gather", False) else _partners(matrix, me)
     pending = PendingSync(
-        fragment=fragment,
-        participants=groups,
-        started_at=step,
-        broken=broken,
-        joined=transaction.joined,
-        idle=transaction.idle,
-        own_sq=0.0,
-        bytes_sent=receivers * wire.numel() * wire.element_size(),
-        clock=start,
-    )
+        fragment=fragment, participants=groups, started_at=step, broken=broken, joined=transaction.joined,
+        idle=transaction.idle, own_sq=0.0, bytes_sent=receivers * wire.numel() * wire.element_size(), clock=start,
+    )  # fmt: skip
     if background:
         pending._future = outer.in_background(run)
     else:
