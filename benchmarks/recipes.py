@@ -244,9 +244,10 @@ def run_one(recipe: Recipe, seed: int, work: Path, module: str = "benchmarks.rec
     last = root / "ckpt" / "last.ckpt"
     resumed = last.exists()
     start, cpu = time.time(), _cpu_seconds()
-    simulator.fit(model, datamodule=data, ckpt_path=str(last) if last.exists() else None)
-    wall, cpu = time.time() - start, _cpu_seconds() - cpu
+    fitted = simulator.fit(model, datamodule=data, ckpt_path=str(last) if last.exists() else None)
     curve = _validation_curve(root / "csv" / "version_0" / "metrics.csv")
+    final = _final_validation(fitted, curve, recipe.steps)
+    wall, cpu = time.time() - start, _cpu_seconds() - cpu
     tokens_per_step = recipe.tokens_per_step
     return {
         "recipe": recipe.name,
@@ -254,14 +255,27 @@ def run_one(recipe: Recipe, seed: int, work: Path, module: str = "benchmarks.rec
         "seed": seed,
         "settings": recipe.settings(),
         "tokens_per_step": tokens_per_step,
-        "curve": curve,  # [step, val_loss] pairs
-        "final_val_loss": curve[-1][1] if curve else None,
+        "curve": curve + final,  # [step, val_loss] pairs
+        "final_val_loss": (curve + final)[-1][1] if curve or final else None,
+        "final_added": bool(final),
         "wall_seconds": wall,
         "cpu_seconds": cpu,
         "resumed": resumed,  # the wall and CPU time then count from the resume
         "finished_at": time.time(),
         "command": f"PYTHONPATH=. python -m {module} --only {recipe.name} --seeds {seed}",
     }
+
+
+def _final_validation(fitted: Any, curve: list[list[float]], steps: int) -> list[list[float]]:
+    """The validation after the last step, when the schedule missed it: ``[[steps - 1, val_loss]]``, else ``[]``.
+
+    With more ranks per group than a training epoch's batches divide into, Lightning steps on a partial accumulation
+    at each epoch's end, so a ``val_check_interval`` counted in batches drifts off the optimizer steps and can miss
+    the last one; the study's final loss must be the last step's.
+    """
+    if curve and curve[-1][0] == steps - 1:
+        return []
+    return [[steps - 1, float(fitted.validate()[0]["val_loss"])]]
 
 
 def _cpu_seconds() -> float:
