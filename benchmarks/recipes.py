@@ -244,8 +244,11 @@ def run_one(recipe: Recipe, seed: int, work: Path, module: str = "benchmarks.rec
     last = root / "ckpt" / "last.ckpt"
     resumed = last.exists()
     start, cpu = time.time(), _cpu_seconds()
+    metrics = root / "csv" / "version_0" / "metrics.csv"
+    before = _validation_curve(metrics)  # Lightning's CSVLogger starts the file over when a run resumes
     fitted = simulator.fit(model, datamodule=data, ckpt_path=str(last) if last.exists() else None)
-    curve = _validation_curve(root / "csv" / "version_0" / "metrics.csv")
+    merged = {step: loss for step, loss in before + _validation_curve(metrics)}
+    curve = [[step, merged[step]] for step in sorted(merged)]
     final = _final_validation(fitted, curve, recipe.steps)
     wall, cpu = time.time() - start, _cpu_seconds() - cpu
     tokens_per_step = recipe.tokens_per_step
@@ -284,8 +287,10 @@ def _cpu_seconds() -> float:
 
 
 def _validation_curve(metrics: Path) -> list[list[float]]:
-    """``[step, val_loss]`` of every validation in Lightning's CSV log (a resumed run appends to the same file)."""
+    """``[step, val_loss]`` of every validation in Lightning's CSV log (none if there is no log yet)."""
     seen: dict[int, float] = {}
+    if not metrics.exists():
+        return []
     with metrics.open() as f:
         for row in csv.DictReader(f):
             if row.get("val_loss"):
