@@ -2,24 +2,32 @@
 
 Each rank describes its federation, its group, whether it is joining, and what must be equal at its in-group position
 in every group (model layout, sync options). A job that does not belong is refused with both values of what differs;
-the others ask the lighthouse again without it.
+the others ask the lighthouse again without it. In a federation with a secret each description also carries the
+proof of it, bound to the quorum and the group (an HMAC): a joining job whose secret is not the federation's (or that
+has none) is refused, and the groups that hold it ask again without that job, whose sums they never take.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_fedshard.core.options.elastic import FederationEnded, FederationError
+from lightning_fedshard.core.options.elastic import FederationEnded, FederationError, proof, proves
 from lightning_fedshard.elastic.collectives import RingCollectives
 from lightning_fedshard.elastic.connection import ManagerConnection
 from lightning_fedshard.elastic.lighthouse import second_start
 from lightning_fedshard.elastic.quorum import DESCRIPTION_BYTES, check_members, decode_description, encode_description
 
 __all__ = ["Admission"]
+
+log = logging.getLogger(__name__)
+
+#: Why a joining job that does not hold the federation's secret is refused.
+NO_SECRET = "it does not hold the federation's secret (or holds another one)"
 
 
 class Admission:
@@ -85,6 +93,7 @@ class Admission:
             "joining": joining or healing,
             "new": joining,  # a job joining the federation (not a group that fell behind)
             "healed_from": connection.rings.heal_source,
+            "proof": self._proof(connection.group),
             **self._describe(),
         }
         mine = encode_description(description)
@@ -103,10 +112,51 @@ class Admission:
             self._refuse(verdict)
         return int(code) == 0
 
+    def _proof(self, group: int | None) -> str | None:
+        """This group's proof of the federation's secret in this quorum (``None`` without a secret)."""
+        secret, connection = self._connection.options.federation_secret(), self._connection
+        return None if secret is None else proof(secret, "admission", connection.rings.quorum_id, group)
+
+    def _secret_verdict(self, descriptions: list[dict[str, Any]], position: int) -> str | None:
+        """Whether the quorum's groups prove the secret this job holds (or none, like this job).
+
+        Returns ``None`` if they all do; the refusal if this job is joining and the running groups (or, in a new
+        federation, at least as many groups as agree with it) do not; else ``"retry"``: ask again without the jobs
+        that do not (one log line each).
+        """
+        secret = self._connection.options.federation_secret()
+        quorum = self._connection.rings.quorum_id
+
+        def agrees(d: Mapping[str, Any]) -> bool:
+            if secret is None:
+                return d.get("proof") is None
+            return proves(secret, d.get("proof"), "admission", quorum, d["group"])
+
+        strangers = [d for i, d in enumerate(descriptions) if i != position and not agrees(d)]
+        if not strangers:
+            return None
+        others = [d for i, d in enumerate(descriptions) if i != position]
+        running = [d for d in others if not d["joining"]]
+        if descriptions[position]["joining"]:
+            outvoted = len(strangers) >= len(others) - len(strangers) + 1  # this job counts on its own side
+            if (running and not any(agrees(d) for d in running)) or (not running and outvoted):
+                return NO_SECRET
+        for d in strangers:
+            log.warning(
+                f"Elastic federation {self._connection.options.federation!r}: refused the job of group {d['group']}"
+                " that does not prove the federation's secret."
+            )
+        return "retry"
+
     def _verdict(self, descriptions: list[dict[str, Any]]) -> str | None:
         """``None`` if every group belongs, ``"retry"`` to ask again without a job that does not, else the refusal."""
         connection = self._connection
-        verdict = check_members(descriptions, int(connection.manager.participating_rank() or 0))
+        position = int(connection.manager.participating_rank() or 0)
+        secret_verdict = self._secret_verdict(descriptions, position)
+        if secret_verdict is not None:
+            self.descriptions = descriptions
+            return secret_verdict
+        verdict = check_members(descriptions, position)
         self.all_joining = all(d["joining"] for d in descriptions)
         self.descriptions = descriptions
         if verdict is None and connection.trained is not None and connection.rings.max_step == 0:

@@ -103,7 +103,7 @@ class ManagerConnection:
             replica_id=f"{options.federation}_{self.group_index}",
             port=options.manager_port,
             hostname=options.hostname or _hostname(),
-            checkpoint_transport=heal_transport(HTTPTransport, timeout, options.hostname),
+            checkpoint_transport=heal_transport(HTTPTransport, timeout, options.hostname, options.federation_secret()),
             max_retries=options.max_failures,
             quorum_retries=options.quorum_retries,
         )

@@ -81,7 +81,7 @@ def check_members(descriptions: list[dict[str, Any]], position: int) -> str | No
 
 
 def _comparable(description: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in description.items() if k not in ("group", "joining", "new", "healed_from")}
+    return {k: v for k, v in description.items() if k not in ("group", "joining", "new", "healed_from", "proof")}
 
 
 @dataclass(frozen=True)

@@ -436,6 +436,71 @@ def test_a_job_of_another_federation_is_refused_naming_both(refused):
     assert "serves another federation: 'tests' (groups [0" in error and "belongs to federation 'other'" in error
 
 
+SECRET = "the-federation-secret-0123"
+
+
+@pytest.fixture(scope="module")
+def strangers(root: Path) -> Iterator[dict[str, Any]]:
+    """A group of a federation with a secret, then the same job without the secret and with another one; and the
+    group alone, without strangers, for its weights."""
+    cluster = Cluster(root / "strangers", min_groups=1)
+    spec = {**BASE, "num_groups": 3, "max_steps": 80, "secret": SECRET}
+    jobs = {0: cluster.start(0, spec)}
+    try:
+        wait_for(lambda: jobs[0].progress() >= 4, 120, "group 0 to train")
+        jobs[1] = cluster.start(1, {**spec, "secret": None})
+        jobs[2] = cluster.start(2, {**spec, "secret": "another-secret-of-16+"})
+        jobs[1].wait(240)
+        fetched = _fetch_as_a_stranger(jobs[1].log())  # while group 0 still trains and serves heals
+        for job in jobs.values():
+            job.wait(240)
+    finally:
+        cluster.close()
+    alone = Cluster(root / "alone", min_groups=1)
+    try:
+        solo = alone.start(0, spec)
+        solo.wait(240)
+    finally:
+        alone.close()
+    yield {"jobs": jobs, "solo": solo, "fetched": fetched}
+
+
+def _fetch_as_a_stranger(log: str) -> int:
+    """A plain HTTP fetch of the whole state from the heal server a refused job named in its log: the status."""
+    import re
+    import urllib.error
+    import urllib.request
+
+    netloc = re.search(r"heal server at (\S+) refused this job", log)
+    assert netloc is not None, log[-2000:]
+    try:
+        with urllib.request.urlopen(f"http://{netloc.group(1)}/checkpoint/8/full", timeout=10) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as error:
+        return int(error.code)
+
+
+def test_jobs_without_the_federations_secret_are_refused_and_the_federation_ends_as_without_them(strangers):
+    jobs = strangers["jobs"]
+    assert strangers["fetched"] == 403  # a stranger's plain fetch of the state from a group's heal server
+    for g in (1, 2):  # the heal server of group 0 refused their fetch (they received nothing), then the admission
+        error = jobs[g].result()["error"]
+        assert error == (
+            f"FederationError: This job (elastic group {g}) was refused: it does not hold the federation's secret (or"
+            " holds another one)."
+        )
+        assert jobs[g].result()["global_step"] == 0
+        log = jobs[g].log()
+        assert "heal server at" in log and "refused this job: it does not hold the federation's" in log
+    running = jobs[0].result()
+    assert running["error"] is None and running["global_step"] == 80
+    assert all(s["members"] == [0] and not s["lost"] for s in running["syncs"])
+    assert jobs[0].log().count("Refused a heal request from") >= 2  # one line per refused request on its side
+    assert "refused the job of group 1 that does not prove the federation's secret" in jobs[0].log()
+    assert _equal(running["final"], strangers["solo"].result()["final"])  # as if no stranger had come
+    assert all(SECRET not in job.log() for job in jobs.values())
+
+
 def test_a_group_that_starts_after_its_federation_ended_is_refused_instead_of_training_alone(root):
     # Group 0 trains to its end alone; group 1's job reaches the lighthouse only then (a slow start, a late requeue).
     cluster = Cluster(root / "late", min_groups=1)

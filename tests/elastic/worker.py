@@ -179,6 +179,7 @@ def _strategy(spec: dict[str, Any], cls: Any = None) -> Any:
         start_groups=spec.get("start_groups"),
         min_groups=spec.get("min_groups", 1),
         standby=spec.get("standby", False),
+        secret=spec.get("secret"),
     )
     keys = ("shard_size", "sync_every", "outer_optimizer", "fragments", "sync_delay", "reduce_dtype", "merge_alpha",
             "eager_updates")  # fmt: skip

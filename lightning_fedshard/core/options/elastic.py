@@ -8,8 +8,10 @@ lightning-fedshard[elastic]``). This module imports nothing beyond the standard 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 from urllib.parse import urlparse
 
@@ -19,6 +21,9 @@ from lightning_fedshard.core.options.refusal import Refusal
 #: Environment variables read when :class:`Elastic` leaves a value unset.
 GROUP_ENV = "FEDSHARD_GROUP"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+SECRET_ENV = "FEDSHARD_SECRET"
+#: Fewest characters of a federation secret (16 random hex digits are 64 bits).
+MIN_SECRET_LENGTH = 16
 
 
 class FederationError(RuntimeError):
@@ -65,6 +70,13 @@ class Elastic:
             group (a group fails as a unit; a half-dead group would stall the federation at every quorum).
         hostname: The address other groups reach this group's manager at; default: the machine's host name.
         manager_port: Port of this group's manager (rank 0); default: a free one.
+        secret: The federation's secret, which every group must hold; default: ``$FEDSHARD_SECRET``; ``None`` and no
+            variable: no secret. With one, a group's heal server serves only requests that prove it (an HMAC), a
+            joining group loads a peer's state only from a server that proves it, and a job whose proof does not
+            match (no secret, another one) is refused before it trains or receives anything. It authenticates; it
+            does not encrypt, and the lighthouse and gloo's collectives are not covered (docs/elastic.md, "The
+            federation secret"). Never shown: not in ``repr``, logs, checkpoints or hyperparameters. At least 16
+            characters, e.g. ``python -c "import secrets; print(secrets.token_hex(16))"``.
         probation: Syncs a group must have been present for before its updates count: a group that joined (a new
             group, a standby, a group that came back) adds nothing to the next ``probation`` syncs after the one it
             joined at (it trains, takes part and restarts from the federation's weights like every group). ``0``:
@@ -89,9 +101,12 @@ class Elastic:
     group_timeout: float = 30.0
     hostname: str | None = None
     manager_port: int | None = None
+    secret: str | None = field(default=None, repr=False)
     probation: int = 0
 
     def __post_init__(self) -> None:
+        if self.secret is not None:
+            _check_secret(self.secret, "`Elastic(secret=...)`")
         for name in ("min_groups", "max_failures"):
             check_positive_int(f"Elastic({name}=...)", getattr(self, name))
         check_positive_int(
@@ -181,6 +196,19 @@ class Elastic:
         _check_lighthouse_address(address, source)
         return address
 
+    def federation_secret(self) -> bytes | None:
+        """``secret``, or ``$FEDSHARD_SECRET``, as bytes; ``None`` if neither is set.
+
+        Raises:
+            ValueError: For an empty or too short secret (its length is named, never its value).
+        """
+        secret = self.secret if self.secret is not None else os.environ.get(SECRET_ENV)
+        if secret is None:
+            return None
+        source = "`Elastic(secret=...)`" if self.secret is not None else f"${SECRET_ENV}"
+        _check_secret(secret, source)
+        return secret.encode()
+
     def describe(self, group: int, num_groups: int) -> str:
         """One line for the log at the start of training."""
         standby = " (a standby that took its place)" if self.standby else ""
@@ -188,6 +216,29 @@ class Elastic:
             f"elastic group {group} of {num_groups}{standby} in federation {self.federation!r} (lighthouse"
             f" {self.lighthouse or os.environ.get(LIGHTHOUSE_ENV, '?')}, at least {self.min_groups} group(s) per sync)"
         )
+
+
+def _check_secret(secret: object, source: str) -> None:
+    """Refuse a secret that is not a string of at least :data:`MIN_SECRET_LENGTH` characters, without showing it."""
+    if not isinstance(secret, str):
+        raise ValueError(f"{source} must be a string, got a {type(secret).__name__}.")
+    if len(secret) < MIN_SECRET_LENGTH:
+        what = "empty" if not secret else f"{len(secret)} character(s) long"
+        raise ValueError(
+            f"{source} is {what}: a federation secret needs at least {MIN_SECRET_LENGTH} characters, or a stranger can"
+            " guess it. Make one with `python -c \"import secrets; print(secrets.token_hex(16))\"`."
+        )
+
+
+def proof(secret: bytes, *parts: object) -> str:
+    """The HMAC-SHA256 (hex) of ``parts`` under ``secret``: what proves the secret without showing it."""
+    message = "\x1f".join(str(p) for p in parts).encode()
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def proves(secret: bytes, claimed: object, *parts: object) -> bool:
+    """Whether ``claimed`` is :func:`proof` of ``parts`` under ``secret`` (compared in constant time)."""
+    return isinstance(claimed, str) and hmac.compare_digest(claimed, proof(secret, *parts))
 
 
 def _check_lighthouse_address(address: object, source: str) -> None:

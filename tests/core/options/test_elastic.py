@@ -109,3 +109,37 @@ def test_the_package_imports_without_torchft():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
     assert out.split() == ["0", "False"]
+
+
+SECRET = "0123456789abcdef-federation"
+
+
+def test_the_secret_comes_from_the_options_or_the_environment_and_is_never_shown(monkeypatch):
+    from lightning_fedshard.core.options.elastic import SECRET_ENV
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    assert Elastic().federation_secret() is None
+    elastic = Elastic(secret=SECRET)
+    assert elastic.federation_secret() == SECRET.encode()
+    shown = [repr(elastic), elastic.describe(0, 2), repr(FederationConfig(num_groups=2, elastic=elastic))]
+    shown.append(FederationConfig(num_groups=2, elastic=elastic).describe())
+    assert all(SECRET not in text for text in shown)
+    monkeypatch.setenv(SECRET_ENV, SECRET[::-1])
+    assert Elastic().federation_secret() == SECRET[::-1].encode()
+    assert Elastic(secret=SECRET).federation_secret() == SECRET.encode()  # the option wins
+
+
+@pytest.mark.parametrize(
+    ("secret", "message"),
+    [("", r"`Elastic\(secret=...\)` is empty: a federation secret needs at least 16 characters"),
+     ("short-secret", r"`Elastic\(secret=...\)` is 12 character\(s\) long: .* at least 16 characters")],
+)  # fmt: skip
+def test_an_empty_or_short_secret_is_refused_with_the_reason_and_not_its_value(secret, message, monkeypatch):
+    from lightning_fedshard.core.options.elastic import SECRET_ENV
+
+    with pytest.raises(ValueError, match=message) as error:
+        Elastic(secret=secret)
+    assert not secret or secret not in str(error.value)
+    monkeypatch.setenv(SECRET_ENV, "tiny")
+    with pytest.raises(ValueError, match=r"\$FEDSHARD_SECRET is 4 character\(s\) long"):
+        Elastic().federation_secret()
