@@ -18,7 +18,10 @@ every node's link. Each repeat runs, interleaved:
   reaches ``N`` steps;
 - ``checkpoint_restart``: the same federation in one job (the single-job mode), a checkpoint every ``C`` steps; one
   node killed at step ``K`` and the job ended at once (as `srun --kill-on-bad-exit=1` does), then started again from
-  its last checkpoint (an exact resume); the time until it reaches ``N`` steps, the restart included.
+  its last checkpoint (an exact resume); the time until it reaches ``N`` steps, the restart included;
+- ``strangers``: the fault-free federation with a secret (a new one each run, given to the jobs in their environment,
+  never written), and three strangers on the same machine (:data:`STRANGERS`): a plain HTTP fetch of the state from
+  a group's heal server, a job for a group without the secret and one with another secret.
 
 Results go to ``benchmarks/results/elastic.json``. The standby runs and their fault-free baseline, each node capped at
 0.4 core so that a job starting on one node does not slow the groups training on the others (the runs in
@@ -26,6 +29,11 @@ Results go to ``benchmarks/results/elastic.json``. The standby runs and their fa
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.elastic --kinds faultfree,standby --node-cores 0.4 \
         --out benchmarks/results/elastic_standby.json
+
+The strangers and their fault-free baseline (``benchmarks/results/elastic_strangers.json``)::
+
+    sudo PYTHONPATH=. .venv/bin/python -m benchmarks.elastic --kinds faultfree,strangers --steps 48 \
+        --out benchmarks/results/elastic_strangers.json
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -57,14 +66,18 @@ FAULTS = (
 FAULTED_STEPS = 160
 #: The restart comparison: N steps, a group (node) killed at step K, a checkpoint every C steps in one job.
 RESTART_STEPS, KILL_AT, CHECKPOINT_EVERY = 96, 50, 24
+#: The strangers of a ``strangers`` run: a plain fetch from group 0's heal server, then a job for group 1 without the
+#: secret and one for group 2 with another secret.
+STRANGERS = "fetch:0@8,nosecret:1@8,badsecret:2@16"
 LIGHTHOUSE_PORT = 29510
 #: The runs of one repeat, interleaved in this order.
-KINDS = ("faultfree", "faulted", "standby", "elastic_restart", "checkpoint_restart")
+KINDS = ("faultfree", "faulted", "standby", "elastic_restart", "checkpoint_restart", "strangers")
 
 
 def _env(cluster: EmulatedCluster, env: dict[str, str]) -> dict[str, str]:
     """What a node's job needs of the driver's environment, with the node's own interface for gloo."""
-    keep = ("MASTER_ADDR", "MASTER_PORT", "FEDSHARD_GROUP", "RUST_LOG", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "HOME")
+    keep = ("MASTER_ADDR", "MASTER_PORT", "FEDSHARD_GROUP", "FEDSHARD_SECRET", "RUST_LOG", "OMP_NUM_THREADS",
+            "PYTHONUNBUFFERED", "HOME")  # fmt: skip
     return {
         **{k: env[k] for k in keep if k in env},
         "PYTHONPATH": str(ROOT),
@@ -81,10 +94,11 @@ def elastic_run(
     faults: list[Fault],
     standbys: int = 0,
     quotas: CpuQuotas | None = None,
+    secret: str | None = None,
 ) -> dict[str, Any]:
     """The elastic federation on the cluster, one group per node, with ``faults`` and ``standbys``: the report."""
     return demo_run(cluster, out, DemoConfig(groups=NODES, ranks_per_group=RANKS, max_steps=steps, faults=faults,
-                                             timeout=15.0, standbys=standbys), quotas)  # fmt: skip
+                                             timeout=15.0, standbys=standbys), quotas, secret)  # fmt: skip
 
 
 def lighthouse_argv(config: DemoConfig) -> list[str]:
@@ -100,7 +114,11 @@ def lighthouse_argv(config: DemoConfig) -> list[str]:
 
 
 def demo_run(
-    cluster: EmulatedCluster, out: Path, config: DemoConfig, quotas: CpuQuotas | None = None
+    cluster: EmulatedCluster,
+    out: Path,
+    config: DemoConfig,
+    quotas: CpuQuotas | None = None,
+    secret: str | None = None,
 ) -> dict[str, Any]:
     """The elastic demo's federation ``config`` on the cluster, one group per node, its lighthouse in the switch.
 
@@ -126,6 +144,7 @@ def demo_run(
             launch=launch,
             lighthouse=f"http://{cluster.service_address}:{LIGHTHOUSE_PORT}",
             node_address=cluster.address,
+            secret=secret,
         )
         return demo.run(timeout=3600)
     finally:
@@ -276,6 +295,10 @@ def main(argv: list[str] | None = None) -> None:
                                                     args.checkpoint_every)  # fmt: skip
                 elif kind == "elastic_restart":
                     result = elastic_run(cluster, work, args.restart_steps, restart, quotas=quotas)
+                elif kind == "strangers":
+                    strangers = parse_faults(STRANGERS, NODES)
+                    result = elastic_run(cluster, work, args.steps, strangers, quotas=quotas,
+                                         secret=secrets.token_hex(16))  # fmt: skip
                 elif kind == "standby":
                     result = elastic_run(cluster, work, args.steps, faults, standbys=args.standbys, quotas=quotas)
                 else:

@@ -128,6 +128,8 @@ def build(paths: dict[str, Path]) -> Report:
     results["elastic"] = _load_json(paths.get("elastic", RESULTS / "elastic.json"))
     results["elastic_standby"] = _load_json(paths.get("elastic_standby", RESULTS / "elastic_standby.json"))
     rows += elastic.targets(results["elastic"], results["elastic_standby"])
+    results["elastic_strangers"] = _load_json(paths.get("elastic_strangers", RESULTS / "elastic_strangers.json"))
+    rows += elastic.stranger_targets(results["elastic_strangers"])
     rows += torchft.targets(
         load_if_exists(paths.get("torchft", RESULTS / "torchft.json")),
         _load_json(paths.get("torchft_kill", torchft.KILL_RESULTS)),

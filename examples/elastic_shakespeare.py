@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from lightning_fedshard.examples.elastic import DemoConfig, ElasticDemo, parse_faults, summary
@@ -56,7 +57,8 @@ def main() -> None:
         heartbeat=args.heartbeat,
         step_sleep=args.step_sleep,
     )
-    report = ElasticDemo(config, args.report.parent / "jobs").run()
+    # The federation's secret, if any, from this command's environment (the stranger faults need one).
+    report = ElasticDemo(config, args.report.parent / "jobs", secret=os.environ.get("FEDSHARD_SECRET")).run()
     args.report.parent.mkdir(parents=True, exist_ok=True)
     args.report.write_text(json.dumps(report, indent=2))
     print(summary(report))

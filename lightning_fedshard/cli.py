@@ -28,7 +28,8 @@ from typing import Any, NoReturn
 
 from jsonargparse import ArgumentParser, Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
@@ -296,6 +297,32 @@ class FedshardCLI(LightningCLI):
             parser.error(message, error)
 
 
+#: What a saved configuration shows in place of a secret (``Elastic(secret=...)``).
+HIDDEN = "<hidden>"
+
+
+def without_secrets(config: Namespace) -> Namespace:
+    """A copy of ``config`` whose values named ``secret`` (a federation's) read :data:`HIDDEN`."""
+    shown = config.clone()
+    for key in list(shown.keys()):
+        if key.rsplit(".", 1)[-1] == "secret" and shown[key] is not None:
+            shown[key] = HIDDEN
+    return shown
+
+
+class SaveConfigWithoutSecrets(SaveConfigCallback):
+    """LightningCLI's ``config.yaml`` in the log folder, with every ``secret`` hidden (it is never written)."""
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        config = self.config
+        self.config = without_secrets(config)
+        try:
+            super().setup(trainer, pl_module, stage)
+        finally:
+            self.config = config
+
+
 def cli(args: ArgsType = None, run: bool = True, **kwargs: Any) -> LightningCLI:
     """Build the LightningCLI (any LightningModule / LightningDataModule, given by ``class_path``).
 
@@ -306,5 +333,6 @@ def cli(args: ArgsType = None, run: bool = True, **kwargs: Any) -> LightningCLI:
             False}`` raises a :class:`jsonargparse.ArgumentError` instead of exiting.
     """
     kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+    kwargs.setdefault("save_config_callback", SaveConfigWithoutSecrets)
     kwargs.setdefault("parser_class", FedshardArgumentParser)
     return FedshardCLI(args=args, run=run, **kwargs)

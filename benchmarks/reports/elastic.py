@@ -361,3 +361,52 @@ def plot(results: dict[str, Any], images: Path) -> list[Path]:
     ax.legend()
     return [plotting.save(fig, ax, "Elastic federation: kills (red), hangs (orange), restarts (green)",
                           images / "elastic_goodput.png")]  # fmt: skip
+
+
+#: What a stranger's job prints when the federation's groups refuse it for want of their secret.
+STRANGER_REFUSAL = "does not hold the federation's secret"
+
+
+def stranger_attempts(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every stranger of a ``strangers`` run, each with whether it was refused (and received nothing)."""
+    attempts = [
+        {"kind": f["kind"], "refused": f.get("status") == 403, "status": f.get("status")}
+        for f in run["faults"]
+        if f["kind"] == "fetch"
+    ]
+    for s in run.get("strangers", []):
+        refused = s["exit_code"] != 0 and STRANGER_REFUSAL in (s["refused"] or "") and s["trained_steps"] == 0
+        attempts.append({"kind": s["kind"], "refused": refused, "exit_code": s["exit_code"]})
+    return attempts
+
+
+def stranger_targets(results: dict[str, Any] | None) -> list[Row]:
+    """``stranger-refused``: every stranger refused in every run, and the federation's weights as without them."""
+    command = "python -m benchmarks.elastic --kinds faultfree,strangers --steps 48"
+    if results is None:
+        return [_not_run("stranger-refused", command)]
+    free, strange = _runs(results, "faultfree"), _runs(results, "strangers")
+    repeats = []
+    for repeat, run in sorted(strange.items()):
+        attempts = stranger_attempts(run)
+        baseline = free.get(repeat)
+        same = baseline is not None and set(run["checksums"].values()) == set(baseline["checksums"].values())
+        lost = sum(bool(s.get("lost")) for s in run["syncs"])
+        repeats.append({"repeat": repeat, "refused": sum(a["refused"] for a in attempts), "attempts": len(attempts),
+                        "weights_as_without_strangers": same, "syncs_lost": lost, "detail": attempts})  # fmt: skip
+    refused = sum(r["refused"] for r in repeats)
+    attempts = sum(r["attempts"] for r in repeats)
+    met = bool(repeats) and refused == attempts and all(r["weights_as_without_strangers"] for r in repeats)
+    return [
+        {
+            "id": "stranger-refused",
+            "target": "strangers on the same machine as a federation with a secret (a plain fetch from a heal server,"
+            " a job without the secret, one with another): the share refused, every run; the federation's final"
+            " weights equal the fault-free run's of the same repeat (checksum), 4 groups x 2 ranks, 50 Mbit/s",
+            "measured": refused / attempts if attempts else None,
+            "bound": 1.0,
+            "met": met,
+            "runs": len(repeats),
+            "repeats": repeats,
+        }
+    ]

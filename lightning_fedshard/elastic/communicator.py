@@ -111,6 +111,11 @@ class ElasticCommunicator:
         return self._connection.group_index
 
     @property
+    def heal_address(self) -> str | None:
+        """Where this rank's heal server is reached (``http://host:port/checkpoint/``), while connected."""
+        return self._connection.heal_address
+
+    @property
     def place(self) -> int | None:
         """This group's index, or ``None`` for a standby that has not taken a place yet."""
         return self._connection.group

@@ -62,6 +62,7 @@ class ManagerConnection:
         self._send, self._receive = send, receive
         self._watchdog: GroupWatchdog | None = None
         self._manager_state: dict[str, int] | None = None
+        self._transport: Any = None
 
     @property
     def group_index(self) -> int:
@@ -88,6 +89,7 @@ class ManagerConnection:
         self.check_lighthouse()
         timeout = timedelta(seconds=options.timeout)
         self.rings = fed_rings(timeout)
+        self._transport = heal_transport(HTTPTransport, timeout, options.hostname, options.federation_secret())
         manager = Manager(
             pg=self.rings,
             load_state_dict=None,
@@ -103,7 +105,7 @@ class ManagerConnection:
             replica_id=f"{options.federation}_{self.group_index}",
             port=options.manager_port,
             hostname=options.hostname or _hostname(),
-            checkpoint_transport=heal_transport(HTTPTransport, timeout, options.hostname, options.federation_secret()),
+            checkpoint_transport=self._transport,
             max_retries=options.max_failures,
             quorum_retries=options.quorum_retries,
         )
@@ -169,6 +171,11 @@ class ManagerConnection:
         self._manager_state = {"step": int(state["step"]), "batches_committed": int(state.get("batches_committed", 0))}
         if self.manager is not None:
             self.manager.load_state_dict(self._manager_state)
+
+    @property
+    def heal_address(self) -> str | None:
+        """Where this rank's heal server is reached (``http://host:port/checkpoint/``), while connected."""
+        return None if self.manager is None or self._transport is None else str(self._transport.address())
 
     def close(self) -> None:
         """Stop the manager (its heartbeats end, the others stop waiting for it), keeping its counters."""

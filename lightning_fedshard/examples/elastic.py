@@ -11,6 +11,12 @@ With ``standbys`` (:class:`DemoConfig`), that many standby jobs start with the g
 takes the place of a group that is gone, and every ``restart:G@S`` fault starts a new standby, on a node no running job
 holds, instead of a new job for group G. A standby counts as alive only once it trains.
 
+With a federation ``secret`` (:class:`ElasticDemo`; given to the jobs as ``$FEDSHARD_SECRET``, never written) three
+more faults play a stranger on the same machine: ``nosecret:G@S`` and ``badsecret:G@S`` start a job for group G without
+the secret or with another one, and ``fetch:G@S`` fetches the whole state from group G's heal server with plain HTTP.
+The report says what became of each (``strangers``: the exit code and the refusal the job printed; a fetch's HTTP
+status in its fault).
+
 A group job (:func:`run_group`) writes one JSON line per event to ``<out>/group<g>.<incarnation>/events.jsonl``: its
 start, every optimizer step, every sync (the groups, who joined, whether it was lost, seconds spent healing and in the
 sync) and its end with the consensus checksum. The driver reads only these files and the exit codes.
@@ -42,8 +48,14 @@ import lightning_fedshard
 from lightning_fedshard.examples.llama import LlamaLM
 from lightning_fedshard.examples.shakespeare import ShakespeareDataModule
 
-#: What a fault does to a group: kill it (SIGKILL), stop it (SIGSTOP: a hung group), or start a new job for it.
-FAULT_KINDS = ("kill", "stop", "restart")
+#: What a fault does to a group: kill it (SIGKILL), stop it (SIGSTOP: a hung group), or start a new job for it; or, as
+#: a stranger to a federation with a secret: start a job for it without the secret or with another one, or fetch the
+#: state from its heal server.
+FAULT_KINDS = ("kill", "stop", "restart", "nosecret", "badsecret", "fetch")
+#: The faults that play a stranger: they need the demo's ``secret``.
+STRANGER_FAULTS = ("nosecret", "badsecret", "fetch")
+#: The secret a ``badsecret`` stranger holds.
+ANOTHER_SECRET = "not-the-federations-secret"
 
 #: Tokens one rank trains on per optimizer step (the demo's batch of 8 windows of 128 tokens).
 BATCH, SEQ_LEN = 8, 128
@@ -180,6 +192,7 @@ class ElasticDemo:
         launch: Builds each group job's command (default: a local process).
         lighthouse: The address of a lighthouse already running; default: one started in this process.
         node_address: The address a group's manager is reached at by the others (default: this machine's name).
+        secret: The federation's secret, given to every group job as ``$FEDSHARD_SECRET`` (never written anywhere).
     """
 
     def __init__(
@@ -189,7 +202,13 @@ class ElasticDemo:
         launch: Launch = local_launch,
         lighthouse: str | None = None,
         node_address: Callable[[int], str] | None = None,
+        secret: str | None = None,
     ) -> None:
+        if secret is None and any(f.kind in STRANGER_FAULTS for f in config.faults):
+            raise ValueError("The stranger faults (nosecret, badsecret, fetch) need a federation `secret`.")
+        self.secret = secret
+        #: Jobs started as strangers (not counted as any group's).
+        self.strangers: list[tuple[str, Incarnation]] = []
         self.config = config
         self.out = out
         self.launch = launch
@@ -252,12 +271,19 @@ class ElasticDemo:
         )
         return str(self._lighthouse.address())
 
-    def _start(self, group: int, lighthouse: str, node: int | None = None) -> Incarnation:
-        """Start a job for ``group`` (``-1``: a standby) on ``node`` (default: the group's own)."""
+    def _start(
+        self, group: int, lighthouse: str, node: int | None = None, secret: str | None = None, stranger: str = ""
+    ) -> Incarnation:
+        """Start a job for ``group`` (``-1``: a standby) on ``node`` (default: the group's own).
+
+        ``secret``: the job's (default: the federation's); ``stranger``: the fault that starts it as a stranger.
+        """
         node = group if node is None else node
         standby = group < 0
         index = sum(j.standby for j in self.jobs) if standby else sum(j.group == group for j in self.jobs)
-        out = self.out / (f"standby.{index}" if standby else f"group{group}.{index}")
+        index = len(self.strangers) if stranger else index
+        name = f"{stranger}{group}.{index}" if stranger else f"standby.{index}" if standby else f"group{group}.{index}"
+        out = self.out / name
         out.mkdir(parents=True, exist_ok=True)
         (out / "events.jsonl").unlink(missing_ok=True)  # left by an earlier run in the same folder
         spec = {**self._group_spec(group, lighthouse, out), "hostname": self.node_address(node)}
@@ -272,13 +298,20 @@ class ElasticDemo:
         }
         if not standby:
             env["FEDSHARD_GROUP"] = str(group)
+        env.pop("FEDSHARD_SECRET", None)
+        job_secret = secret if stranger else self.secret
+        if job_secret is not None:
+            env["FEDSHARD_SECRET"] = job_secret
         log = open(out / "job.log", "wb")
         process = subprocess.Popen(
             self.launch(node, argv, env), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         log.close()
         job = Incarnation(group, index, out, process, time.time(), standby=standby, node=node)
-        self.jobs.append(job)
+        if stranger:
+            self.strangers.append((stranger, job))
+        else:
+            self.jobs.append(job)
         return job
 
     def _group_spec(self, group: int, lighthouse: str, out: Path) -> dict[str, Any]:
@@ -289,7 +322,12 @@ class ElasticDemo:
         self._reap()
         current = [j for j in self.jobs if j.group == fault.group and j.ended is None]
         record: dict[str, Any] = {**asdict(fault), "t": time.time()}
-        if fault.kind == "stop":
+        if fault.kind in ("nosecret", "badsecret"):
+            secret = None if fault.kind == "nosecret" else ANOTHER_SECRET
+            self._start(fault.group, lighthouse, node=fault.group, secret=secret, stranger=fault.kind)
+        elif fault.kind == "fetch":
+            record["status"] = self._fetch(fault.group)
+        elif fault.kind == "stop":
             for job in current:
                 job.signal(signal.SIGSTOP)
                 job.stopped_at = record["t"]
@@ -304,6 +342,23 @@ class ElasticDemo:
             if fault.kind == "restart":
                 self._start(fault.group, lighthouse)
         self.fault_log.append(record)
+
+    def _fetch(self, group: int) -> int | None:
+        """A plain HTTP fetch of the state from ``group``'s heal server by a stranger on its node: the HTTP status.
+
+        ``None`` if no answer came.
+        """
+        jobs = [j for j in self.jobs if j.group == group and j.running]
+        servers = [e for j in jobs for e in j.events() if e["event"] == "heal_server"]
+        if not servers:
+            return None
+        url = f"{servers[-1]['address']}{max(0, jobs[-1].step())}/full"
+        argv = [sys.executable, "-c", _FETCH, url]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("FEDSHARD_SECRET", None)
+        done = subprocess.run(self.launch(group, argv, env), env=env, capture_output=True, text=True, timeout=60)
+        status = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
+        return int(status[0]) if status and status[0].isdigit() else None
 
     def _free_node(self, preferred: int) -> int:
         """A node no running job holds (``preferred`` if it is free): a new spare must not share a training node."""
@@ -326,7 +381,7 @@ class ElasticDemo:
 
     def close(self) -> None:
         """End every process this demo started, and the lighthouse."""
-        for job in self.jobs:
+        for job in [*self.jobs, *(j for _, j in self.strangers)]:
             if job.ended is None:
                 job.signal(signal.SIGCONT)
                 job.signal(signal.SIGKILL)
@@ -363,6 +418,7 @@ class ElasticDemo:
             "committed_tokens_per_s": committed / span if span and span > 0 else math.nan,
             "alive_fraction": self._alive_fraction(min(starts, default=math.nan), max(ends, default=math.nan)),
             "checksums": {name: e["checksum"] for (_, name), evs in events.items() for e in evs if e["event"] == "end"},
+            "strangers": [_stranger_report(kind, job) for kind, job in self.strangers],
         }
 
     def _group_report(self, group: int, events: dict[tuple[int, str], list[dict[str, Any]]]) -> dict[str, Any]:
@@ -501,6 +557,26 @@ def summary(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+#: A stranger's fetch of a URL: prints the HTTP status (what a plain ``urllib`` request gets).
+_FETCH = """
+import sys, urllib.error, urllib.request
+try:
+    with urllib.request.urlopen(sys.argv[1], timeout=30) as answer:
+        print(answer.status)
+except urllib.error.HTTPError as error:
+    print(error.code)
+"""
+
+
+def _stranger_report(kind: str, job: Incarnation) -> dict[str, Any]:
+    """What became of a stranger's job: its exit code, the refusal it printed, the steps it trained."""
+    job.process.wait()
+    log = (job.out / "job.log").read_text(errors="replace") if (job.out / "job.log").exists() else ""
+    refused = next((line for line in reversed(log.splitlines()) if "FederationError: This job" in line), None)
+    return {"kind": kind, "group": job.group, "exit_code": job.process.returncode, "refused": refused,
+            "trained_steps": sum(e["event"] == "step" for e in job.events())}  # fmt: skip
+
+
 def _share(report: dict[str, Any]) -> str:
     trained = report.get("trained_tokens")
     return f"{report['committed_tokens'] / trained:.1%}" if trained else "n/a"
@@ -538,6 +614,11 @@ class EventLog(Callback):
             return  # a standby whose federation ended: it trains nothing
         group = runtime.group_index if runtime is not None else 0
         self._write({"event": "trained", "step": trainer.global_step, "group": group})
+        membership = getattr(runtime, "membership", None)
+        if membership is not None and membership.communicator.heal_address is not None:
+            self._write(
+                {"event": "heal_server", "step": trainer.global_step, "address": membership.communicator.heal_address}
+            )
         self._sync(trainer)
 
     @override

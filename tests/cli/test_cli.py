@@ -333,3 +333,25 @@ def test_a_per_group_pace_in_yaml_and_on_the_command_line(tmp_path):
     changed = ["--config", str(config), "--trainer.strategy.pace.merge", "tokens"]
     federation = cli(args=changed, run=False).trainer.strategy.federation_config
     assert federation.pace == Pace(speeds=(1.0, 0.5), merge="tokens")
+
+
+def test_the_saved_config_hides_the_federation_secret(tmp_path):
+    from lightning_fedshard.cli import HIDDEN, SaveConfigWithoutSecrets
+
+    secret = "a-federation-secret-given-in-yaml"
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        f"trainer:\n  accelerator: cpu\n  devices: 1\n  default_root_dir: {tmp_path}\n  strategy:\n"
+        "    class_path: lightning_fedshard.FLFSDPStrategy\n    init_args:\n      num_groups: 2\n      elastic:\n"
+        "        class_path: lightning_fedshard.Elastic\n        init_args:\n"
+        f"          lighthouse: http://localhost:29510\n          group: 0\n          secret: {secret}\n"
+        "model:\n  class_path: lightning_fedshard.examples.LlamaLM\n  init_args: {size: xs, vocab_size: 256}\n"
+    )
+    run = cli(args=["--config", str(config)], run=False)
+    assert run.trainer.strategy.federation_config.elastic.federation_secret() == secret.encode()  # it is used
+    (callback,) = [c for c in run.trainer.callbacks if isinstance(c, SaveConfigWithoutSecrets)]
+    callback.setup(run.trainer, run.model, "fit")
+    saved = (tmp_path / "lightning_logs" / "version_0" / "config.yaml").read_text()
+    assert secret not in saved and f"secret: {HIDDEN}" in saved
+    secrets = [run.config[k] for k in run.config.keys() if k.endswith(".secret")]
+    assert secrets == [secret]  # the run's own configuration is left as it was

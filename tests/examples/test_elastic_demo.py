@@ -26,7 +26,11 @@ def test_faults_are_parsed_in_the_order_of_their_steps():
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("crash:1@20", "Fault 'crash:1@20' is not KIND:GROUP@STEP with KIND one of ['kill', 'stop', 'restart']"),
+        (
+            "crash:1@20",
+            "Fault 'crash:1@20' is not KIND:GROUP@STEP with KIND one of ['kill', 'stop', 'restart', 'nosecret',"
+            " 'badsecret', 'fetch']",
+        ),
         ("kill:1", "Fault 'kill:1' is not KIND:GROUP@STEP"),
         ("kill:3@20", "Fault 'kill:3@20': the group must be in [0, 3) and the step positive"),
         ("kill:1@0", "the step positive"),
@@ -71,3 +75,11 @@ def test_the_demo_survives_a_kill_and_a_hang_a_standby_takes_the_killed_groups_p
     # every group but the one the others took the first weights from healed when it joined
     assert sum(g["jobs"][0]["join_seconds"] is not None for g in groups.values()) == 2
     assert "fault kill:1@5: survivors stalled" in run.stdout and "final consensus checksums: all equal" in run.stdout
+
+
+def test_the_stranger_faults_need_a_secret():
+    from lightning_fedshard.examples.elastic import DemoConfig, ElasticDemo, parse_faults
+
+    config = DemoConfig(groups=2, faults=parse_faults("nosecret:1@4", 2))
+    with pytest.raises(ValueError, match="The stranger faults .* need a federation `secret`"):
+        ElasticDemo(config, Path("/tmp/unused"))

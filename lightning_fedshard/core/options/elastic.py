@@ -226,7 +226,7 @@ def _check_secret(secret: object, source: str) -> None:
         what = "empty" if not secret else f"{len(secret)} character(s) long"
         raise ValueError(
             f"{source} is {what}: a federation secret needs at least {MIN_SECRET_LENGTH} characters, or a stranger can"
-            " guess it. Make one with `python -c \"import secrets; print(secrets.token_hex(16))\"`."
+            ' guess it. Make one with `python -c "import secrets; print(secrets.token_hex(16))"`.'
         )
 
 
