@@ -363,6 +363,7 @@ def plot(results: dict[str, Any], images: Path) -> list[Path]:
                           images / "elastic_goodput.png")]  # fmt: skip
 
 
+STRANGER_TARGET_IDS = ("stranger-refused",)
 #: What a stranger's job prints when the federation's groups refuse it for want of their secret.
 STRANGER_REFUSAL = "does not hold the federation's secret"
 

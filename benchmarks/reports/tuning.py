@@ -17,6 +17,9 @@ Targets (``targets.json``; 2 seeds each where the recipes ran, missed with the r
 - ``m1-vs-fsdp``: one group with the best outer Nesterov step at H=32: its tokens to FSDP's final loss over FSDP's,
   <= 0.95.
 - ``fed-vs-fsdp-loss``: the best 4-group recipe's final loss over FSDP's at equal tokens (median over seeds), <= 1.03.
+- ``paper-regime``: above the critical batch (a 4x global batch per step), the better federation of 4 groups at the
+  critical batch each (:data:`~benchmarks.recipes.PAPER_REGIME`): its tokens to the final loss of FSDP's best run
+  at 4x (its best inner learning rate) over FSDP's own, <= 0.90.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from benchmarks.recipes import CRITICAL_BATCH, LR, OUTER_SWEEP, RECIPES
+from benchmarks.recipes import CRITICAL_BATCH, LR, OUTER_SWEEP, PAPER_REGIME, RECIPES
 from benchmarks.reports.recipes import at_own_final, by_recipe, ratios
 
 Runs = dict[str, dict[int, dict[str, Any]]]
@@ -39,7 +42,16 @@ CELLS: dict[tuple[int, int], tuple[str, ...]] = {
 }
 #: Plain averaging at each H (4 groups): what the H's cells are held against.
 AVERAGING = {8: "fedavg_f32", 32: "h32_fedavg_f32"}
-BOUNDS = {"outer-lr-trend": 1.0, "tuned-outer-h32": 0.90, "m1-vs-fsdp": 0.95, "fed-vs-fsdp-loss": 1.03}
+BOUNDS = {
+    "outer-lr-trend": 1.0,
+    "tuned-outer-h32": 0.90,
+    "m1-vs-fsdp": 0.95,
+    "fed-vs-fsdp-loss": 1.03,
+    "paper-regime": 0.90,
+}
+#: FSDP at 4x the study's batch per step (every inner learning rate tried), and the federations of the paper's regime.
+FSDP_4X = tuple(r.name for r in (*CRITICAL_BATCH, *PAPER_REGIME) if r.groups == 1 and r.ranks_per_group == 16)
+PAPER_FEDERATIONS = tuple(r.name for r in PAPER_REGIME if r.groups > 1)
 TARGET_IDS = tuple(BOUNDS)
 
 
@@ -137,7 +149,7 @@ def _batch_name(multiple: int, lr: float) -> str:
 def targets(results: list[dict[str, Any]]) -> list[Row]:
     """The tuning targets (missed with the reason where their recipes did not run)."""
     runs = by_recipe(results)
-    return [_trend(runs), _tuned_h32(runs), _m1_vs_fsdp(runs), _fed_vs_fsdp(runs)]
+    return [_trend(runs), _tuned_h32(runs), _m1_vs_fsdp(runs), _fed_vs_fsdp(runs), _paper_regime(runs)]
 
 
 def _trend(runs: Runs) -> Row:
@@ -170,6 +182,28 @@ def _fed_vs_fsdp(runs: Runs) -> Row:
     measured = statistics.median(per_seed.values())
     return _row("fed-vs-fsdp-loss", what, measured, runs=len(per_seed), recipe=chosen,
                 per_seed={str(k): v for k, v in sorted(per_seed.items())})  # fmt: skip
+
+
+def _paper_regime(runs: Runs) -> Row:
+    what = (
+        "above the critical batch (64 windows per step, 4x): tokens to the final loss of FSDP's best 4x run of the"
+        " better federation of 4 groups of 16 windows each, over FSDP's own (seed 0)"
+    )
+    fsdp, federation = best(runs, FSDP_4X, seeds=1), best(runs, PAPER_FEDERATIONS, seeds=1)
+    return _ratio_row("paper-regime", what, runs, federation, fsdp or FSDP_4X[0])
+
+
+def paper_regime_table(results: list[dict[str, Any]]) -> str:
+    """The paper's regime: FSDP at 4x per step (each inner lr) and the federations, final loss and tokens to FSDP's."""
+    runs = by_recipe(results)
+    fsdp = best(runs, FSDP_4X, seeds=1)
+    lines = ["| recipe | what | final loss (seed 0) | tokens to FSDP 4x's best final loss |", "|---|---|---|---|"]
+    for name in (*FSDP_4X, *PAPER_FEDERATIONS):
+        value = finals(runs, name).get(0)
+        against = "-" if fsdp is None or name == fsdp or value is None else _ratio_text(runs, name, fsdp)
+        shown = "-" if value is None else f"{value:.3f}"
+        lines.append(f"| `{name}` | {RECIPES[name].what} | {shown} | {against} |")
+    return "\n".join(lines)
 
 
 def _ratio_row(target_id: str, what: str, runs: Runs, recipe: str | None, against: str) -> Row:

@@ -99,6 +99,7 @@ def test_target_ids_are_unique_kebab_case_and_those_of_targets_json():
     assert all(KEBAB.match(target_id) and len(target_id) <= 60 for target_id in TARGET_IDS)
     recorded = json.loads((RESULTS / "targets.json").read_text())
     every = (*TARGET_IDS, *OVERLAP_TARGET_IDS, *TOPOLOGY_TARGET_IDS, *elastic.TARGET_IDS, *elastic.STANDBY_TARGET_IDS)
+    every = (*every, *elastic.STRANGER_TARGET_IDS)
     every = (*every, *torchft.TARGET_IDS)
     every = (*every, *hetero.TARGET_IDS, *latency.TARGET_IDS, *recipes.TARGET_IDS, *tuning.TARGET_IDS)
     every = (*every, walltime.TARGET_ID)
