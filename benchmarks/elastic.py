@@ -32,7 +32,7 @@ Results go to ``benchmarks/results/elastic.json``. The standby runs and their fa
 
 The strangers and their fault-free baseline (``benchmarks/results/elastic_strangers.json``)::
 
-    sudo PYTHONPATH=. .venv/bin/python -m benchmarks.elastic --kinds faultfree,strangers --steps 48 \
+    sudo PYTHONPATH=. .venv/bin/python -m benchmarks.elastic --kinds faultfree,strangers --steps 96 \
         --out benchmarks/results/elastic_strangers.json
 """
 
@@ -67,8 +67,9 @@ FAULTED_STEPS = 160
 #: The restart comparison: N steps, a group (node) killed at step K, a checkpoint every C steps in one job.
 RESTART_STEPS, KILL_AT, CHECKPOINT_EVERY = 96, 50, 24
 #: The strangers of a ``strangers`` run: a plain fetch from group 0's heal server, then a job for group 1 without the
-#: secret and one for group 2 with another secret.
-STRANGERS = "fetch:0@8,nosecret:1@8,badsecret:2@16"
+#: secret and one for group 2 with another secret; early enough in a 96-step run that each reaches a quorum (a job
+#: takes 10-20 s to load here) before the federation ends.
+STRANGERS = "fetch:0@8,nosecret:1@8,badsecret:2@12"
 LIGHTHOUSE_PORT = 29510
 #: The runs of one repeat, interleaved in this order.
 KINDS = ("faultfree", "faulted", "standby", "elastic_restart", "checkpoint_restart", "strangers")

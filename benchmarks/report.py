@@ -214,6 +214,7 @@ def write_docs(report: Report, tables: dict[str, str]) -> None:
         sections["recipes"] = recipes.section(study)
         sections["outer_sweep"] = tuning.outer_table(study)
         sections["critical_batch"] = tuning.critical_batch_table(study)
+        sections["paper_regime"] = tuning.paper_regime_table(study)
         if (walltime_results := report.results.get("walltime")) is not None:
             sections["walltime"] = walltime.table(study, walltime_results) + f"\n\n{report.note('walltime')}"
         recipes.write_planner_factors(study)

@@ -383,7 +383,7 @@ def stranger_attempts(run: dict[str, Any]) -> list[dict[str, Any]]:
 
 def stranger_targets(results: dict[str, Any] | None) -> list[Row]:
     """``stranger-refused``: every stranger refused in every run, and the federation's weights as without them."""
-    command = "python -m benchmarks.elastic --kinds faultfree,strangers --steps 48"
+    command = "python -m benchmarks.elastic --kinds faultfree,strangers --steps 96"
     if results is None:
         return [_not_run("stranger-refused", command)]
     free, strange = _runs(results, "faultfree"), _runs(results, "strangers")
