@@ -19,6 +19,8 @@ every node's link. Each repeat runs, interleaved:
 - ``checkpoint_restart``: the same federation in one job (the single-job mode), a checkpoint every ``C`` steps; one
   node killed at step ``K`` and the job ended at once (as `srun --kill-on-bad-exit=1` does), then started again from
   its last checkpoint (an exact resume); the time until it reaches ``N`` steps, the restart included;
+- ``twolost``: two groups killed within one round (:data:`TWO_LOST`), with ``--standbys`` standby jobs: the others
+  commit the next sync without them and the standbys take both places;
 - ``strangers``: the fault-free federation with a secret (a new one each run, given to the jobs in their environment,
   never written), and three strangers on the same machine (:data:`STRANGERS`): a plain HTTP fetch of the state from
   a group's heal server, a job for a group without the secret and one with another secret.
@@ -29,6 +31,11 @@ Results go to ``benchmarks/results/elastic.json``. The standby runs and their fa
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.elastic --kinds faultfree,standby --node-cores 0.4 \
         --out benchmarks/results/elastic_standby.json
+
+Two groups lost within one round, and the fault-free baseline (``benchmarks/results/elastic_twolost.json``)::
+
+    sudo PYTHONPATH=. .venv/bin/python -m benchmarks.elastic --kinds faultfree,twolost --steps 64 --node-cores 0.33 \
+        --out benchmarks/results/elastic_twolost.json
 
 The strangers and their fault-free baseline (``benchmarks/results/elastic_strangers.json``)::
 
@@ -70,9 +77,11 @@ RESTART_STEPS, KILL_AT, CHECKPOINT_EVERY = 96, 50, 24
 #: secret and one for group 2 with another secret; early enough in a 96-step run that each reaches a quorum (a job
 #: takes 10-20 s to load here) before the federation ends.
 STRANGERS = "fetch:0@8,nosecret:1@8,badsecret:2@12"
+#: Two groups killed within one round of 8 steps (after the sync at step 16, before the one at step 24).
+TWO_LOST = "kill:1@17,kill:2@19"
 LIGHTHOUSE_PORT = 29510
 #: The runs of one repeat, interleaved in this order.
-KINDS = ("faultfree", "faulted", "standby", "elastic_restart", "checkpoint_restart", "strangers")
+KINDS = ("faultfree", "faulted", "standby", "elastic_restart", "checkpoint_restart", "strangers", "twolost")
 
 
 def _env(cluster: EmulatedCluster, env: dict[str, str]) -> dict[str, str]:
@@ -283,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
                           "checkpoint_every": args.checkpoint_every}, "standbys": args.standbys, "kinds": kinds,
               "node_cores": args.node_cores,
               "runs": runs}  # fmt: skip
-    nodes = NODES + (args.standbys if "standby" in kinds else 0)
+    nodes = NODES + (args.standbys if {"standby", "twolost"} & set(kinds) else 0)
     quota = CpuQuotas([args.node_cores] * nodes, prefix="fedshard-elastic") if args.node_cores else None
     with EmulatedCluster(nodes) as cluster, quota if quota is not None else nullcontext() as quotas:
         cluster.set_bandwidth(LINK_MBIT)
@@ -300,6 +309,9 @@ def main(argv: list[str] | None = None) -> None:
                     strangers = parse_faults(STRANGERS, NODES)
                     result = elastic_run(cluster, work, args.steps, strangers, quotas=quotas,
                                          secret=secrets.token_hex(16))  # fmt: skip
+                elif kind == "twolost":
+                    lost = parse_faults(TWO_LOST, NODES)
+                    result = elastic_run(cluster, work, args.steps, lost, standbys=args.standbys, quotas=quotas)
                 elif kind == "standby":
                     result = elastic_run(cluster, work, args.steps, faults, standbys=args.standbys, quotas=quotas)
                 else:

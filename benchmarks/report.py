@@ -130,6 +130,8 @@ def build(paths: dict[str, Path]) -> Report:
     rows += elastic.targets(results["elastic"], results["elastic_standby"])
     results["elastic_strangers"] = _load_json(paths.get("elastic_strangers", RESULTS / "elastic_strangers.json"))
     rows += elastic.stranger_targets(results["elastic_strangers"])
+    results["elastic_twolost"] = _load_json(paths.get("elastic_twolost", RESULTS / "elastic_twolost.json"))
+    rows += elastic.two_lost_targets(results["elastic_twolost"])
     rows += torchft.targets(
         load_if_exists(paths.get("torchft", RESULTS / "torchft.json")),
         _load_json(paths.get("torchft_kill", torchft.KILL_RESULTS)),

@@ -364,6 +364,7 @@ def plot(results: dict[str, Any], images: Path) -> list[Path]:
 
 
 STRANGER_TARGET_IDS = ("stranger-refused",)
+TWO_LOST_TARGET_IDS = ("two-groups-lost",)
 #: What a stranger's job prints when the federation's groups refuse it for want of their secret.
 STRANGER_REFUSAL = "does not hold the federation's secret"
 
@@ -409,5 +410,36 @@ def stranger_targets(results: dict[str, Any] | None) -> list[Row]:
             "met": met,
             "runs": len(repeats),
             "repeats": repeats,
+        }
+    ]
+
+
+def two_lost_targets(results: dict[str, Any] | None) -> list[Row]:
+    """``two-groups-lost``: the survivors' stall when two groups die within one round, and the standbys' takeover."""
+    command = "python -m benchmarks.elastic --kinds faultfree,twolost --steps 64 --node-cores 0.33"
+    if results is None:
+        return [_not_run("two-groups-lost", command)]
+    runs = _runs(results, "twolost")
+    worst = [max(f["stall_seconds"] for f in run["faults"] if f["stall_seconds"] is not None) for run in runs.values()
+             if any(f["stall_seconds"] is not None for f in run["faults"])]  # fmt: skip
+    placed = [sum(bool(job.get("standby") and job.get("trained_at")) for g in run["groups"] for job in g["jobs"])
+              for run in runs.values()]  # fmt: skip
+    lost = [sum(bool(s.get("lost")) for s in run["syncs"]) for run in runs.values()]
+    spread = _spread(worst)
+    config = next(iter(runs.values()))["config"] if runs else {"heartbeat": math.nan, "join": math.nan}
+    bound = float(config["heartbeat"] + config["join"])
+    return [
+        {
+            "id": "two-groups-lost",
+            "target": "two groups killed within one round: the survivors' stall at their next sync (median of each"
+            " run's largest; bound on the largest: the heartbeat timeout plus one quorum's join timeout), with both"
+            " places taken by standbys, 4 groups x 2 ranks, 50 Mbit/s",
+            "measured": spread["median"],
+            "bound": bound,
+            "met": bool(worst) and spread["max"] <= bound and all(p == 2 for p in placed),
+            "runs": len(worst),
+            "spread": spread,
+            "standbys_placed": placed,
+            "syncs_lost": lost,
         }
     ]

@@ -99,7 +99,7 @@ def test_target_ids_are_unique_kebab_case_and_those_of_targets_json():
     assert all(KEBAB.match(target_id) and len(target_id) <= 60 for target_id in TARGET_IDS)
     recorded = json.loads((RESULTS / "targets.json").read_text())
     every = (*TARGET_IDS, *OVERLAP_TARGET_IDS, *TOPOLOGY_TARGET_IDS, *elastic.TARGET_IDS, *elastic.STANDBY_TARGET_IDS)
-    every = (*every, *elastic.STRANGER_TARGET_IDS)
+    every = (*every, *elastic.STRANGER_TARGET_IDS, *elastic.TWO_LOST_TARGET_IDS)
     every = (*every, *torchft.TARGET_IDS)
     every = (*every, *hetero.TARGET_IDS, *latency.TARGET_IDS, *recipes.TARGET_IDS, *tuning.TARGET_IDS)
     every = (*every, walltime.TARGET_ID)
@@ -236,3 +236,39 @@ def test_with_standbys_the_goodput_counts_the_standby_runs_and_a_takeover_counts
     assert (stall["measured"], stall["bound"], stall["met"]) == (3.5, 3.0, False)
     assert "2.5, 40.0*" in elastic.standby_table(runs)
     assert [r["id"] for r in elastic.targets(old)][-2:] == list(elastic.STANDBY_TARGET_IDS)  # not run: said so
+
+
+def _stranger_run(refusals: tuple[bool, bool, bool], checksum: str) -> dict[str, Any]:
+    fetch, nosecret, badsecret = refusals
+    refused = "FederationError: This job (elastic group 1) was refused: it does not hold the federation's secret (or"
+    strangers = [
+        {"kind": kind, "group": 1, "exit_code": 1 if ok else -9, "refused": refused if ok else None, "trained_steps": 0}
+        for kind, ok in (("nosecret", nosecret), ("badsecret", badsecret))
+    ]
+    return {"faults": [{"kind": "fetch", "status": 403 if fetch else 200}], "strangers": strangers,
+            "checksums": {"group0.0": checksum}, "syncs": []}  # fmt: skip
+
+
+def test_the_stranger_target_counts_every_refusal_and_compares_the_weights():
+    free = {"checksums": {"group0.0": "abc"}, "faults": [], "syncs": []}
+    runs = [{"kind": "faultfree", "repeat": 0, "result": free},
+            {"kind": "strangers", "repeat": 0, "result": _stranger_run((True, True, True), "abc")}]  # fmt: skip
+    (row,) = elastic.stranger_targets({"runs": runs})
+    assert row["measured"] == 1.0 and row["met"] and row["runs"] == 1
+    runs[1]["result"] = _stranger_run((True, True, False), "abc")  # a stranger that was never refused
+    (row,) = elastic.stranger_targets({"runs": runs})
+    assert row["measured"] == 2 / 3 and not row["met"]
+    runs[1]["result"] = _stranger_run((True, True, True), "xyz")  # every refusal, but the weights moved
+    assert not elastic.stranger_targets({"runs": runs})[0]["met"]
+    assert elastic.stranger_targets(None)[0]["note"].startswith("not run")
+
+
+def test_the_two_groups_lost_target_bounds_the_stall_and_needs_both_places_taken():
+    config = {"heartbeat": 2.0, "join": 60.0}
+    standby = {"standby": True, "trained_at": 1.0}
+    run = {"config": config, "faults": [{"stall_seconds": 3.0}, {"stall_seconds": 5.0}], "syncs": [],
+           "groups": [{"jobs": [standby]}, {"jobs": [standby]}]}  # fmt: skip
+    (row,) = elastic.two_lost_targets({"runs": [{"kind": "twolost", "repeat": 0, "result": run}]})
+    assert row["measured"] == 5.0 and row["bound"] == 62.0 and row["met"]
+    run["groups"] = [{"jobs": [standby]}]  # one place left empty
+    assert not elastic.two_lost_targets({"runs": [{"kind": "twolost", "repeat": 0, "result": run}]})[0]["met"]
