@@ -238,7 +238,7 @@ def test_with_standbys_the_goodput_counts_the_standby_runs_and_a_takeover_counts
     assert [r["id"] for r in elastic.targets(old)][-2:] == list(elastic.STANDBY_TARGET_IDS)  # not run: said so
 
 
-def _stranger_run(refusals: tuple[bool, bool, bool], checksum: str) -> dict[str, Any]:
+def _stranger_run(refusals: tuple[bool, bool, bool], checksum: str) -> dict:
     fetch, nosecret, badsecret = refusals
     refused = "FederationError: This job (elastic group 1) was refused: it does not hold the federation's secret (or"
     strangers = [
