@@ -237,5 +237,6 @@ def targets_table(rows: list[Row]) -> str:
     for t in rows:
         measured = "not run" if t["measured"] is None else f"{t['measured']:.3g}"
         met = "yes" if t["met"] else "**no**"
-        lines.append(f"| `{t['id']}` | {t['target']} | {measured} | {t['bound']:g} | {met} | {t['runs']} |")
+        bound = "-" if t["bound"] is None else f"{t['bound']:g}"
+        lines.append(f"| `{t['id']}` | {t['target']} | {measured} | {bound} | {met} | {t['runs']} |")
     return "\n".join(lines)
