@@ -50,12 +50,12 @@ def _install_heal_fault(spec: dict[str, Any]) -> None:
     """Every transfer of a peer's state to this job fails."""
     if (spec.get("fault") or {}).get("kind") != "fail_heals":
         return
-    from torchft.checkpointing.http_transport import HTTPTransport
+    from lightning_fedshard.elastic import heal
 
-    def failing(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def failing(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("injected: the transfer of a peer's state failed")
 
-    HTTPTransport.recv_checkpoint = failing  # type: ignore[method-assign]
+    heal.fetch_state = failing  # what every heal transport's `recv_checkpoint` calls
 
 
 def _install_sum_fault(spec: dict[str, Any], runtime_step: Any) -> None:
