@@ -365,6 +365,8 @@ def _planner_key(recipe: Any) -> tuple[object, ...] | None:
         return ("fsdp",) if plain else None
     if set(recipe.options) - PLANNER_OPTIONS:
         return None
+    if (recipe.ranks_per_group, recipe.steps, recipe.lr) != (1, STEPS, LR):
+        return None  # another batch per group, budget or inner learning rate: not the setting the factors hold for
     outer = recipe.options.get("outer")
     if outer not in (None, (0.7,)):
         return None  # a learning rate the planner's names do not carry

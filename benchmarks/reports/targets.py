@@ -235,7 +235,8 @@ def targets_table(rows: list[Row]) -> str:
     """The targets with what was measured."""
     lines = ["| id | target | measured | bound | met | runs |", "|---|---|---|---|---|---|"]
     for t in rows:
-        measured = "not run" if t["measured"] is None else f"{t['measured']:.3g}"
+        unmeasured = "not reached" if t["runs"] else "not run"  # ran, but the run never reached its target
+        measured = unmeasured if t["measured"] is None else f"{t['measured']:.3g}"
         met = "yes" if t["met"] else "**no**"
         bound = "-" if t["bound"] is None else f"{t['bound']:g}"
         lines.append(f"| `{t['id']}` | {t['target']} | {measured} | {bound} | {met} | {t['runs']} |")

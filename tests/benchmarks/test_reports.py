@@ -272,3 +272,14 @@ def test_the_two_groups_lost_target_bounds_the_stall_and_needs_both_places_taken
     assert row["measured"] == 5.0 and row["bound"] == 62.0 and row["met"]
     run["groups"] = [{"jobs": [standby]}]  # one place left empty
     assert not elastic.two_lost_targets({"runs": [{"kind": "twolost", "repeat": 0, "result": run}]})[0]["met"]
+
+
+def test_the_planner_factors_come_from_the_studys_own_setting_only():
+    """The paper's-regime federations share fedavg's and the defaults' options, at another batch per group: their
+    factors must not stand for the study's setting."""
+    from benchmarks.recipes import load_results
+
+    factors = recipes.planner_factors(load_results())
+    assert factors[(8, 1, "float32", 0, None, "fedavg")][1] == "fedavg_f32"
+    assert factors[(8, 1, "int4", 0, None, "fedavg")][1] == "int4ef"
+    assert not any(recipe.startswith(("paper_", "fsdp_b")) for _, recipe, _, _ in factors.values())
