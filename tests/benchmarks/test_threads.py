@@ -19,11 +19,21 @@ def _burn(seconds: float) -> None:
 def test_background_thread_cpu_is_counted_apart_from_the_training_thread() -> None:
     clock = ThreadClock()
     clock.start()
-    worker = threading.Thread(target=_burn, args=(0.3,), name="fedshard-outer_0")
+    burnt, release = threading.Event(), threading.Event()
+
+    def work() -> None:
+        _burn(0.3)
+        burnt.set()
+        release.wait(30)  # the thread's counters vanish with it: it stays until its last CPU second was sampled
+
+    worker = threading.Thread(target=work, name="fedshard-outer_0")
     worker.start()
-    while worker.is_alive():
-        clock.sample()  # the thread's counters vanish with it: sample while it runs, as the recorder does per step
+    while not burnt.is_set():
+        clock.sample()  # sampled while it runs, as the recorder does per step
         time.sleep(0.02)
+    clock.sample()
+    release.set()
+    worker.join()
     _burn(0.2)
     clock.sample()
     seconds = clock.seconds()
