@@ -21,6 +21,9 @@ every node's link. Each repeat runs, interleaved:
   its last checkpoint (an exact resume); the time until it reaches ``N`` steps, the restart included;
 - ``twolost``: two groups killed within one round (:data:`TWO_LOST`), with ``--standbys`` standby jobs: the others
   commit the next sync without them and the standbys take both places;
+- ``hanginsum``: three groups in turn stopped (SIGSTOP) inside the sum of a sync and later restarted (:data:`HANGS`);
+  the survivors give the sum up once the lighthouse counts the hung group as gone (``Elastic(peer_check=1.0)``, the
+  default); ``hanginsum_wait``: the same with ``peer_check=0``, the survivors waiting for the elastic ``timeout``;
 - ``strangers``: the fault-free federation with a secret (a new one each run, given to the jobs in their environment,
   never written), and three strangers on the same machine (:data:`STRANGERS`): a plain HTTP fetch of the state from
   a group's heal server, a job for a group without the secret and one with another secret.
@@ -36,6 +39,11 @@ Two groups lost within one round, and the fault-free baseline (``benchmarks/resu
 
     sudo PYTHONPATH=. .venv/bin/python -m benchmarks.elastic --kinds faultfree,twolost --steps 64 --node-cores 0.33 \
         --out benchmarks/results/elastic_twolost.json
+
+A group hung inside a sum, given up on at the heartbeat and waited for (``benchmarks/results/elastic_hang.json``)::
+
+    sudo PYTHONPATH=. .venv/bin/python -m benchmarks.elastic --kinds hanginsum,hanginsum_wait --steps 96 \
+        --out benchmarks/results/elastic_hang.json
 
 The strangers and their fault-free baseline (``benchmarks/results/elastic_strangers.json``)::
 
@@ -79,9 +87,14 @@ RESTART_STEPS, KILL_AT, CHECKPOINT_EVERY = 96, 50, 24
 STRANGERS = "fetch:0@8,nosecret:1@8,badsecret:2@12"
 #: Two groups killed within one round of 8 steps (after the sync at step 16, before the one at step 24).
 TWO_LOST = "kill:1@17,kill:2@19"
+#: Three groups hung in turn inside the sum of a sync, each restarted two syncs later.
+HANGS = "hang:1@16,restart:1@24,hang:2@40,restart:2@48,hang:3@64,restart:3@72"
 LIGHTHOUSE_PORT = 29510
 #: The runs of one repeat, interleaved in this order.
-KINDS = ("faultfree", "faulted", "standby", "elastic_restart", "checkpoint_restart", "strangers", "twolost")
+KINDS = (
+    "faultfree", "faulted", "standby", "elastic_restart", "checkpoint_restart", "strangers", "twolost", "hanginsum",
+    "hanginsum_wait",
+)  # fmt: skip
 
 
 def _env(cluster: EmulatedCluster, env: dict[str, str]) -> dict[str, str]:
@@ -105,10 +118,12 @@ def elastic_run(
     standbys: int = 0,
     quotas: CpuQuotas | None = None,
     secret: str | None = None,
+    peer_check: float = 1.0,
 ) -> dict[str, Any]:
     """The elastic federation on the cluster, one group per node, with ``faults`` and ``standbys``: the report."""
     return demo_run(cluster, out, DemoConfig(groups=NODES, ranks_per_group=RANKS, max_steps=steps, faults=faults,
-                                             timeout=15.0, standbys=standbys), quotas, secret)  # fmt: skip
+                                             timeout=15.0, standbys=standbys, peer_check=peer_check),
+                    quotas, secret)  # fmt: skip
 
 
 def lighthouse_argv(config: DemoConfig) -> list[str]:
@@ -309,6 +324,10 @@ def main(argv: list[str] | None = None) -> None:
                     strangers = parse_faults(STRANGERS, NODES)
                     result = elastic_run(cluster, work, args.steps, strangers, quotas=quotas,
                                          secret=secrets.token_hex(16))  # fmt: skip
+                elif kind in ("hanginsum", "hanginsum_wait"):
+                    hangs = parse_faults(HANGS, NODES)
+                    result = elastic_run(cluster, work, args.steps, hangs, quotas=quotas,
+                                         peer_check=1.0 if kind == "hanginsum" else 0.0)  # fmt: skip
                 elif kind == "twolost":
                     lost = parse_faults(TWO_LOST, NODES)
                     result = elastic_run(cluster, work, args.steps, lost, standbys=args.standbys, quotas=quotas)

@@ -132,6 +132,8 @@ def build(paths: dict[str, Path]) -> Report:
     rows += elastic.stranger_targets(results["elastic_strangers"])
     results["elastic_twolost"] = _load_json(paths.get("elastic_twolost", RESULTS / "elastic_twolost.json"))
     rows += elastic.two_lost_targets(results["elastic_twolost"])
+    results["elastic_hang"] = _load_json(paths.get("elastic_hang", RESULTS / "elastic_hang.json"))
+    rows += elastic.hang_targets(results["elastic_hang"])
     rows += torchft.targets(
         load_if_exists(paths.get("torchft", RESULTS / "torchft.json")),
         _load_json(paths.get("torchft_kill", torchft.KILL_RESULTS)),

@@ -30,7 +30,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ranks-per-group", type=int, default=1, help="ranks (CPU processes) of each group job")
     parser.add_argument("--max-steps", type=int, default=96, help="optimizer steps of every group")
     parser.add_argument("--sync-every", type=int, default=8)
-    parser.add_argument("--faults", default="", help="e.g. kill:1@20,restart:1@30,stop:2@50")
+    parser.add_argument("--faults", default="", help="e.g. kill:1@20,restart:1@30,stop:2@50,hang:1@64")
     parser.add_argument(
         "--standbys", type=int, default=0,
         help="standby jobs started with the groups; each takes a gone group's place, and `restart` starts a new one",
@@ -38,6 +38,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--report", type=Path, default=Path("outputs/elastic/report.json"))
     parser.add_argument("--reduce-dtype", default="int4")
     parser.add_argument("--timeout", type=float, default=15.0, help="seconds a collective between groups may take")
+    parser.add_argument(
+        "--peer-check", type=float, default=1.0,
+        help="seconds between readings of the lighthouse while a sum waits (0: wait for --timeout on a hung group)",
+    )  # fmt: skip
     parser.add_argument("--heartbeat", type=float, default=2.0, help="seconds before the lighthouse drops a group")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (to slow a demo down)")
     return parser.parse_args()
@@ -54,6 +58,7 @@ def main() -> None:
         standbys=args.standbys,
         reduce_dtype=args.reduce_dtype,
         timeout=args.timeout,
+        peer_check=args.peer_check,
         heartbeat=args.heartbeat,
         step_sleep=args.step_sleep,
     )

@@ -365,6 +365,7 @@ def plot(results: dict[str, Any], images: Path) -> list[Path]:
 
 STRANGER_TARGET_IDS = ("stranger-refused",)
 TWO_LOST_TARGET_IDS = ("two-groups-lost",)
+HANG_TARGET_IDS = ("hang-in-sum-s",)
 #: What a stranger's job prints when the federation's groups refuse it for want of their secret.
 STRANGER_REFUSAL = "does not hold the federation's secret"
 
@@ -441,5 +442,35 @@ def two_lost_targets(results: dict[str, Any] | None) -> list[Row]:
             "spread": spread,
             "standbys_placed": placed,
             "syncs_lost": lost,
+        }
+    ]
+
+
+def hang_targets(results: dict[str, Any] | None) -> list[Row]:
+    """``hang-in-sum-s``: the survivors' stall when a group hangs inside a sum, against waiting for the timeout."""
+    command = "python -m benchmarks.elastic --kinds hanginsum,hanginsum_wait --steps 96"
+    if results is None:
+        return [_not_run("hang-in-sum-s", command)]
+    checked, waited = stalls(results, "hang", "hanginsum"), stalls(results, "hang", "hanginsum_wait")
+    runs = _runs(results, "hanginsum")
+    config = next(iter(runs.values()))["config"] if runs else {"heartbeat": math.nan}
+    bound = float(config["heartbeat"]) + 2.0
+    spread = _spread(checked)
+    hung = [f.get("hung", False) for run in runs.values() for f in run["faults"] if f["kind"] == "hang"]
+    return [
+        {
+            "id": "hang-in-sum-s",
+            "target": "a group stopped (SIGSTOP) inside the sum of a sync: the survivors' stall (largest; bound: the"
+            " lighthouse's heartbeat timeout + 2 s), given up on once the lighthouse counts the group gone, against"
+            " waiting for the elastic timeout (15 s), 4 groups x 2 ranks, 50 Mbit/s",
+            "measured": spread["max"],
+            "bound": bound,
+            "met": bool(checked) and all(hung) and spread["max"] <= bound,
+            "runs": len(runs),
+            "hangs": len(checked),
+            "spread": spread,
+            "waiting_for_the_timeout": _spread(waited),
+            "syncs_lost": [sum(bool(s.get("lost")) for s in run["syncs"]) for run in runs.values()],
+            "consensus": [len(set(run["checksums"].values())) == 1 for run in runs.values()],
         }
     ]

@@ -2,11 +2,18 @@
 
 A group that saw a failure sends and receives zeros for the rest of the sync and votes against committing it (torchft's
 ``should_commit``); at its next quorum it is behind and heals.
+
+A collective that waits on a group the lighthouse counts as gone (its heartbeats stopped: dead, or hung inside the
+sum) is given up on after the lighthouse's heartbeat timeout, not after the elastic ``timeout``: while a collective
+waits, this rank reads the lighthouse's status page every ``Elastic(peer_check=...)`` seconds. Gloo cannot abort a
+collective, so every collective runs on private copies of its tensors: one given up on may still end later (when the
+hung group wakes up) and write, but only into buffers nobody reads any more.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +25,21 @@ from lightning_fedshard.elastic.rings import gather_options, sum_options
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RingCollectives"]
+__all__ = ["GroupsGone", "RingCollectives"]
+
+#: Starts a collective on private copies of its tensors: ``(output, input) -> work`` (``input is output`` in place).
+Start = Callable[[Tensor, Tensor], Any]
+
+
+class GroupsGone(RuntimeError):
+    """A collective between groups was given up on: the lighthouse counts groups it waits on as gone."""
+
+    def __init__(self, groups: Sequence[int]) -> None:
+        super().__init__(
+            f"the lighthouse counts group(s) {list(groups)} of this collective as gone (no heartbeat for its heartbeat"
+            " timeout: dead or hung); this sync is left out"
+        )
+        self.groups = tuple(groups)
 
 
 class RingCollectives:
@@ -41,45 +62,72 @@ class RingCollectives:
         """
         rings, parts = self._connection.rings, sum_parts(tensor)
         if parts < 2:
-            self.run(lambda: rings.allreduce([tensor], sum_options()), tensor)
+            self.run(lambda out, _: rings.allreduce([out], sum_options()), tensor)
             return
-        self.run(lambda: _AllWorks([rings.allreduce([p], sum_options()) for p in tensor.view(-1).chunk(parts)]), tensor)
+        self.run(lambda out, _: _AllWorks([rings.allreduce([p], sum_options()) for p in out.view(-1).chunk(parts)]),
+                 tensor)  # fmt: skip
 
     def sum_stats(self, tensor: Tensor) -> None:
         """All-reduce (sum) over the statistics ring."""
-        self.run(lambda: self._connection.rings.stats.allreduce([tensor], sum_options()), tensor)
+        self.run(lambda out, _: self._connection.rings.stats.allreduce([out], sum_options()), tensor)
 
     def gather_stats(self, output: Tensor, input: Tensor) -> None:
         """All-gather into one tensor over the statistics ring."""
         rings = self._connection.rings
-        self.run(lambda: rings.stats.allgather_into_tensor_coalesced([output], [input], gather_options()), output)
+        self.run(lambda out, in_: rings.stats.allgather_into_tensor_coalesced([out], [in_], gather_options()),
+                 output, input)  # fmt: skip
 
     def all_to_all(self, output: Tensor, input: Tensor) -> None:
         """``alltoall_base`` over the fed ring (equal parts)."""
         from torch.distributed.distributed_c10d import AllToAllOptions
 
-        self.run(lambda: self._connection.rings.alltoall_base(output, input, [], [], AllToAllOptions()), output)
+        rings = self._connection.rings
+        self.run(lambda out, in_: rings.alltoall_base(out, in_, [], [], AllToAllOptions()), output, input)
 
     def all_gather(self, output: Tensor, input: Tensor) -> None:
         """All-gather into one tensor over the fed ring."""
         rings = self._connection.rings
-        self.run(lambda: rings.allgather_into_tensor_coalesced([output], [input], gather_options()), output)
+        self.run(lambda out, in_: rings.allgather_into_tensor_coalesced([out], [in_], gather_options()), output, input)
 
-    def run(self, work: Callable[[], Any], output: Tensor) -> None:
+    def run(self, start: Start, output: Tensor, input: Tensor | None = None) -> None:
         """Run one collective over a ring; after this sync's first failed one, skip it and leave zeros instead.
 
-        Only a failed collective stops the others: a group whose heal failed still takes part (adding nothing), so
-        that the other groups' sync goes through; it is not committed on this group alone.
+        The collective runs on private copies of ``output`` and ``input`` (``None``: in place, on ``output``), copied
+        back once it ended: one given up on keeps its copies (see :meth:`wait`). Only a failed collective stops the
+        others: a group whose heal failed still takes part (adding nothing), so that the other groups' sync goes
+        through; it is not committed on this group alone.
         """
         if not self.failed:
+            out = output.clone()
+            in_ = out if input is None else input.clone()
+            work = None
             try:
-                work().wait()
+                work = start(out, in_)
+                self.wait(work)
+                output.copy_(out)
                 return
             except Exception as error:  # gloo raises RuntimeError on a dead or timed-out peer
                 log.warning(f"Elastic group {self._connection.group}: a collective between groups failed: {error}")
                 self.failed = True
                 self._connection.manager.report_error(error)
+                if work is not None and isinstance(error, GroupsGone):
+                    self._connection.rings.keep_given_up(work, (out, in_))
         output.zero_()
+
+    def wait(self, work: Any) -> None:
+        """Wait for ``work`` to end; give up on it once the lighthouse counts a group of the ring as gone.
+
+        Raises:
+            GroupsGone: Naming the groups; the work may still be running.
+        """
+        interval = self._connection.options.peer_check
+        for part in getattr(work, "works", [work]):
+            ended = threading.Event()
+            part.get_future().add_done_callback(lambda _, ended=ended: ended.set())
+            while interval > 0 and not ended.wait(interval):
+                if gone := self._connection.gone_groups():
+                    raise GroupsGone(gone)
+            part.wait()
 
 
 class _AllWorks:

@@ -18,6 +18,7 @@ from lightning_fedshard.core.options.elastic import Elastic, FederationEnded, Fe
 from lightning_fedshard.elastic.heal import heal_transport
 from lightning_fedshard.elastic.lighthouse import (
     TrainedFederation,
+    gone_from,
     refusal_on,
     second_start,
     status_page,
@@ -171,6 +172,15 @@ class ManagerConnection:
         self._manager_state = {"step": int(state["step"]), "batches_committed": int(state.get("batches_committed", 0))}
         if self.manager is not None:
             self.manager.load_state_dict(self._manager_state)
+
+    def gone_groups(self) -> tuple[int, ...]:
+        """The other groups of the current ring that the lighthouse counts as gone (their heartbeats stopped).
+
+        Read from the lighthouse's status page; an unreadable page counts nobody as gone.
+        """
+        members = getattr(self.rings, "members", ())
+        page = status_page(self.options.lighthouse_address(), timeout=max(1.0, self.options.peer_check))
+        return tuple(g for g in gone_from(page, self.options.federation, members) if g != self.group)
 
     @property
     def heal_address(self) -> str | None:

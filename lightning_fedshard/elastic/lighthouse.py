@@ -7,6 +7,7 @@ heartbeats and the members of its last quorum with their steps. A group reads it
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -87,6 +88,18 @@ def live_heartbeats(page: str, federation: str, within: float | None = None) -> 
     ]
 
 
+def gone_from(page: str, federation: str, groups: Iterable[int]) -> tuple[int, ...]:
+    """Of ``groups``, those the lighthouse (its status ``page``) counts as gone: listed, and every manager ``old``.
+
+    A group the page does not list at all (a restarted lighthouse that has not heard from it yet, or an empty page)
+    is not counted as gone.
+    """
+    found = _HEARTBEAT_ENTRY.findall(page)
+    entries = [(int(group), bool(old)) for old, name, group, _, _ in found if name == federation]
+    listed, live = {g for g, _ in entries}, {g for g, old in entries if not old}
+    return tuple(g for g in groups if g in listed and g not in live)
+
+
 @dataclass(frozen=True)
 class Vacancies:
     """What a standby group reads on the lighthouse: whether its federation trains, and the places free in it."""
@@ -139,6 +152,7 @@ __all__ = [
     "TrainedFederation",
     "Vacancies",
     "federations_on",
+    "gone_from",
     "live_heartbeats",
     "min_replicas",
     "reachable",

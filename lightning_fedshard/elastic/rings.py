@@ -70,6 +70,7 @@ def fed_rings(timeout: timedelta) -> Any:
             self.heal_source: int | None = None  # the group this rank heals from at the last quorum, if it does
             self._built: tuple[int | None, tuple[int, ...]] | None = None  # the quorum id and groups of the ring
             self._deferred: tuple[str, tuple[Any, ...]] | None = None
+            self._given_up: list[tuple[Any, tuple[Any, ...]]] = []  # (work, what it holds) until the work ends
 
         def configure(
             self,
@@ -97,7 +98,18 @@ def fed_rings(timeout: timedelta) -> Any:
                 return
             self._build(*build)
 
+        def keep_given_up(self, work: Any, buffers: tuple[Any, ...]) -> None:
+            """Hold a collective given up on, with this ring's process groups and its buffers, until it ends.
+
+            Gloo cannot abort a collective: dropping the process group that runs one blocks until gloo's timeout
+            (its worker thread is joined), and the collective may still write into its buffers. Held here, the next
+            quorum's ring is built at once; each is let go once its collective ended (at the latest at the timeout).
+            """
+            self._given_up = [(w, held) for w, held in self._given_up if not _ended(w)]
+            self._given_up.append((work, (self._pg, self.stats._pg, *buffers)))
+
         def _build(self, prefix: str, args: tuple[Any, ...]) -> None:
+            self._given_up = [(w, held) for w, held in self._given_up if not _ended(w)]
             super().configure(f"{prefix}/sums", *args)
             self.stats.configure(f"{prefix}/stats", *args)
             self._built, self._deferred = (args[3], self.members), None
@@ -111,6 +123,11 @@ def fed_rings(timeout: timedelta) -> Any:
             return super().errored() or self.stats.errored()
 
     return FedRings()
+
+
+def _ended(work: Any) -> bool:
+    """Whether a collective (or every part of one) ended."""
+    return all(part.is_completed() for part in getattr(work, "works", [work]))
 
 
 def _heal_source(quorum: Any) -> int | None:

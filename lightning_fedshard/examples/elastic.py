@@ -7,6 +7,10 @@ per fault how long the surviving groups stalled; the final consensus checksum of
 tokens per second. ``examples/elastic_shakespeare.py`` is its command line, and the tests and the elastic benchmark
 use it too.
 
+``hang:G@S`` stops group G inside the sum over the groups of its sync at step S (a multiple of ``sync_every``): the
+group's job stops itself (SIGSTOP, every rank) as it enters that sum, after the quorum of that sync included it, so
+the others are left waiting inside the sum; a later ``restart:G@S`` ends it as it ends a group stopped between syncs.
+
 With ``standbys`` (:class:`DemoConfig`), that many standby jobs start with the groups (on nodes of their own); each
 takes the place of a group that is gone, and every ``restart:G@S`` fault starts a new standby, on a node no running job
 holds, instead of a new job for group G. A standby counts as alive only once it trains.
@@ -48,10 +52,10 @@ import lightning_fedshard
 from lightning_fedshard.examples.llama import LlamaLM
 from lightning_fedshard.examples.shakespeare import ShakespeareDataModule
 
-#: What a fault does to a group: kill it (SIGKILL), stop it (SIGSTOP: a hung group), or start a new job for it; or, as
-#: a stranger to a federation with a secret: start a job for it without the secret or with another one, or fetch the
-#: state from its heal server.
-FAULT_KINDS = ("kill", "stop", "restart", "nosecret", "badsecret", "fetch")
+#: What a fault does to a group: kill it (SIGKILL), stop it (SIGSTOP: a hung group) between syncs or inside the sum of
+#: a sync (``hang``), or start a new job for it; or, as a stranger to a federation with a secret: start a job for it
+#: without the secret or with another one, or fetch the state from its heal server.
+FAULT_KINDS = ("kill", "stop", "hang", "restart", "nosecret", "badsecret", "fetch")
 #: The faults that play a stranger: they need the demo's ``secret``.
 STRANGER_FAULTS = ("nosecret", "badsecret", "fetch")
 #: The secret a ``badsecret`` stranger holds.
@@ -175,6 +179,7 @@ class DemoConfig:
     heartbeat: float = 2.0
     join: float = 60.0
     timeout: float = 15.0
+    peer_check: float = 1.0
     quorum_timeout: float = 120.0
     min_groups: int = 1
     standbys: int = 0
@@ -206,6 +211,12 @@ class ElasticDemo:
     ) -> None:
         if secret is None and any(f.kind in STRANGER_FAULTS for f in config.faults):
             raise ValueError("The stranger faults (nosecret, badsecret, fetch) need a federation `secret`.")
+        for fault in config.faults:
+            if fault.kind == "hang" and fault.step % config.sync_every:
+                raise ValueError(
+                    f"Fault hang:{fault.group}@{fault.step}: a group hangs inside the sum of a sync, and step"
+                    f" {fault.step} is not one (not a multiple of sync_every={config.sync_every})."
+                )
         self.secret = secret
         #: Jobs started as strangers (not counted as any group's).
         self.strangers: list[tuple[str, Incarnation]] = []
@@ -315,8 +326,9 @@ class ElasticDemo:
         return job
 
     def _group_spec(self, group: int, lighthouse: str, out: Path) -> dict[str, Any]:
-        return {**asdict(self.config), "faults": [], "group": group, "lighthouse": lighthouse, "out": str(out),
-                "hostname": self.node_address(group)}  # fmt: skip
+        hangs = [f.step for f in self.config.faults if f.kind == "hang" and f.group == group]
+        return {**asdict(self.config), "faults": [], "hang_at": hangs, "group": group, "lighthouse": lighthouse,
+                "out": str(out), "hostname": self.node_address(group)}  # fmt: skip
 
     def _inject(self, fault: Fault, lighthouse: str) -> None:
         self._reap()
@@ -331,6 +343,11 @@ class ElasticDemo:
             for job in current:
                 job.signal(signal.SIGSTOP)
                 job.stopped_at = record["t"]
+        elif fault.kind == "hang":  # the job stopped itself inside the sum (its `hang` event says when)
+            hung = [(job, e["t"]) for job in current for e in job.events() if e["event"] == "hang"]
+            for job, t in hung:
+                job.stopped_at = record["t"] = t
+            record["hung"] = bool(hung)
         elif fault.kind == "restart" and self.config.standbys:
             for job in current:  # a hung job of the group ends; a standby that took the group's place trains on
                 if job.stopped_at is not None:
@@ -676,6 +693,40 @@ class EventLog(Callback):
         )
 
 
+class HangInSum(Callback):
+    """A fault: this job stops itself inside the sum over the groups of its sync at each of ``steps``.
+
+    As it enters that sum (the sync's quorum included it, so the other groups wait for it there), rank 0 writes a
+    ``hang`` event and stops every process of the job's session (SIGSTOP), itself included.
+
+    Args:
+        steps: The steps whose sync it hangs in.
+        events: The job's event log.
+    """
+
+    def __init__(self, steps: list[int], events: EventLog) -> None:
+        self.steps, self.events = set(steps), events
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        runtime = getattr(trainer.strategy, "runtime", None)
+        if not self.steps or runtime is None or runtime.standing_by:
+            return
+        communicator = runtime.membership.communicator
+        for name in ("sum_over_groups", "all_to_all"):  # a sum in float32 or int8, or int4's message exchange
+            setattr(communicator, name, self._hanging(trainer, getattr(communicator, name)))
+
+    def _hanging(self, trainer: L.Trainer, collective: Callable[..., None]) -> Callable[..., None]:
+        def hanging(*args: Any) -> None:
+            if trainer.global_step in self.steps and trainer.global_rank == 0:
+                self.steps.discard(trainer.global_step)
+                self.events._write({"event": "hang", "step": trainer.global_step})
+                os.killpg(os.getpgrp(), signal.SIGSTOP)
+            collective(*args)
+
+        return hanging
+
+
 def training(spec: dict[str, Any]) -> tuple[LlamaLM, ShakespeareDataModule]:
     """The demo's model and data: the example Llama on Shakespeare, the data resumable."""
     L.seed_everything(0, verbose=False)
@@ -695,6 +746,7 @@ def run_group(spec: dict[str, Any]) -> None:
         min_groups=spec["min_groups"],
         start_groups=spec["groups"],  # the federation starts once every planned group joined
         timeout=spec["timeout"],
+        peer_check=spec.get("peer_check", 1.0),
         quorum_timeout=spec["quorum_timeout"],
         hostname=spec["hostname"],
         group_timeout=max(10.0, 2 * spec["timeout"]),
@@ -708,6 +760,7 @@ def run_group(spec: dict[str, Any]) -> None:
         auto_wrap_policy=LlamaLM.wrap_policy(),
     )
     model, data = training(spec)
+    events = EventLog(Path(spec["out"]), spec["step_sleep"])
     trainer = L.Trainer(
         accelerator="cpu",
         devices=spec["ranks_per_group"],
@@ -720,7 +773,7 @@ def run_group(spec: dict[str, Any]) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
-        callbacks=[EventLog(Path(spec["out"]), spec["step_sleep"])],
+        callbacks=[events, HangInSum(spec.get("hang_at", []), events)],
     )
     trainer.fit(model, datamodule=data)
 

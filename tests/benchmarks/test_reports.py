@@ -99,7 +99,7 @@ def test_target_ids_are_unique_kebab_case_and_those_of_targets_json():
     assert all(KEBAB.match(target_id) and len(target_id) <= 60 for target_id in TARGET_IDS)
     recorded = json.loads((RESULTS / "targets.json").read_text())
     every = (*TARGET_IDS, *OVERLAP_TARGET_IDS, *TOPOLOGY_TARGET_IDS, *elastic.TARGET_IDS, *elastic.STANDBY_TARGET_IDS)
-    every = (*every, *elastic.STRANGER_TARGET_IDS, *elastic.TWO_LOST_TARGET_IDS)
+    every = (*every, *elastic.STRANGER_TARGET_IDS, *elastic.TWO_LOST_TARGET_IDS, *elastic.HANG_TARGET_IDS)
     every = (*every, *torchft.TARGET_IDS)
     every = (*every, *hetero.TARGET_IDS, *latency.TARGET_IDS, *recipes.TARGET_IDS, *tuning.TARGET_IDS)
     every = (*every, walltime.TARGET_ID)
@@ -272,6 +272,24 @@ def test_the_two_groups_lost_target_bounds_the_stall_and_needs_both_places_taken
     assert row["measured"] == 5.0 and row["bound"] == 62.0 and row["met"]
     run["groups"] = [{"jobs": [standby]}]  # one place left empty
     assert not elastic.two_lost_targets({"runs": [{"kind": "twolost", "repeat": 0, "result": run}]})[0]["met"]
+
+
+def test_the_hang_target_bounds_the_largest_stall_by_the_heartbeat_and_needs_every_hang_to_happen():
+    def run(stalls: list[float], hung: bool = True) -> dict:
+        faults = [{"kind": "hang", "stall_seconds": s, "hung": hung} for s in stalls]
+        return {"config": {"heartbeat": 2.0}, "faults": faults + [{"kind": "restart", "stall_seconds": 9.0}],
+                "syncs": [{"lost": True}], "checksums": {"a": "x", "b": "x"}}  # fmt: skip
+
+    results = {"runs": [{"kind": "hanginsum", "repeat": 0, "result": run([2.5, 3.9])},
+                        {"kind": "hanginsum_wait", "repeat": 0, "result": run([15.2, 15.9])}]}  # fmt: skip
+    (row,) = elastic.hang_targets(results)
+    assert (row["measured"], row["bound"], row["met"], row["hangs"]) == (3.9, 4.0, True, 2)
+    assert row["waiting_for_the_timeout"]["median"] == pytest.approx(15.55) and row["consensus"] == [True]
+    results["runs"][0]["result"] = run([2.5, 4.1])  # one stall past the bound
+    assert not elastic.hang_targets(results)[0]["met"]
+    results["runs"][0]["result"] = run([2.5], hung=False)  # the group never hung inside the sum: nothing measured
+    assert not elastic.hang_targets(results)[0]["met"]
+    assert elastic.hang_targets(None)[0]["note"].startswith("not run")
 
 
 def test_the_planner_factors_come_from_the_studys_own_setting_only():

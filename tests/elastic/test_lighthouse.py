@@ -7,6 +7,7 @@ import pytest
 from lightning_fedshard.elastic.lighthouse import (
     HEARTBEAT,
     Vacancies,
+    gone_from,
     live_heartbeats,
     min_replicas,
     refusal_on,
@@ -71,6 +72,14 @@ def test_a_standby_finds_the_places_of_groups_gone_only_once_the_federation_trai
 def test_two_jobs_that_took_one_place_show_as_two_live_managers_of_it():
     page = _page(4, [(1, "a", True), (1, "b", False), (1, "c", False), (2, "d", False)])
     assert live_heartbeats(page, "tests") == [(1, "b" * 36), (1, "c" * 36), (2, "d" * 36)]
+
+
+def test_a_group_is_gone_once_every_manager_of_it_is_old_and_unknown_groups_are_not_gone():
+    # What a collective waiting on the groups of its ring reads: only the lighthouse's own verdict counts.
+    page = _page(4, [(0, "a", False), (1, "b", True), (2, "c", True), (2, "d", False), (3, "e", True)])
+    assert gone_from(page, "tests", (0, 1, 2, 3, 5)) == (1, 3)  # 2 has a live manager; 5 is not listed at all
+    assert gone_from(page, "other", (0, 1, 2, 3)) == ()
+    assert gone_from("", "tests", (0, 1)) == ()  # an unreadable page (a lighthouse restarting): nobody is gone
 
 
 def test_the_lighthouse_shows_the_groups_it_waits_for_while_a_quorum_lacks_them():

@@ -28,8 +28,8 @@ def test_faults_are_parsed_in_the_order_of_their_steps():
     [
         (
             "crash:1@20",
-            "Fault 'crash:1@20' is not KIND:GROUP@STEP with KIND one of ['kill', 'stop', 'restart', 'nosecret',"
-            " 'badsecret', 'fetch']",
+            "Fault 'crash:1@20' is not KIND:GROUP@STEP with KIND one of ['kill', 'stop', 'hang', 'restart',"
+            " 'nosecret', 'badsecret', 'fetch']",
         ),
         ("kill:1", "Fault 'kill:1' is not KIND:GROUP@STEP"),
         ("kill:3@20", "Fault 'kill:3@20': the group must be in [0, 3) and the step positive"),
@@ -41,12 +41,23 @@ def test_a_bad_fault_is_refused_naming_it(spec, message):
         parse_faults(spec, groups=3)
 
 
+def test_a_hang_in_a_sum_at_a_step_without_a_sync_is_refused_before_anything_starts(tmp_path):
+    from lightning_fedshard.examples.elastic import DemoConfig, ElasticDemo
+
+    config = DemoConfig(groups=3, sync_every=4, faults=parse_faults("hang:1@6", groups=3))
+    message = "Fault hang:1@6: a group hangs inside the sum of a sync, and step 6"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ElasticDemo(config, tmp_path)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_the_demo_survives_a_kill_and_a_hang_a_standby_takes_the_killed_groups_place_and_it_reports_them(tmp_path):
+def test_the_demo_survives_a_kill_and_a_hang_in_a_sum_a_standby_takes_the_killed_groups_place_and_it_reports_them(
+    tmp_path,
+):
     pytest.importorskip("torchft")
     report = tmp_path / "report.json"
-    args = ["--groups", "3", "--max-steps", "24", "--sync-every", "4", "--faults", "kill:1@5,stop:2@9",
+    args = ["--groups", "3", "--max-steps", "24", "--sync-every", "4", "--faults", "kill:1@5,hang:2@8",
             "--standbys", "1", "--step-sleep", "0.3", "--report", str(report)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     run = subprocess.run(
@@ -63,8 +74,13 @@ def test_the_demo_survives_a_kill_and_a_hang_a_standby_takes_the_killed_groups_p
     assert standby["standby"] and standby["exit_code"] == 0 and 0 < standby["steps_trained"] < 24
     assert standby["takeover_seconds"] > 0 and standby["join_seconds"] > 0
     assert [j["exit_code"] for j in groups[2]["jobs"]] == [-9]  # hung, ended by the demo at the end
-    assert [f["kind"] for f in result["faults"]] == ["kill", "stop"]
+    assert [f["kind"] for f in result["faults"]] == ["kill", "hang"]
     assert all(f["stall_seconds"] is not None for f in result["faults"])
+    hang = result["faults"][1]
+    # Group 2 stopped inside the sum of its sync at step 8: the survivors gave the sum up once the lighthouse counted
+    # it gone (its heartbeat timeout, 2 s), long before the elastic timeout (15 s); nobody applied that sync.
+    assert hang["hung"] and hang["stall_seconds"] < 8.0
+    assert next(s for s in result["syncs"] if s["step"] == 8)["lost"]
     last = result["syncs"][-1]
     assert last["step"] == 24 and last["members"] == [0, 1] and not last["lost"]
     assert sorted(result["checksums"]) == ["group0.0", "standby.0"] and result["committed_tokens"] > 0

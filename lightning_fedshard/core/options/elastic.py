@@ -57,8 +57,12 @@ class Elastic:
         start_groups: A new federation (every group joining at once) starts training only once this many groups
             joined, so that groups whose jobs start a little later do not find the others ahead of them; default:
             ``min_groups``.
-        timeout: Seconds a collective between groups, a heal's transfer or a commit vote may take: a hung group costs
-            the others at most this much (then it is left out).
+        timeout: Seconds a collective between groups, a heal's transfer or a commit vote may take: a group that hangs
+            while its heartbeats go on costs the others at most this much (then it is left out).
+        peer_check: Seconds between two readings of the lighthouse's status page while a collective between groups
+            waits (only then): once the lighthouse counts a group of the collective as gone (no heartbeat for its
+            heartbeat timeout: dead, or hung inside the sum), the others give the sync up and go on without it,
+            instead of waiting ``timeout``. ``0``: never read it (wait up to ``timeout``).
         quorum_timeout: Seconds to wait for a quorum; longer than a round (a joining group waits for the others'
             next sync).
         connect_timeout: Seconds to reach the lighthouse and the managers when connecting.
@@ -94,6 +98,7 @@ class Elastic:
     min_groups: int = 1
     start_groups: int | None = None
     timeout: float = 60.0
+    peer_check: float = 1.0
     quorum_timeout: float = 900.0
     connect_timeout: float = 60.0
     quorum_retries: int = 10
@@ -118,6 +123,9 @@ class Elastic:
                 raise ValueError(f"`Elastic({name}=...)` must be a non-negative integer, got {value!r}.")
         for name in ("timeout", "quorum_timeout", "connect_timeout", "group_timeout"):
             check_positive_number(f"Elastic({name}=...)", getattr(self, name), unit="seconds")
+        check = self.peer_check
+        if isinstance(check, bool) or not isinstance(check, (int, float)) or not 0 <= check < float("inf"):
+            raise ValueError(f"`Elastic(peer_check=...)` must be a number of seconds >= 0 (0: never), got {check!r}.")
         if not self.federation or not all(c.isalnum() or c in "-." for c in self.federation):
             raise ValueError(
                 f"`Elastic(federation={self.federation!r})` must be a non-empty name of letters, digits, '-' and '.'."
