@@ -24,6 +24,12 @@ every node's link. Each repeat runs, interleaved:
 - ``hanginsum``: three groups in turn stopped (SIGSTOP) inside the sum of a sync and later restarted (:data:`HANGS`);
   the survivors give the sum up once the lighthouse counts the hung group as gone (``Elastic(peer_check=1.0)``, the
   default); ``hanginsum_wait``: the same with ``peer_check=0``, the survivors waiting for the elastic ``timeout``;
+- ``healsource``: groups killed and replaced (:data:`HEAL_SOURCE`), every other replacement (``healkill``) healing
+  from a group that is killed while it sends the state; the plain replacements (``restart``) of the same run are the
+  baseline of the joiners' extra seconds;
+- ``mixed``: with ``--standbys`` standby jobs, 13 faults of every kind (:data:`MIXED`): kills, hangs inside a sum,
+  a heal whose source is killed in transit, two groups killed at once, a lighthouse restart, and restarts (each a new
+  standby); its goodput is measured against the fault-free run of the same repeat;
 - ``strangers``: the fault-free federation with a secret (a new one each run, given to the jobs in their environment,
   never written), and three strangers on the same machine (:data:`STRANGERS`): a plain HTTP fetch of the state from
   a group's heal server, a job for a group without the secret and one with another secret.
@@ -44,6 +50,16 @@ A group hung inside a sum, given up on at the heartbeat and waited for (``benchm
 
     sudo PYTHONPATH=. .venv/bin/python -m benchmarks.elastic --kinds hanginsum,hanginsum_wait --steps 96 \
         --out benchmarks/results/elastic_hang.json
+
+Heals whose source is killed in transit (``benchmarks/results/elastic_healsource.json``)::
+
+    sudo PYTHONPATH=. .venv/bin/python -m benchmarks.elastic --kinds healsource --steps 112 \
+        --out benchmarks/results/elastic_healsource.json
+
+Every kind of fault in one run, with standbys, and the fault-free baseline (``benchmarks/results/elastic_mixed.json``)::
+
+    sudo PYTHONPATH=. .venv/bin/python -m benchmarks.elastic --kinds faultfree,mixed --node-cores 0.33 \
+        --out benchmarks/results/elastic_mixed.json
 
 The strangers and their fault-free baseline (``benchmarks/results/elastic_strangers.json``)::
 
@@ -89,11 +105,19 @@ STRANGERS = "fetch:0@8,nosecret:1@8,badsecret:2@12"
 TWO_LOST = "kill:1@17,kill:2@19"
 #: Three groups hung in turn inside the sum of a sync, each restarted two syncs later.
 HANGS = "hang:1@16,restart:1@24,hang:2@40,restart:2@48,hang:3@64,restart:3@72"
+#: Every kind of fault, with standbys: a kill, a hang inside a sum, a kill whose replacement's heal source dies in
+#: transit, a lighthouse restart, two groups killed at once, another hang; each followed by a restart (a new standby).
+MIXED = (
+    "kill:1@12,restart:1@20,hang:2@32,restart:2@40,kill:3@52,healkill:3@53,lighthouse:0@72,"
+    "kill:1@88,kill:2@89,restart:1@96,restart:2@97,hang:3@112,restart:3@120"
+)
+#: Groups killed and replaced, every other replacement healing from a source killed in transit.
+HEAL_SOURCE = "kill:1@16,healkill:1@24,kill:2@40,restart:2@48,kill:3@64,healkill:3@72,kill:1@88,restart:1@96"
 LIGHTHOUSE_PORT = 29510
 #: The runs of one repeat, interleaved in this order.
 KINDS = (
     "faultfree", "faulted", "standby", "elastic_restart", "checkpoint_restart", "strangers", "twolost", "hanginsum",
-    "hanginsum_wait",
+    "hanginsum_wait", "healsource", "mixed",
 )  # fmt: skip
 
 
@@ -155,12 +179,22 @@ def demo_run(
         command = cluster.command(node, argv, _env(cluster, env))
         return command if quotas is None else quotas.wrap(node, command)
 
-    lighthouse = subprocess.Popen(
-        cluster.service_command(lighthouse_argv(config)),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "RUST_LOG": "warn"},
-    )
+    def start_lighthouse() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            cluster.service_command(lighthouse_argv(config)),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "RUST_LOG": "warn"},
+        )
+
+    lighthouse = [start_lighthouse()]
+
+    def restart_lighthouse(down: float) -> None:
+        lighthouse[0].kill()
+        lighthouse[0].wait()
+        time.sleep(down)
+        lighthouse[0] = start_lighthouse()
+
     try:
         time.sleep(1.0)
         demo = ElasticDemo(
@@ -170,11 +204,12 @@ def demo_run(
             lighthouse=f"http://{cluster.service_address}:{LIGHTHOUSE_PORT}",
             node_address=cluster.address,
             secret=secret,
+            restart_lighthouse=restart_lighthouse,
         )
         return demo.run(timeout=3600)
     finally:
-        lighthouse.kill()
-        lighthouse.wait()
+        lighthouse[0].kill()
+        lighthouse[0].wait()
 
 
 def checkpoint_restart_run(cluster: EmulatedCluster, out: Path, steps: int, kill_at: int, every: int) -> dict[str, Any]:
@@ -307,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
                           "checkpoint_every": args.checkpoint_every}, "standbys": args.standbys, "kinds": kinds,
               "node_cores": args.node_cores,
               "runs": runs}  # fmt: skip
-    nodes = NODES + (args.standbys if {"standby", "twolost"} & set(kinds) else 0)
+    nodes = NODES + (args.standbys if {"standby", "twolost", "mixed"} & set(kinds) else 0)
     quota = CpuQuotas([args.node_cores] * nodes, prefix="fedshard-elastic") if args.node_cores else None
     with EmulatedCluster(nodes) as cluster, quota if quota is not None else nullcontext() as quotas:
         cluster.set_bandwidth(LINK_MBIT)
@@ -328,6 +363,11 @@ def main(argv: list[str] | None = None) -> None:
                     hangs = parse_faults(HANGS, NODES)
                     result = elastic_run(cluster, work, args.steps, hangs, quotas=quotas,
                                          peer_check=1.0 if kind == "hanginsum" else 0.0)  # fmt: skip
+                elif kind == "mixed":
+                    result = elastic_run(cluster, work, args.steps, parse_faults(MIXED, NODES), standbys=args.standbys,
+                                         quotas=quotas)  # fmt: skip
+                elif kind == "healsource":
+                    result = elastic_run(cluster, work, args.steps, parse_faults(HEAL_SOURCE, NODES), quotas=quotas)
                 elif kind == "twolost":
                     lost = parse_faults(TWO_LOST, NODES)
                     result = elastic_run(cluster, work, args.steps, lost, standbys=args.standbys, quotas=quotas)

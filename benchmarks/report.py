@@ -134,6 +134,10 @@ def build(paths: dict[str, Path]) -> Report:
     rows += elastic.two_lost_targets(results["elastic_twolost"])
     results["elastic_hang"] = _load_json(paths.get("elastic_hang", RESULTS / "elastic_hang.json"))
     rows += elastic.hang_targets(results["elastic_hang"])
+    results["elastic_healsource"] = _load_json(paths.get("elastic_healsource", RESULTS / "elastic_healsource.json"))
+    rows += elastic.heal_source_targets(results["elastic_healsource"])
+    results["elastic_mixed"] = _load_json(paths.get("elastic_mixed", RESULTS / "elastic_mixed.json"))
+    rows += elastic.mixed_targets(results["elastic_mixed"])
     rows += torchft.targets(
         load_if_exists(paths.get("torchft", RESULTS / "torchft.json")),
         _load_json(paths.get("torchft_kill", torchft.KILL_RESULTS)),

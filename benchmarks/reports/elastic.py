@@ -366,6 +366,8 @@ def plot(results: dict[str, Any], images: Path) -> list[Path]:
 STRANGER_TARGET_IDS = ("stranger-refused",)
 TWO_LOST_TARGET_IDS = ("two-groups-lost",)
 HANG_TARGET_IDS = ("hang-in-sum-s",)
+HEAL_SOURCE_TARGET_IDS = ("heal-source-killed",)
+MIXED_TARGET_IDS = ("elastic-goodput-mixed",)
 #: What a stranger's job prints when the federation's groups refuse it for want of their secret.
 STRANGER_REFUSAL = "does not hold the federation's secret"
 
@@ -460,9 +462,10 @@ def hang_targets(results: dict[str, Any] | None) -> list[Row]:
     return [
         {
             "id": "hang-in-sum-s",
-            "target": "a group stopped (SIGSTOP) inside the sum of a sync: the survivors' stall (largest; bound: the"
-            " lighthouse's heartbeat timeout + 2 s), given up on once the lighthouse counts the group gone, against"
-            " waiting for the elastic timeout (15 s), 4 groups x 2 ranks, 50 Mbit/s",
+            "target": "a group stopped (SIGSTOP) inside the sum of a sync: the survivors' stall, from the stop to the"
+            " last survivor leaving that sync (largest; bound: the lighthouse's heartbeat timeout + 2 s), the sum"
+            " given up once the lighthouse counts the group gone, against waiting for the elastic timeout (15 s),"
+            " 4 groups x 2 ranks, 50 Mbit/s",
             "measured": spread["max"],
             "bound": bound,
             "met": bool(checked) and all(hung) and spread["max"] <= bound,
@@ -472,5 +475,85 @@ def hang_targets(results: dict[str, Any] | None) -> list[Row]:
             "waiting_for_the_timeout": _spread(waited),
             "syncs_lost": [sum(bool(s.get("lost")) for s in run["syncs"]) for run in runs.values()],
             "consensus": [len(set(run["checksums"].values())) == 1 for run in runs.values()],
+        }
+    ]
+
+
+def _run_round_seconds(run: dict[str, Any]) -> float:
+    """The median seconds between two committed syncs of one run (its rounds)."""
+    committed = [s["t"] for s in run["syncs"][1:] if not s["lost"]]
+    gaps = [b - a for a, b in zip(committed, committed[1:])]
+    return statistics.median(gaps) if gaps else math.nan
+
+
+def heal_source_targets(results: dict[str, Any] | None) -> list[Row]:
+    """``heal-source-killed``: a joiner whose heal source dies in transit, against a plain replacement."""
+    command = "python -m benchmarks.elastic --kinds healsource --steps 112"
+    if results is None:
+        return [_not_run("heal-source-killed", command)]
+    runs = _runs(results, "healsource")
+    faults = [f for run in runs.values() for f in run["faults"]]
+    cut = [f["joined_seconds"] for f in faults if f["kind"] == "healkill" and f["joined_seconds"] is not None]
+    plain = [f["joined_seconds"] for f in faults if f["kind"] == "restart" and f["joined_seconds"] is not None]
+    killed = [f.get("source") is not None for f in faults if f["kind"] == "healkill"]
+    joined = [f["joined_seconds"] is not None for f in faults if f["kind"] in ("healkill", "restart")]
+    consensus = [len(set(run["checksums"].values())) == 1 for run in runs.values()]
+    extra = statistics.median(cut) - statistics.median(plain) if cut and plain else math.nan
+    config = next(iter(runs.values()))["config"] if runs else {"heartbeat": math.nan}
+    rounds = [_run_round_seconds(run) for run in runs.values()]
+    bound = float(config["heartbeat"]) + (statistics.median(rounds) if rounds else math.nan)
+    return [
+        {
+            "id": "heal-source-killed",
+            "target": "a replacement group whose heal source is killed while it sends the state: the joiner's extra"
+            " seconds to its first committed sync over a plain replacement's in the same runs (medians; bound: the"
+            " heartbeat timeout + one round, a retry at its next quorum), every source killed, every joiner in,"
+            " one consensus at the end, 4 groups x 2 ranks, 50 Mbit/s",
+            "measured": extra,
+            "bound": bound,
+            "met": bool(cut) and all(killed) and all(joined) and all(consensus) and extra <= bound,
+            "runs": len(runs),
+            "heals_cut": len(killed),
+            "joined_seconds": {"source_killed": _spread(cut), "plain": _spread(plain)},
+            "sources_killed": sum(killed),
+            "consensus": consensus,
+            "syncs_lost": [sum(bool(s.get("lost")) for s in run["syncs"]) for run in runs.values()],
+        }
+    ]
+
+
+def mixed_targets(results: dict[str, Any] | None) -> list[Row]:
+    """``elastic-goodput-mixed``: goodput through every kind of fault at once, one consensus, no split sync."""
+    command = "python -m benchmarks.elastic --kinds faultfree,mixed --node-cores 0.33"
+    if results is None:
+        return [_not_run("elastic-goodput-mixed", command)]
+    runs = _runs(results, "mixed")
+    values = goodputs(results, "mixed")
+    spread = _spread(values)
+    consensus = [len(set(run["checksums"].values())) == 1 for run in runs.values()]
+    split = [run.get("split_syncs", []) for run in runs.values()]
+    faults = [len(run["faults"]) for run in runs.values()]
+    return [
+        {
+            "id": "elastic-goodput-mixed",
+            "target": "goodput (as elastic-goodput) through >= 12 faults of every kind with standby groups: kills,"
+            " hangs inside a sum, a heal whose source is killed in transit, two groups killed at once, a lighthouse"
+            " restart (median); every run ends on one consensus with no sync applied by some groups and lost by"
+            " others, 4 groups x 2 ranks, 50 Mbit/s",
+            "measured": spread["median"],
+            "bound": GOODPUT_BOUND,
+            "met": bool(values)
+            and spread["median"] >= GOODPUT_BOUND
+            and all(consensus)
+            and not any(split)
+            and min(faults) >= 12,
+            "runs": len(values),
+            "spread": spread,
+            "faults_per_run": faults,
+            "consensus": consensus,
+            "split_syncs": split,
+            "syncs_lost": [sum(bool(s.get("lost")) for s in run["syncs"]) for run in runs.values()],
+            "committed_share_of_trained": _spread(committed_shares(results, "mixed")),
+            "repeats_without_a_fault_free_baseline": disturbed_repeats(results),
         }
     ]

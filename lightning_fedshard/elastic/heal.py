@@ -130,7 +130,13 @@ def fetch_state(url: str, secret: bytes | None, timeout: timedelta) -> Any:
                     f"The heal server at {urlparse(url).netloc} did not prove the federation's secret: nothing it sent"
                     " was loaded."
                 )
-            return cast(Any, _streaming_load(answer, weights_only=False))
+            try:
+                return cast(Any, _streaming_load(answer, weights_only=False))
+            except (ValueError, EOFError, RuntimeError) as error:  # torch's reader on a stream that ended early
+                raise ConnectionError(
+                    f"The heal from {urlparse(url).netloc} ended before the whole state arrived (the peer is gone?):"
+                    f" {error}"
+                ) from None
     except urllib.error.HTTPError as error:
         if error.code == 403:
             raise SecretRefused(

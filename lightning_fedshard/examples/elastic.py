@@ -10,6 +10,11 @@ use it too.
 ``hang:G@S`` stops group G inside the sum over the groups of its sync at step S (a multiple of ``sync_every``): the
 group's job stops itself (SIGSTOP, every rank) as it enters that sum, after the quorum of that sync included it, so
 the others are left waiting inside the sum; a later ``restart:G@S`` ends it as it ends a group stopped between syncs.
+``healkill:G@S`` starts a new job for group G as ``restart`` does (with standbys: a new standby), and the first group
+that serves a heal from then on (the new job's or a standby's, normally) is killed (SIGKILL, every rank) while the
+state is in transit, after its first 256 KiB.
+``lighthouse:0@S`` takes the lighthouse down for :data:`LIGHTHOUSE_DOWN` seconds and starts a new one at the same
+address (its group is not used); the groups ride the outage out.
 
 With ``standbys`` (:class:`DemoConfig`), that many standby jobs start with the groups (on nodes of their own); each
 takes the place of a group that is gone, and every ``restart:G@S`` fault starts a new standby, on a node no running job
@@ -42,6 +47,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import lightning as L
 import torch
@@ -55,9 +61,15 @@ from lightning_fedshard.examples.shakespeare import ShakespeareDataModule
 #: What a fault does to a group: kill it (SIGKILL), stop it (SIGSTOP: a hung group) between syncs or inside the sum of
 #: a sync (``hang``), or start a new job for it; or, as a stranger to a federation with a secret: start a job for it
 #: without the secret or with another one, or fetch the state from its heal server.
-FAULT_KINDS = ("kill", "stop", "hang", "restart", "nosecret", "badsecret", "fetch")
+FAULT_KINDS = ("kill", "stop", "hang", "restart", "healkill", "lighthouse", "nosecret", "badsecret", "fetch")
 #: The faults that play a stranger: they need the demo's ``secret``.
 STRANGER_FAULTS = ("nosecret", "badsecret", "fetch")
+#: The file whose presence arms the kill of the next group that serves a heal (``healkill``), in the demo's folder.
+HEAL_KILL_MARKER = "healkill.armed"
+#: The bytes of a heal a ``healkill`` source sends before it dies.
+HEAL_KILL_AFTER = 256 * 1024
+#: Seconds a ``lighthouse`` fault keeps the lighthouse down.
+LIGHTHOUSE_DOWN = 2.0
 #: The secret a ``badsecret`` stranger holds.
 ANOTHER_SECRET = "not-the-federations-secret"
 
@@ -198,6 +210,8 @@ class ElasticDemo:
         lighthouse: The address of a lighthouse already running; default: one started in this process.
         node_address: The address a group's manager is reached at by the others (default: this machine's name).
         secret: The federation's secret, given to every group job as ``$FEDSHARD_SECRET`` (never written anywhere).
+        restart_lighthouse: Takes the external ``lighthouse`` down for the given seconds and starts it again at the
+            same address (the ``lighthouse`` fault); a lighthouse this demo started it restarts itself.
     """
 
     def __init__(
@@ -208,7 +222,10 @@ class ElasticDemo:
         lighthouse: str | None = None,
         node_address: Callable[[int], str] | None = None,
         secret: str | None = None,
+        restart_lighthouse: Callable[[float], None] | None = None,
     ) -> None:
+        if lighthouse is not None and restart_lighthouse is None and any(f.kind == "lighthouse" for f in config.faults):
+            raise ValueError("The lighthouse fault needs `restart_lighthouse` for a lighthouse the demo did not start.")
         if secret is None and any(f.kind in STRANGER_FAULTS for f in config.faults):
             raise ValueError("The stranger faults (nosecret, badsecret, fetch) need a federation `secret`.")
         for fault in config.faults:
@@ -224,6 +241,7 @@ class ElasticDemo:
         self.out = out
         self.launch = launch
         self._external_lighthouse = lighthouse
+        self._restart_external = restart_lighthouse
         self._lighthouse: Any = None
         self.node_address = node_address or (lambda group: socket.gethostname())
         self.jobs: list[Incarnation] = []
@@ -268,19 +286,28 @@ class ElasticDemo:
         alive = [j for j in self.jobs if j.ended is None and j.process.poll() is None]
         return bool(alive) and all(j.stopped_at is not None for j in alive)
 
-    def _start_lighthouse(self) -> str:
+    def _start_lighthouse(self, port: int = 0) -> str:
         if self._external_lighthouse is not None:
             return self._external_lighthouse
         os.environ.setdefault("RUST_LOG", "warn")
         from torchft.coordination import LighthouseServer
 
         self._lighthouse = LighthouseServer(
-            bind="[::]:0",
+            bind=f"[::]:{port}",
             min_replicas=self.config.min_groups,
             join_timeout_ms=int(self.config.join * 1000),
             heartbeat_timeout_ms=int(self.config.heartbeat * 1000),
         )
         return str(self._lighthouse.address())
+
+    def _restart_lighthouse(self, address: str) -> None:
+        """Take the lighthouse down for :data:`LIGHTHOUSE_DOWN` seconds, then start a new one at ``address``."""
+        if self._restart_external is not None:
+            self._restart_external(LIGHTHOUSE_DOWN)
+            return
+        self._lighthouse.shutdown()
+        time.sleep(LIGHTHOUSE_DOWN)
+        self._start_lighthouse(port=int(urlparse(address).port or 0))
 
     def _start(
         self, group: int, lighthouse: str, node: int | None = None, secret: str | None = None, stranger: str = ""
@@ -328,7 +355,8 @@ class ElasticDemo:
     def _group_spec(self, group: int, lighthouse: str, out: Path) -> dict[str, Any]:
         hangs = [f.step for f in self.config.faults if f.kind == "hang" and f.group == group]
         return {**asdict(self.config), "faults": [], "hang_at": hangs, "group": group, "lighthouse": lighthouse,
-                "out": str(out), "hostname": self.node_address(group)}  # fmt: skip
+                "out": str(out), "hostname": self.node_address(group),
+                "heal_kill_marker": str(self.out / HEAL_KILL_MARKER)}  # fmt: skip
 
     def _inject(self, fault: Fault, lighthouse: str) -> None:
         self._reap()
@@ -348,15 +376,22 @@ class ElasticDemo:
             for job, t in hung:
                 job.stopped_at = record["t"] = t
             record["hung"] = bool(hung)
-        elif fault.kind == "restart" and self.config.standbys:
+        elif fault.kind == "lighthouse":
+            self._restart_lighthouse(lighthouse)
+            record["up_again"] = time.time()
+        elif fault.kind in ("restart", "healkill") and self.config.standbys:
+            if fault.kind == "healkill":
+                (self.out / HEAL_KILL_MARKER).write_text(str(fault.step))  # the next heal's source dies while sending
             for job in current:  # a hung job of the group ends; a standby that took the group's place trains on
                 if job.stopped_at is not None:
                     self._end(job)
             self._start(-1, lighthouse, node=self._free_node(fault.group))
         else:
+            if fault.kind == "healkill":
+                (self.out / HEAL_KILL_MARKER).write_text(str(fault.step))
             for job in current:
                 self._end(job)
-            if fault.kind == "restart":
+            if fault.kind in ("restart", "healkill"):
                 self._start(fault.group, lighthouse)
         self.fault_log.append(record)
 
@@ -436,6 +471,7 @@ class ElasticDemo:
             "alive_fraction": self._alive_fraction(min(starts, default=math.nan), max(ends, default=math.nan)),
             "checksums": {name: e["checksum"] for (_, name), evs in events.items() for e in evs if e["event"] == "end"},
             "strangers": [_stranger_report(kind, job) for kind, job in self.strangers],
+            "split_syncs": split_syncs(events),
         }
 
     def _group_report(self, group: int, events: dict[tuple[int, str], list[dict[str, Any]]]) -> dict[str, Any]:
@@ -485,7 +521,13 @@ class ElasticDemo:
     def _fault_report(
         self, fault: dict[str, Any], events: dict[tuple[int, str], list[dict[str, Any]]]
     ) -> dict[str, Any]:
-        """The surviving groups' stall: how much longer their first sync after the fault took than their usual sync."""
+        """The surviving groups' stall: how much longer their first sync after the fault took than their usual sync.
+
+        After a ``hang`` (inside a sum, whose start the others' sync predates) instead: from the moment the group
+        stopped to the moment the last survivor left that sync, the time they waited for it.
+        """
+        if fault["kind"] == "hang":
+            return {**fault, "stall_seconds": self._hang_wait(fault, events)}
         stalls = []
         for (group, _), evs in events.items():
             if group == fault["group"]:
@@ -495,7 +537,34 @@ class ElasticDemo:
             after = [e for e in syncs if e["t"] >= fault["t"]]
             if before and after:
                 stalls.append(max(0.0, after[0]["seconds"] - statistics.median(before)))
-        return {**fault, "stall_seconds": max(stalls) if stalls else None}
+        report = {**fault, "stall_seconds": max(stalls) if stalls else None}
+        if fault["kind"] in ("restart", "healkill"):
+            report.update(self._rejoin_report(fault, events))
+        return report
+
+    @staticmethod
+    def _hang_wait(fault: dict[str, Any], events: dict[tuple[int, str], list[dict[str, Any]]]) -> float | None:
+        """Seconds from a group's hang inside the sum of its sync to the last survivor leaving that sync."""
+        ends = [e["t"] for (group, _), evs in events.items() if group != fault["group"] for e in evs
+                if e["event"] == "sync" and e["step"] == fault["step"] and e["t"] >= fault["t"]]  # fmt: skip
+        return max(ends) - fault["t"] if ends and fault.get("hung") else None
+
+    def _rejoin_report(
+        self, fault: dict[str, Any], events: dict[tuple[int, str], list[dict[str, Any]]]
+    ) -> dict[str, Any]:
+        """When the new job of a restart first committed a sync (seconds from the fault).
+
+        For a ``healkill`` also which group died serving a heal, and when.
+        """
+        joiner = next((j for j in self.jobs if j.group == fault["group"] and j.started >= fault["t"]), None)
+        syncs = [] if joiner is None else [e for e in events[(joiner.group, joiner.out.name)] if e["event"] == "sync"]
+        committed = next((e for e in syncs if not e["lost"] and e["step"] > 0), None)
+        report = {"joined_seconds": None if committed is None else committed["t"] - fault["t"]}
+        if fault["kind"] == "healkill":
+            killed = sorted((e["t"], g) for (g, _), evs in events.items() for e in evs
+                            if e["event"] == "healkill" and e["t"] >= fault["t"])  # fmt: skip
+            report["source"], report["source_killed_at"] = (killed[0][1], killed[0][0]) if killed else (None, None)
+        return report
 
     def _alive_fraction(self, start: float, end: float) -> float:
         """The time-weighted share of the planned groups that had a running (not stopped) job."""
@@ -509,6 +578,20 @@ class ElasticDemo:
             last = job.stopped_at or job.ended or end
             alive += max(0.0, min(last, end) - max(first, start))
         return alive / (self.config.groups * (end - start))
+
+
+def split_syncs(events: dict[tuple[int, str], list[dict[str, Any]]]) -> list[int]:
+    """The steps of syncs that some groups applied and others lost, among the groups that took part and did not join.
+
+    A group that joined at a sync may lose it alone (its heal failed: it heals at the next); any other split would
+    leave the groups on different weights.
+    """
+    outcomes: dict[int, set[bool]] = {}
+    for (group, _), evs in events.items():
+        for e in evs:
+            if e["event"] == "sync" and group in e["members"] and group not in e["joined"]:
+                outcomes.setdefault(e["step"], set()).add(bool(e["lost"]))
+    return sorted(step for step, seen in outcomes.items() if len(seen) > 1)
 
 
 def committed_group_steps(sync: dict[str, Any]) -> int:
@@ -727,6 +810,66 @@ class HangInSum(Callback):
         return hanging
 
 
+class DieWhileHealing(Callback):
+    """A fault: once ``marker`` exists, the first group to serve a heal dies (SIGKILL, every rank) while sending it.
+
+    The group whose heal server takes the marker (an atomic rename: one group only) writes a ``healkill`` event, sends
+    the first :data:`HEAL_KILL_AFTER` bytes of the state and kills every process of its job's session.
+
+    Args:
+        marker: The file that arms the fault (written by the demo's driver).
+        events: The job's event log.
+    """
+
+    def __init__(self, marker: str, events: EventLog) -> None:
+        self.marker, self.events = marker, events
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        runtime = getattr(trainer.strategy, "runtime", None)
+        if runtime is None or runtime.standing_by:
+            return
+        # The heal server of torchft's transport (private): its request handler class is built per request.
+        server = runtime.membership.communicator._connection._transport._server
+        server.RequestHandlerClass = self._dying(server.RequestHandlerClass)
+
+    def _dying(self, handler: type) -> type:
+        fault = self
+
+        class DyingHandler(handler):  # type: ignore[misc, valid-type]
+            def do_GET(self) -> None:
+                if self.path.endswith("/full") and fault._take():
+                    self.wfile = _DyingAfter(self.wfile, HEAL_KILL_AFTER)  # type: ignore[has-type]
+                super().do_GET()
+
+        return DyingHandler
+
+    def _take(self) -> bool:
+        try:
+            os.rename(self.marker, f"{self.marker}.{os.getpid()}")
+        except OSError:
+            return False
+        self.events._write({"event": "healkill", "step": -1})
+        return True
+
+
+class _DyingAfter:
+    """A stream that kills this job's session once ``limit`` bytes went through it."""
+
+    def __init__(self, stream: Any, limit: int) -> None:
+        self.stream, self.limit, self.sent = stream, limit, 0
+
+    def write(self, data: Any) -> int:
+        if self.sent >= self.limit:
+            self.stream.flush()
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        self.sent += len(memoryview(data).cast("B"))
+        return int(self.stream.write(data))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
 def training(spec: dict[str, Any]) -> tuple[LlamaLM, ShakespeareDataModule]:
     """The demo's model and data: the example Llama on Shakespeare, the data resumable."""
     L.seed_everything(0, verbose=False)
@@ -761,6 +904,7 @@ def run_group(spec: dict[str, Any]) -> None:
     )
     model, data = training(spec)
     events = EventLog(Path(spec["out"]), spec["step_sleep"])
+    heal_kill = [DieWhileHealing(spec["heal_kill_marker"], events)] if spec.get("heal_kill_marker") else []
     trainer = L.Trainer(
         accelerator="cpu",
         devices=spec["ranks_per_group"],
@@ -773,7 +917,7 @@ def run_group(spec: dict[str, Any]) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
-        callbacks=[events, HangInSum(spec.get("hang_at", []), events)],
+        callbacks=[events, HangInSum(spec.get("hang_at", []), events), *heal_kill],
     )
     trainer.fit(model, datamodule=data)
 

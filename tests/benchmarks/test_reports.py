@@ -99,7 +99,14 @@ def test_target_ids_are_unique_kebab_case_and_those_of_targets_json():
     assert all(KEBAB.match(target_id) and len(target_id) <= 60 for target_id in TARGET_IDS)
     recorded = json.loads((RESULTS / "targets.json").read_text())
     every = (*TARGET_IDS, *OVERLAP_TARGET_IDS, *TOPOLOGY_TARGET_IDS, *elastic.TARGET_IDS, *elastic.STANDBY_TARGET_IDS)
-    every = (*every, *elastic.STRANGER_TARGET_IDS, *elastic.TWO_LOST_TARGET_IDS, *elastic.HANG_TARGET_IDS)
+    every = (
+        *every,
+        *elastic.STRANGER_TARGET_IDS,
+        *elastic.TWO_LOST_TARGET_IDS,
+        *elastic.HANG_TARGET_IDS,
+        *elastic.HEAL_SOURCE_TARGET_IDS,
+        *elastic.MIXED_TARGET_IDS,
+    )
     every = (*every, *torchft.TARGET_IDS)
     every = (*every, *hetero.TARGET_IDS, *latency.TARGET_IDS, *recipes.TARGET_IDS, *tuning.TARGET_IDS)
     every = (*every, walltime.TARGET_ID)
@@ -290,6 +297,43 @@ def test_the_hang_target_bounds_the_largest_stall_by_the_heartbeat_and_needs_eve
     results["runs"][0]["result"] = run([2.5], hung=False)  # the group never hung inside the sum: nothing measured
     assert not elastic.hang_targets(results)[0]["met"]
     assert elastic.hang_targets(None)[0]["note"].startswith("not run")
+
+
+def test_the_heal_source_target_compares_joiners_in_the_same_runs_and_needs_every_source_killed():
+    def run(cut: float, plain: float, source: int | None = 0) -> dict:
+        faults = [{"kind": "healkill", "joined_seconds": cut, "source": source, "stall_seconds": 1.0},
+                  {"kind": "restart", "joined_seconds": plain, "stall_seconds": 0.0}]  # fmt: skip
+        syncs = [{"t": t, "lost": False} for t in (0.0, 10.0, 20.0, 30.0)]
+        return {"config": {"heartbeat": 2.0}, "faults": faults, "syncs": syncs, "checksums": {"a": "x", "b": "x"}}
+
+    results = {"runs": [{"kind": "healsource", "repeat": 0, "result": run(30.0, 21.0)}]}
+    (row,) = elastic.heal_source_targets(results)
+    assert (row["measured"], row["bound"], row["met"]) == (9.0, 12.0, True)
+    results["runs"][0]["result"] = run(40.0, 21.0)  # past a retry at the next quorum
+    assert not elastic.heal_source_targets(results)[0]["met"]
+    results["runs"][0]["result"] = run(30.0, 21.0, source=None)  # the heal was never cut: nothing measured
+    assert not elastic.heal_source_targets(results)[0]["met"]
+    assert elastic.heal_source_targets(None)[0]["note"].startswith("not run")
+
+
+def test_the_mixed_faults_target_needs_the_goodput_one_consensus_and_no_split_sync():
+    def run(tokens_per_s: float, split: list[int] | None = None, checksums: tuple[str, ...] = ("x", "x")) -> dict:
+        groups = [{"jobs": [{"exit_code": 0}]} for _ in range(2)]
+        return {"config": {"groups": 2}, "committed_tokens_per_s": tokens_per_s, "alive_fraction": 0.9,
+                "faults": [{"kind": "kill"}] * 12, "checksums": dict(enumerate(checksums)), "groups": groups,
+                "syncs": [{"members": [0, 1], "lost": False}], "split_syncs": split or [],
+                "committed_tokens": 90, "trained_tokens": 100}  # fmt: skip
+
+    def results(mixed: dict) -> dict:
+        return {"runs": [{"kind": "faultfree", "repeat": 0, "result": run(1000.0)},
+                         {"kind": "mixed", "repeat": 0, "result": mixed}]}  # fmt: skip
+
+    (row,) = elastic.mixed_targets(results(run(873.0)))
+    assert row["measured"] == pytest.approx(873.0 / 900.0) and row["met"]
+    assert not elastic.mixed_targets(results(run(850.0)))[0]["met"]  # 0.944
+    assert not elastic.mixed_targets(results(run(873.0, split=[24])))[0]["met"]  # some groups applied sync 24
+    assert not elastic.mixed_targets(results(run(873.0, checksums=("x", "y"))))[0]["met"]
+    assert elastic.mixed_targets(None)[0]["note"].startswith("not run")
 
 
 def test_the_planner_factors_come_from_the_studys_own_setting_only():

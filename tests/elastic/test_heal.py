@@ -116,3 +116,37 @@ def test_with_a_secret_the_heal_server_listens_on_the_advertised_address_only():
         assert server._server.server_address[0] == "127.0.0.1"  # not "::" (every interface)
     finally:
         server.shutdown(wait=False)
+
+
+def test_a_heal_cut_off_by_a_peer_that_died_is_a_clear_connection_error():
+    # A source group killed while it sends the state: the joining group's heal fails (it heals at its next quorum).
+    import io
+    import threading
+    from datetime import timedelta
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from torchft.checkpointing._serialization import _streaming_save
+
+    from lightning_fedshard.elastic.heal import fetch_state
+
+    whole = io.BytesIO()
+    _streaming_save({"w": torch.arange(4096.0)}, whole)
+
+    class Dying(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(whole.getvalue()[: len(whole.getvalue()) // 2])  # then the connection closes
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Dying)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/checkpoint/3/full"
+        with pytest.raises(ConnectionError, match=r"The heal from 127\.0\.0\.1:\d+ ended before the whole state"):
+            fetch_state(url, None, timedelta(seconds=10))
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -29,7 +29,7 @@ def test_faults_are_parsed_in_the_order_of_their_steps():
         (
             "crash:1@20",
             "Fault 'crash:1@20' is not KIND:GROUP@STEP with KIND one of ['kill', 'stop', 'hang', 'restart',"
-            " 'nosecret', 'badsecret', 'fetch']",
+            " 'healkill', 'lighthouse', 'nosecret', 'badsecret', 'fetch']",
         ),
         ("kill:1", "Fault 'kill:1' is not KIND:GROUP@STEP"),
         ("kill:3@20", "Fault 'kill:3@20': the group must be in [0, 3) and the step positive"),
@@ -99,3 +99,23 @@ def test_the_stranger_faults_need_a_secret():
     config = DemoConfig(groups=2, faults=parse_faults("nosecret:1@4", 2))
     with pytest.raises(ValueError, match="The stranger faults .* need a federation `secret`"):
         ElasticDemo(config, Path("/tmp/unused"))
+
+
+def test_a_sync_some_groups_applied_and_others_lost_is_reported_but_a_joiner_may_lose_it_alone():
+    from lightning_fedshard.examples.elastic import split_syncs
+
+    def sync(step: int, lost: bool, joined: tuple[int, ...] = ()) -> dict:
+        return {"event": "sync", "step": step, "members": [0, 1], "joined": list(joined), "lost": lost}
+
+    events = {(0, "group0.0"): [sync(8, False), sync(16, False, (1,))],
+              (1, "group1.0"): [sync(8, True), sync(16, True, (1,))]}  # fmt: skip
+    assert split_syncs(events) == [8]  # at 16, group 1 had just joined: its heal failed, it heals at the next
+
+
+def test_a_lighthouse_fault_on_a_lighthouse_the_demo_did_not_start_needs_a_way_to_restart_it(tmp_path):
+    from lightning_fedshard.examples.elastic import DemoConfig, ElasticDemo
+
+    config = DemoConfig(groups=3, faults=parse_faults("lighthouse:0@8", groups=3))
+    with pytest.raises(ValueError, match="The lighthouse fault needs `restart_lighthouse`"):
+        ElasticDemo(config, tmp_path, lighthouse="http://localhost:29510")
+    ElasticDemo(config, tmp_path, lighthouse="http://localhost:29510", restart_lighthouse=lambda down: None)
