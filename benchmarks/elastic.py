@@ -53,7 +53,7 @@ A group hung inside a sum, given up on at the heartbeat and waited for (``benchm
 
 Heals whose source is killed in transit (``benchmarks/results/elastic_healsource.json``)::
 
-    sudo PYTHONPATH=. .venv/bin/python -m benchmarks.elastic --kinds healsource --steps 112 \
+    sudo PYTHONPATH=. .venv/bin/python -m benchmarks.elastic --kinds healsource \
         --out benchmarks/results/elastic_healsource.json
 
 Every kind of fault in one run, with standbys, and the fault-free baseline (``benchmarks/results/elastic_mixed.json``)::
@@ -111,8 +111,9 @@ MIXED = (
     "kill:1@12,restart:1@20,hang:2@32,restart:2@40,kill:3@52,healkill:3@53,lighthouse:0@72,"
     "kill:1@88,kill:2@89,restart:1@96,restart:2@97,hang:3@112,restart:3@120"
 )
-#: Groups killed and replaced, every other replacement healing from a source killed in transit.
-HEAL_SOURCE = "kill:1@16,healkill:1@24,kill:2@40,restart:2@48,kill:3@64,healkill:3@72,kill:1@88,restart:1@96"
+#: Groups killed and replaced (a new job takes about 40 steps to start and join), the first and the last replacement
+#: healing from a source killed in transit.
+HEAL_SOURCE = "kill:1@8,healkill:1@9,kill:2@56,restart:2@57,kill:3@104,healkill:3@105"
 LIGHTHOUSE_PORT = 29510
 #: The runs of one repeat, interleaved in this order.
 KINDS = (

@@ -488,7 +488,7 @@ def _run_round_seconds(run: dict[str, Any]) -> float:
 
 def heal_source_targets(results: dict[str, Any] | None) -> list[Row]:
     """``heal-source-killed``: a joiner whose heal source dies in transit, against a plain replacement."""
-    command = "python -m benchmarks.elastic --kinds healsource --steps 112"
+    command = "python -m benchmarks.elastic --kinds healsource"
     if results is None:
         return [_not_run("heal-source-killed", command)]
     runs = _runs(results, "healsource")

@@ -561,8 +561,8 @@ class ElasticDemo:
         committed = next((e for e in syncs if not e["lost"] and e["step"] > 0), None)
         report = {"joined_seconds": None if committed is None else committed["t"] - fault["t"]}
         if fault["kind"] == "healkill":
-            killed = sorted((e["t"], g) for (g, _), evs in events.items() for e in evs
-                            if e["event"] == "healkill" and e["t"] >= fault["t"])  # fmt: skip
+            taken = [json.loads(p.read_text() or "{}") for p in self.out.glob(f"{HEAL_KILL_MARKER}.taken.*")]
+            killed = sorted((k["t"], k["group"]) for k in taken if "t" in k and k["t"] >= fault["t"])
             report["source"], report["source_killed_at"] = (killed[0][1], killed[0][0]) if killed else (None, None)
         return report
 
@@ -813,22 +813,24 @@ class HangInSum(Callback):
 class DieWhileHealing(Callback):
     """A fault: once ``marker`` exists, the first group to serve a heal dies (SIGKILL, every rank) while sending it.
 
-    The group whose heal server takes the marker (an atomic rename: one group only) writes a ``healkill`` event, sends
-    the first :data:`HEAL_KILL_AFTER` bytes of the state and kills every process of its job's session.
+    The rank whose heal server takes the marker (an atomic rename: one rank of one group only) writes its group and
+    the time into the taken marker (``<marker>.taken.<pid>``, read by the driver), sends the first
+    :data:`HEAL_KILL_AFTER` bytes of the state and kills every process of its job's session.
 
     Args:
         marker: The file that arms the fault (written by the demo's driver).
-        events: The job's event log.
     """
 
-    def __init__(self, marker: str, events: EventLog) -> None:
-        self.marker, self.events = marker, events
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+        self.group: int | None = None
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         runtime = getattr(trainer.strategy, "runtime", None)
         if runtime is None or runtime.standing_by:
             return
+        self.group = runtime.group_index
         # The heal server of torchft's transport (private): its request handler class is built per request.
         server = runtime.membership.communicator._connection._transport._server
         server.RequestHandlerClass = self._dying(server.RequestHandlerClass)
@@ -845,11 +847,12 @@ class DieWhileHealing(Callback):
         return DyingHandler
 
     def _take(self) -> bool:
+        taken = f"{self.marker}.taken.{os.getpid()}"
         try:
-            os.rename(self.marker, f"{self.marker}.{os.getpid()}")
+            os.rename(self.marker, taken)
         except OSError:
             return False
-        self.events._write({"event": "healkill", "step": -1})
+        Path(taken).write_text(json.dumps({"group": self.group, "t": time.time()}))
         return True
 
 
@@ -904,7 +907,7 @@ def run_group(spec: dict[str, Any]) -> None:
     )
     model, data = training(spec)
     events = EventLog(Path(spec["out"]), spec["step_sleep"])
-    heal_kill = [DieWhileHealing(spec["heal_kill_marker"], events)] if spec.get("heal_kill_marker") else []
+    heal_kill = [DieWhileHealing(spec["heal_kill_marker"])] if spec.get("heal_kill_marker") else []
     trainer = L.Trainer(
         accelerator="cpu",
         devices=spec["ranks_per_group"],

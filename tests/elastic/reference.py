@@ -3,8 +3,9 @@
 One full copy of the toy network per round and contributing group, no package code: what a run recorded as the groups
 of each sync (who took part, who joined, whether it was lost) is replayed with hand-written FedAvg:
 
-- a group's round starts from the anchor of the previous sync (lost or not: a lost sync leaves the anchor as it was
-  and sends every group back to it);
+- a group's round starts from the anchor of the last committed sync it took part in, or of the sync it joined at: a
+  lost sync leaves the anchor and every group's weights as they were, so the next committed sync sums the training of
+  both rounds;
 - in the round, a group takes SGD steps on its own part of the data: rank ``r`` of group ``g`` (``W`` ranks per group,
   ``G`` planned groups) reads batch ``t`` of a shuffling ``DistributedSampler`` with ``num_replicas = G * W`` and
   ``rank = g * W + r``, whatever job runs the group - the data follows the optimizer step; the group's gradient is the
@@ -126,27 +127,37 @@ def replay(
     lrs = [cosine_lr(t, total) for t in range(total)]
     anchors: dict[int, dict[str, Tensor]] = {0: _copy(anchor)}
     previous = 0
+    start: dict[int, int] = {}  # the step each group's round started at, from the anchor
+    last_sync = 0  # of any sync, lost or not: a pace weighs by the steps trained since
     for step in sorted(syncs):
         sync = syncs[step]
+        start.update(dict.fromkeys(sync["joined"], step))  # healed to the anchor at this sync
         members = sync["members"]
         if sampled is not None:
             members = [members[p] for p in sampled_positions(*sampled, (step - 1) // sync_every, len(members))]
         contributors = [g for g in members if g not in sync["joined"]]
-        if sync["lost"] or step == previous or not contributors:
-            previous = step
+        if sync["lost"]:  # the round carries on to the next sync
+            last_sync = step
+            continue
+        if step == previous or not contributors:
+            start.update(dict.fromkeys(sync["members"], step))
+            previous = last_sync = step
             continue
         deltas, counts = [], []
         for g in contributors:
             trained = [
-                t for t in range(previous, step) if paced is None or t % sync_every < _paced_steps(paced, g, sync_every)
+                t
+                for t in range(start.get(g, previous), step)
+                if paced is None or t % sync_every < _paced_steps(paced, g, sync_every)
             ]
             weights = _train_round(anchor, [batches[g][t] for t in trained], [lrs[t] for t in trained])
             deltas.append({k: anchor[k] - weights[k] for k in anchor})
-            counts.append(len(trained))
+            counts.append(len([t for t in trained if t >= last_sync]))
         shares = [c / sum(counts) if paced is not None else 1.0 / len(deltas) for c in counts]
         anchor = {k: anchor[k] - sum(share * d[k] for share, d in zip(shares, deltas)) for k in anchor}
         anchors[step] = _copy(anchor)
-        previous = step
+        start.update(dict.fromkeys(sync["members"], step))
+        previous = last_sync = step
     return anchors
 
 

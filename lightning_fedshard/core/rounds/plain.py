@@ -4,6 +4,10 @@ Every ``period / fragments`` optimizer steps one fragment lands: the outer step 
 after which every group holds ``anchor + merge_alpha * (local - anchor)`` (the anchor itself with the default
 ``merge_alpha=0``). With ``sync_delay = d`` the pseudo-gradient is taken ``d`` steps before the landing and summed in
 the background meanwhile.
+
+A sync that is lost (an elastic group gone inside the sum: the communicator does not commit it) leaves the anchor and
+every group's weights as they are: the group's training carries on, and the fragment's next sync sums the
+pseudo-gradient of both rounds. At the end of training every group takes the anchor.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ class PlainRound(OnePendingRound):
         if pending is None or pending.fragment != fragment:  # no overlap (sync_delay=0), or resumed without one
             drop(pending)
             pending = self.outer.begin(self.transaction(fragment, step), background=False)
-        stats = self._complete(pending, step, config.merge_alpha)
+        stats = self._complete(pending, step, config.merge_alpha, carry_lost=True)
         since_snapshot = step - pending.started_at if pending.started_at is not None else 0
         discarded = (1.0 - config.merge_alpha) * since_snapshot / self.period
         return replace(stats, num_fragments=config.fragments, discarded_fraction=discarded)
@@ -95,8 +99,12 @@ class PlainRound(OnePendingRound):
         pending = self.outer.begin(self.transaction(fragment, step, final=True), background=False)
         return self._complete(pending, step, 0.0)
 
-    def _complete(self, pending: PendingSync, step: int, merge_alpha: float) -> SyncStats:
-        stats = self.outer.complete(pending, step=step, merge_alpha=merge_alpha)
+    def _complete(self, pending: PendingSync, step: int, merge_alpha: float, carry_lost: bool = False) -> SyncStats:
+        """Land ``pending``; with ``carry_lost`` a lost sync leaves each group's round to the next sync.
+
+        The end of training (:meth:`finish`) puts the anchor back in, so every group ends on it.
+        """
+        stats = self.outer.complete(pending, step=step, merge_alpha=merge_alpha, carry_lost=carry_lost)
         self.federation.written()
         self.federation.last_synced_step = self.federation.landed_at[pending.fragment] = step
         return stats
@@ -105,15 +113,15 @@ class PlainRound(OnePendingRound):
     def finish(self, step: int) -> list[SyncStats]:
         """A sum in flight is dropped; every fragment that did not land at ``step`` takes one synchronous outer step.
 
-        A fragment that landed at ``step`` with ``merge_alpha > 0`` gets the new anchor copied in.
+        A fragment that landed at ``step`` gets the anchor copied in: the new one with ``merge_alpha > 0``, and the one
+        it kept if that sync was lost (its round was carried, and no sync follows).
         """
         self.forget_in_flight()
         synced = []
         for fragment in range(self.config.fragments):
             if self.federation.landed_at[fragment] == step:
-                if self.config.merge_alpha > 0:
-                    self.outer.copy_anchor_to_shards(fragment)
-                    self.federation.written()
+                self.outer.copy_anchor_to_shards(fragment)
+                self.federation.written()
                 continue
             synced.append(self.sync(step, fragment))
         return synced

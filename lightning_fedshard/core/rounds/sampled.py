@@ -51,9 +51,9 @@ class SampledRound(PlainRound):
         return combine(self.sampled, self.federation.participation)
 
     @override
-    def _complete(self, pending: PendingSync, step: int, merge_alpha: float) -> SyncStats:
+    def _complete(self, pending: PendingSync, step: int, merge_alpha: float, carry_lost: bool = False) -> SyncStats:
         """As the plain round's; a sample of joining groups only moves no anchor, and every group restarts from it."""
-        stats = super()._complete(pending, step, merge_alpha)
+        stats = super()._complete(pending, step, merge_alpha, carry_lost)
         if pending.contributors == 0:
             self.outer.copy_anchor_to_shards(pending.fragment)
             self.federation.written()

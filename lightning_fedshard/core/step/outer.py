@@ -29,6 +29,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -202,13 +203,21 @@ class OuterStep(OuterState):
 
     @torch.no_grad()
     def complete(
-        self, pending: PendingSync, step: int | None = None, merge_alpha: float = 0.0, write: bool = True
+        self,
+        pending: PendingSync,
+        step: int | None = None,
+        merge_alpha: float = 0.0,
+        write: bool = True,
+        carry_lost: bool = False,
     ) -> SyncStats:
         """Wait for the sum of :meth:`begin`, step the fragment's outer optimizer and write the new anchor.
 
         Every shard of the fragment becomes ``anchor + merge_alpha * (shard - anchor)`` with the new anchor: with
         ``merge_alpha=0`` every group restarts the fragment from the anchor. With ``write=False`` only the anchor
-        and the outer optimizer change (eager updates write the shards themselves).
+        and the outer optimizer change (eager updates write the shards themselves). With ``carry_lost`` a sync the
+        communicator does not commit leaves the shards as they are: the group's training since the anchor is kept,
+        and the next sync's pseudo-gradient (``anchor - shards``) carries it; without, the shards go back to the
+        anchor.
         """
         start = time.perf_counter()
         with torch.profiler.record_function("fedshard::outer_all_reduce_wait"):
@@ -226,7 +235,8 @@ class OuterStep(OuterState):
         # Before the vote: groups may vote differently (elastic), and every collective must be made by all of them.
         norm, drift = self._global_norms(pending, own_dot_mean, mean_sq, local.device)
         if not vote_to_commit(self):
-            return self._drop_lost(pending, start, write)
+            lost = self._drop_lost(pending, start, write and not carry_lost)
+            return replace(lost, extra={**lost.extra, "carried": 1.0}) if carry_lost else lost
         with torch.profiler.record_function("fedshard::outer_optimizer_step"):
             self._set_grads(local, pending.fragment)
             optimizer = self.optimizers[pending.fragment]
@@ -256,9 +266,10 @@ class OuterStep(OuterState):
     def _drop_lost(self, pending: PendingSync, start: float, write: bool = True) -> SyncStats:
         """A sync the communicator did not commit: the fragment goes back to the anchor, its residuals are dropped.
 
-        Nothing of the sum is applied, so every group holds the anchor again (the anchor and the outer optimizer are
-        untouched) and the next round starts from it; the error-feedback residuals of the lost sum were never applied
-        either, so they are reset rather than carried. With ``write=False`` the caller writes the shards.
+        Nothing of the sum is applied (the anchor and the outer optimizer are untouched); with ``write`` every group
+        holds the anchor again and the next round starts from it. The error-feedback residuals of the lost sum were
+        never applied either, so they are reset rather than carried. With ``write=False`` the shards stay as they are
+        (the caller writes them, or the round carries them to the next sync).
         """
         if write:
             self.copy_anchor_to_shards(pending.fragment)

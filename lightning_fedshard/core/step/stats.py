@@ -34,7 +34,8 @@ class SyncStats:
         compute_utilization: Over the round that this sync closes: compute time / (compute time + exposed sync
             time), where compute time is the round's wall time minus the exposed sync time. Set by the runtime.
         num_fragments: How many fragments the model is cut into (the fragment index is logged when > 1).
-        lost: Whether the communicator refused to commit this sync: every group went back to the anchor.
+        lost: Whether the communicator refused to commit this sync: nothing of it was applied (every group went back
+            to the anchor, or, in the plain round, carries its training to the next sync: ``extra["carried"]``).
         syncs_lost: Syncs lost so far, this one included (logged once there is one).
         discarded_fraction: The share of the round's inner-step progress that this landing threw away: with
             ``sync_delay = d`` and ``merge_alpha = a`` a landing replaces the ``d`` steps trained since its snapshot
