@@ -394,11 +394,8 @@ class FederatedRuntime:
         stats = self.last_sync_stats = self.listeners.on_sync(stats)
         self._restart_skipped_groups(stats)
         if stats.lost:
-            after = (
-                "every group keeps its training since the last consensus, which the next sync carries"
-                if stats.extra.get("carried")
-                else "every group went back to the last consensus"
-            )
+            after = "every group keeps its training, which the next sync carries" if stats.extra.get("carried") else ""
+            after = after or "every group went back to the last consensus"
             rank_zero_warn(
                 f"The sync of fragment {stats.fragment} at optimizer step {self.step} was not committed: {after}"
                 f" ({stats.syncs_lost} sync(s) lost so far)."

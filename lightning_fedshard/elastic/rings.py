@@ -70,19 +70,11 @@ def fed_rings(timeout: timedelta) -> Any:
             self.heal_source: int | None = None  # the group this rank heals from at the last quorum, if it does
             self._built: tuple[int | None, tuple[int, ...]] | None = None  # the quorum id and groups of the ring
             self._deferred: tuple[str, tuple[Any, ...]] | None = None
-            self._given_up: list[tuple[Any, tuple[Any, ...]]] = []  # (work, what it holds) until the work ends
+            self.given_up = GivenUp()
 
-        def configure(
-            self,
-            store_addr: str,
-            replica_id: str,
-            rank: int,
-            world_size: int,
-            quorum_id: int | None = None,
-            group_rank: int | None = None,
-            group_world_size: int | None = None,
-            global_ranks: list[int] | None = None,
-        ) -> None:
+        def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id: int | None = None,
+                      group_rank: int | None = None, group_world_size: int | None = None,
+                      global_ranks: list[int] | None = None) -> None:  # fmt: skip
             args = (replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks)
             members = _quorum_groups(global_ranks, group_rank, group_world_size)
             self.members, self.quorum_id = members, quorum_id
@@ -99,17 +91,11 @@ def fed_rings(timeout: timedelta) -> Any:
             self._build(*build)
 
         def keep_given_up(self, work: Any, buffers: tuple[Any, ...]) -> None:
-            """Hold a collective given up on, with this ring's process groups and its buffers, until it ends.
-
-            Gloo cannot abort a collective: dropping the process group that runs one blocks until gloo's timeout
-            (its worker thread is joined), and the collective may still write into its buffers. Held here, the next
-            quorum's ring is built at once; each is let go once its collective ended (at the latest at the timeout).
-            """
-            self._given_up = [(w, held) for w, held in self._given_up if not _ended(w)]
-            self._given_up.append((work, (self._pg, self.stats._pg, *buffers)))
+            """Hold a collective given up on with its buffers and this ring's process groups (see :class:`GivenUp`)."""
+            self.given_up.keep(work, (self._pg, self.stats._pg, *buffers))
 
         def _build(self, prefix: str, args: tuple[Any, ...]) -> None:
-            self._given_up = [(w, held) for w, held in self._given_up if not _ended(w)]
+            self.given_up.let_go()
             super().configure(f"{prefix}/sums", *args)
             self.stats.configure(f"{prefix}/stats", *args)
             self._built, self._deferred = (args[3], self.members), None
@@ -123,6 +109,27 @@ def fed_rings(timeout: timedelta) -> Any:
             return super().errored() or self.stats.errored()
 
     return FedRings()
+
+
+class GivenUp:
+    """Collectives given up on, each held with what it uses until it ends.
+
+    Gloo cannot abort a collective: dropping the process group that runs one blocks until gloo's timeout (its worker
+    thread is joined), and the collective may still write into its buffers. Held here, the next quorum's ring is built
+    at once; each is let go once its collective ended (at the latest at the timeout).
+    """
+
+    def __init__(self) -> None:
+        self.held: list[tuple[Any, tuple[Any, ...]]] = []
+
+    def keep(self, work: Any, uses: tuple[Any, ...]) -> None:
+        """Hold ``work`` and what it ``uses`` (process groups, buffers)."""
+        self.let_go()
+        self.held.append((work, uses))
+
+    def let_go(self) -> None:
+        """Drop the collectives that ended."""
+        self.held = [(work, uses) for work, uses in self.held if not _ended(work)]
 
 
 def _ended(work: Any) -> bool:
@@ -158,4 +165,4 @@ class QuorumRecorder:
         return getattr(self._client, name)
 
 
-__all__ = ["QuorumRecorder", "fed_rings", "gather_options", "sum_options"]
+__all__ = ["GivenUp", "QuorumRecorder", "fed_rings", "gather_options", "sum_options"]

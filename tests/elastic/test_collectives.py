@@ -166,12 +166,12 @@ def _hung_peer(rank: int, store: str, out: str) -> None:
     collectives.sum(alone)
     torch.save({"first": first, "given_up": given_up, "error": repr(connection.manager.error),
                 "gave_up_after": gave_up_after, "rebuilt_in": rebuilt_in, "alone": alone,
-                "held": len(rings._given_up)}, out)  # fmt: skip
+                "held": len(rings.given_up.held)}, out)  # fmt: skip
     open(out + ".done", "w").close()
     deadline = time.monotonic() + GLOO_TIMEOUT
-    while rings._given_up[0][0].is_completed() is False and time.monotonic() < deadline:
+    while rings.given_up.held[0][0].is_completed() is False and time.monotonic() < deadline:
         time.sleep(0.1)  # the test woke rank 1 up: the given-up sum ends with its sum
-    torch.save({"ended": rings._given_up[0][0].is_completed(), "given_up": given_up.clone()}, out + ".later")
+    torch.save({"ended": rings.given_up.held[0][0].is_completed(), "given_up": given_up.clone()}, out + ".later")
 
 
 @pytest.mark.slow
