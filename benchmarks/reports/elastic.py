@@ -488,7 +488,7 @@ def _run_round_seconds(run: dict[str, Any]) -> float:
 
 def heal_source_targets(results: dict[str, Any] | None) -> list[Row]:
     """``heal-source-killed``: a joiner whose heal source dies in transit, against a plain replacement."""
-    command = "python -m benchmarks.elastic --kinds healsource"
+    command = "python -m benchmarks.elastic --kinds healsource --node-cores 0.33"
     if results is None:
         return [_not_run("heal-source-killed", command)]
     runs = _runs(results, "healsource")
@@ -508,7 +508,7 @@ def heal_source_targets(results: dict[str, Any] | None) -> list[Row]:
             "target": "a replacement group whose heal source is killed while it sends the state: the joiner's extra"
             " seconds to its first committed sync over a plain replacement's in the same runs (medians; bound: the"
             " heartbeat timeout + one round, a retry at its next quorum), every source killed, every joiner in,"
-            " one consensus at the end, 4 groups x 2 ranks, 50 Mbit/s",
+            " one consensus at the end, 4 groups x 2 ranks, 50 Mbit/s, every node capped at 0.33 core",
             "measured": extra,
             "bound": bound,
             "met": bool(cut) and all(killed) and all(joined) and all(consensus) and extra <= bound,

@@ -595,7 +595,13 @@ def split_syncs(events: dict[tuple[int, str], list[dict[str, Any]]]) -> list[int
 
 
 def committed_group_steps(sync: dict[str, Any]) -> int:
-    """The steps a sync committed, over the groups that contributed to it (0 for a lost sync)."""
+    """The steps a sync committed, over the groups that contributed to it (0 for a lost sync).
+
+    A round carried over a lost sync is committed by the next sync (``committed_steps``); reports recorded before rounds
+    were carried have only the steps since the previous sync, which was then all a sync could commit.
+    """
+    if "committed_steps" in sync:
+        return int(sync["committed_steps"])
     return 0 if sync["lost"] else len([g for g in sync["members"] if g not in sync["joined"]]) * sync["steps"]
 
 
@@ -612,7 +618,11 @@ def _job_timing(job: Incarnation, events: list[dict[str, Any]]) -> dict[str, Any
 
 
 def _timeline(events: dict[tuple[int, str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Every sync once, from whichever groups took part, with the steps of the round it closed."""
+    """Every sync once, from whichever groups took part, with the steps of the round it closed.
+
+    ``committed_steps``: the group-steps the sync committed: each contributor's steps since the last sync it committed
+    or joined at (a lost sync carries the round, so the next one commits both).
+    """
     by_step: dict[int, dict[str, Any]] = {}
     for evs in events.values():
         for e in evs:
@@ -622,8 +632,15 @@ def _timeline(events: dict[tuple[int, str], list[dict[str, Any]]]) -> list[dict[
                 by_step[e["step"]] = {k: e[k] for k in ("step", "members", "joined", "lost", "t")}
             by_step[e["step"]]["t"] = min(by_step[e["step"]]["t"], e["t"])  # when the first group had it
     previous, syncs = 0, []
+    start: dict[int, int] = {}  # by group: the step its round started at
     for step in sorted(by_step):
-        syncs.append({**by_step[step], "steps": step - previous})
+        sync = by_step[step]
+        start.update(dict.fromkeys(sync["joined"], step))
+        contributors = [g for g in sync["members"] if g not in sync["joined"]]
+        committed = 0 if sync["lost"] else sum(step - start.get(g, 0) for g in contributors)
+        if not sync["lost"]:
+            start.update(dict.fromkeys(sync["members"], step))
+        syncs.append({**sync, "steps": step - previous, "committed_steps": committed})
         previous = step
     return syncs
 

@@ -119,3 +119,18 @@ def test_a_lighthouse_fault_on_a_lighthouse_the_demo_did_not_start_needs_a_way_t
     with pytest.raises(ValueError, match="The lighthouse fault needs `restart_lighthouse`"):
         ElasticDemo(config, tmp_path, lighthouse="http://localhost:29510")
     ElasticDemo(config, tmp_path, lighthouse="http://localhost:29510", restart_lighthouse=lambda down: None)
+
+
+def test_a_sync_after_a_lost_one_commits_the_carried_rounds_of_its_contributors():
+    from lightning_fedshard.examples.elastic import _timeline, committed_group_steps
+
+    def sync(step: int, members: list[int], joined: list[int], lost: bool) -> dict:
+        return {"event": "sync", "step": step, "members": members, "joined": joined, "lost": lost, "t": float(step)}
+
+    timeline = [sync(0, [0, 1], [0, 1], False), sync(8, [0, 1], [], False), sync(16, [0, 1, 2], [2], True),
+                sync(24, [0, 2], [], False)]  # fmt: skip
+    events = {(0, "group0.0"): timeline}
+    syncs = {s["step"]: s for s in _timeline(events)}
+    assert [committed_group_steps(syncs[s]) for s in (0, 8, 16, 24)] == [0, 16, 0, 16 + 8]
+    # group 0 carried steps 9-24 over the lost sync; group 2 joined at 16 and trained 17-24
+    assert committed_group_steps({"members": [0, 1], "joined": [], "lost": False, "steps": 8}) == 16  # older reports
