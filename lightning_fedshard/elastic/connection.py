@@ -19,6 +19,7 @@ from lightning_fedshard.elastic.heal import heal_transport
 from lightning_fedshard.elastic.lighthouse import (
     TrainedFederation,
     gone_from,
+    managers_of,
     refusal_on,
     second_start,
     status_page,
@@ -178,9 +179,10 @@ class ManagerConnection:
 
         Read from the lighthouse's status page; an unreadable page counts nobody as gone.
         """
-        members = getattr(self.rings, "members", ())
+        members, federation = getattr(self.rings, "members", ()), self.options.federation
+        managers = managers_of(getattr(self.rings, "member_ids", ()), federation)
         page = status_page(self.options.lighthouse_address(), timeout=max(1.0, self.options.peer_check))
-        return tuple(g for g in gone_from(page, self.options.federation, members) if g != self.group)
+        return tuple(g for g in gone_from(page, federation, members, managers) if g != self.group)
 
     @property
     def heal_address(self) -> str | None:

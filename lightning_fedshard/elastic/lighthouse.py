@@ -7,7 +7,7 @@ heartbeats and the members of its last quorum with their steps. A group reads it
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -88,16 +88,38 @@ def live_heartbeats(page: str, federation: str, within: float | None = None) -> 
     ]
 
 
-def gone_from(page: str, federation: str, groups: Iterable[int]) -> tuple[int, ...]:
-    """Of ``groups``, those the lighthouse (its status ``page``) counts as gone: listed, and every manager ``old``.
+def gone_from(
+    page: str, federation: str, groups: Iterable[int], managers: Mapping[int, str] | None = None
+) -> tuple[int, ...]:
+    """Of ``groups``, those the lighthouse (its status ``page``) counts as gone: their manager is listed ``old``.
 
-    A group the page does not list at all (a restarted lighthouse that has not heard from it yet, or an empty page)
-    is not counted as gone.
+    ``managers``: by group, the uuid of the manager that took part (the quorum's replica ids): only that manager
+    counts, so that a standby taking a hung group's place (a new, live manager of the same index) does not make the
+    hung one look alive. A group without one counts as gone once every manager of it is ``old``. A manager or group
+    the page does not list at all (a restarted lighthouse that has not heard from it yet, or an empty page) is not
+    counted as gone.
     """
-    found = _HEARTBEAT_ENTRY.findall(page)
-    entries = [(int(group), bool(old)) for old, name, group, _, _ in found if name == federation]
-    listed, live = {g for g, _ in entries}, {g for g, old in entries if not old}
-    return tuple(g for g in groups if g in listed and g not in live)
+    entries = [
+        (int(g), uuid, bool(old)) for old, name, g, uuid, _ in _HEARTBEAT_ENTRY.findall(page) if name == federation
+    ]
+    managers = managers or {}
+
+    def gone(group: int) -> bool:
+        mine = [old for g, uuid, old in entries if g == group and managers.get(group, uuid) == uuid]
+        return bool(mine) and all(mine)
+
+    return tuple(g for g in groups if gone(g))
+
+
+def managers_of(replica_ids: Iterable[str], federation: str) -> dict[int, str]:
+    """``{group: manager uuid}`` from a quorum's replica ids (``<federation>_<group>:<uuid>``)."""
+    found = {}
+    for replica in replica_ids:
+        name, _, uuid = replica.partition(":")
+        match = re.fullmatch(rf"{re.escape(federation)}_(\d+)", name)
+        if match and uuid:
+            found[int(match.group(1))] = uuid.split(":")[0]
+    return found
 
 
 @dataclass(frozen=True)
@@ -154,6 +176,7 @@ __all__ = [
     "federations_on",
     "gone_from",
     "live_heartbeats",
+    "managers_of",
     "min_replicas",
     "reachable",
     "second_start",

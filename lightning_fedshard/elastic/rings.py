@@ -65,6 +65,7 @@ def fed_rings(timeout: timedelta) -> Any:
             super().__init__(timeout=timeout)
             self.stats = ProcessGroupGloo(timeout=timeout)
             self.members: tuple[int, ...] = ()
+            self.member_ids: tuple[str, ...] = ()  # the replica ids (``<federation>_<group>:<uuid>``) of the quorum
             self.quorum_id: int | None = None
             self.max_step = 0  # of the last quorum (set by QuorumRecorder)
             self.heal_source: int | None = None  # the group this rank heals from at the last quorum, if it does
@@ -159,6 +160,7 @@ class QuorumRecorder:
         result = self._client._quorum(*args, **kwargs)
         self._rings.max_step = int(result.max_step)
         self._rings.heal_source = _heal_source(result)
+        self._rings.member_ids = tuple(str(r) for r in getattr(result, "replica_ids", None) or ())
         return result
 
     def __getattr__(self, name: str) -> Any:

@@ -9,6 +9,7 @@ from lightning_fedshard.elastic.lighthouse import (
     Vacancies,
     gone_from,
     live_heartbeats,
+    managers_of,
     min_replicas,
     refusal_on,
     status_page,
@@ -80,6 +81,17 @@ def test_a_group_is_gone_once_every_manager_of_it_is_old_and_unknown_groups_are_
     assert gone_from(page, "tests", (0, 1, 2, 3, 5)) == (1, 3)  # 2 has a live manager; 5 is not listed at all
     assert gone_from(page, "other", (0, 1, 2, 3)) == ()
     assert gone_from("", "tests", (0, 1)) == ()  # an unreadable page (a lighthouse restarting): nobody is gone
+
+
+def test_a_hung_group_whose_place_a_standby_took_is_gone_for_the_sum_it_hung_in():
+    # Group 2's manager "c" took part in the sum and hung; a standby (manager "d") has taken place 2 since and
+    # heartbeats: for the sum that waits on "c", group 2 is gone all the same.
+    page = _page(4, [(0, "a", False), (2, "c", True), (2, "d", False)])
+    managers = managers_of([f"tests_0:{'a' * 36}", f"tests_2:{'c' * 36}", f"other_1:{'e' * 36}"], "tests")
+    assert managers == {0: "a" * 36, 2: "c" * 36}
+    assert gone_from(page, "tests", (0, 2), managers) == (2,)
+    assert gone_from(page, "tests", (0, 2)) == ()  # by index only, the standby's live manager hides the hung one
+    assert gone_from(page, "tests", (0, 2), {2: "f" * 36}) == ()  # a manager the page does not list is not gone
 
 
 def test_the_lighthouse_shows_the_groups_it_waits_for_while_a_quorum_lacks_them():
