@@ -334,6 +334,9 @@ def test_the_mixed_faults_target_needs_the_goodput_one_consensus_and_no_split_sy
     assert not elastic.mixed_targets(results(run(873.0, split=[24])))[0]["met"]  # some groups applied sync 24
     assert not elastic.mixed_targets(results(run(873.0, checksums=("x", "y"))))[0]["met"]
     assert elastic.mixed_targets(None)[0]["note"].startswith("not run")
+    unhung = run(873.0)
+    unhung["faults"] = [{"kind": "kill"}] * 11 + [{"kind": "hang", "hung": False}]  # 11 applied
+    assert not elastic.mixed_targets(results(unhung))[0]["met"]
 
 
 def test_the_planner_factors_come_from_the_studys_own_setting_only():
