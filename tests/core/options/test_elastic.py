@@ -92,6 +92,14 @@ def test_elastic_federation_options_that_cannot_work_are_refused():
         FederationConfig(num_groups=2, elastic=True)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), True, "1"])
+def test_a_peer_check_that_is_not_a_number_of_seconds_is_refused_naming_it(value):
+    message = r"`Elastic\(peer_check=...\)` must be a number of seconds >= 0 \(0: never\), got"
+    with pytest.raises(ValueError, match=message):
+        Elastic(peer_check=value)  # type: ignore[arg-type]
+    assert Elastic(peer_check=0).peer_check == 0 and Elastic().peer_check == 1.0
+
+
 def test_elastic_group_counts_larger_than_the_planned_federation_are_refused():
     # Otherwise every group waits for groups that never come, for the whole `quorum_timeout` (15 minutes by default).
     with pytest.raises(ValueError, match=r"`Elastic\(min_groups=3\)` is larger than `num_groups=2`: the federation is"):
