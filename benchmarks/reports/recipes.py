@@ -329,30 +329,47 @@ def _row(target_id: str, what: str, measured: float | None, bound: float, runs: 
 MEASURED_MODULE = Path(__file__).parents[2] / "lightning_fedshard" / "plan" / "measured.py"
 
 
+#: The planner's target: FSDP's final validation loss after the study's tokens, the quality plain sharded data
+#: parallelism reaches (a federation may take longer runs of the same setting, e.g. ``_x3``, to reach it).
+PLANNER_REFERENCE = "fsdp"
+
+
 def planner_factors(
     results: list[dict[str, Any]],
 ) -> dict[tuple[object, ...], tuple[float, str, tuple[float, ...], bool]]:
     """``{option key: (median factor, recipe, per-seed factors, looser)}`` of every recipe the planner can express.
 
-    A recipe's factor per seed is its tokens to float32 fedavg's final loss over fedavg's; where a seed never reached
-    that loss within the run, the factor at the looser target it did reach, its own final loss (:func:`at_own_final`;
-    ``looser`` is then true: the factor at the real target is larger). Its options must be ones the planner sets (a
-    named codec, ``"fedavg"`` or ``"nesterov"`` at its default learning rate, or plain FSDP).
+    A recipe's factor per seed is its tokens to FSDP's final loss over FSDP's own (FSDP is 1); where a seed never
+    reached that loss within the run, the factor at the looser target it did reach, its own final loss
+    (:func:`at_own_final`; ``looser`` is then true: the factor at the real target is larger). Its options must be ones
+    the planner sets (a named codec, ``"fedavg"`` or ``"nesterov"`` at its default learning rate, or plain FSDP).
+    Where recipes share a key (the same setting run for more tokens), the one every seed of which reached the target
+    wins, then the one with more seeds.
     """
     runs = by_recipe(results)
     out: dict[tuple[object, ...], tuple[float, str, tuple[float, ...], bool]] = {}
     for name, recipe in RECIPES.items():
         key = _planner_key(recipe)
-        reached = ratios(runs, name, REFERENCE)
-        if key is None or not reached:
+        factor = _planner_factor(runs, name) if key is not None else None
+        if key is None or factor is None:
             continue
-        above = at_own_final(runs, name, REFERENCE)
-        per_seed = {seed: value if value is not None else above.get(seed) for seed, value in reached.items()}
-        if any(v is None for v in per_seed.values()):
-            continue  # a seed that did not even reach its own final loss against the reference: nothing measured
-        values = tuple(round(float(v), 4) for _, v in sorted(per_seed.items()) if v is not None)
-        out[key] = (round(statistics.median(values), 4), name, values, bool(above))
+        if key not in out or (not factor[3], len(factor[2])) > (not out[key][3], len(out[key][2])):
+            out[key] = factor
     return out
+
+
+def _planner_factor(
+    runs: dict[str, dict[int, dict[str, Any]]], name: str
+) -> tuple[float, str, tuple[float, ...], bool] | None:
+    reached = ratios(runs, name, PLANNER_REFERENCE)
+    if not reached:
+        return None
+    above = at_own_final(runs, name, PLANNER_REFERENCE)
+    per_seed = {seed: value if value is not None else above.get(seed) for seed, value in reached.items()}
+    if any(v is None for v in per_seed.values()):
+        return None  # a seed that did not even reach its own final loss against the reference: nothing measured
+    values = tuple(round(float(v), 4) for _, v in sorted(per_seed.items()) if v is not None)
+    return round(statistics.median(values), 4), name, values, bool(above)
 
 
 #: Recipe options the planner's keys carry (a recipe with any other, e.g. a pace, is not the planner's setup).
@@ -365,8 +382,8 @@ def _planner_key(recipe: Any) -> tuple[object, ...] | None:
         return ("fsdp",) if plain else None
     if set(recipe.options) - PLANNER_OPTIONS:
         return None
-    if (recipe.ranks_per_group, recipe.steps, recipe.lr) != (1, STEPS, LR):
-        return None  # another batch per group, budget or inner learning rate: not the setting the factors hold for
+    if (recipe.ranks_per_group, recipe.lr) != (1, LR) or recipe.steps % STEPS:
+        return None  # another batch per group or inner learning rate: not the setting the factors hold for
     outer = recipe.options.get("outer")
     if outer not in (None, (0.7,)):
         return None  # a learning rate the planner's names do not carry
@@ -388,7 +405,9 @@ def write_planner_factors(results: list[dict[str, Any]], path: Path = MEASURED_M
     """Write :func:`planner_factors` as the Python module the planner imports."""
     study = (
         f"the recipe study of docs/benchmarks.md: the examples' Llama (1.38 M parameters) on Shakespeare,"
-        f" {GROUPS_DESCRIPTION}, {len({r['seed'] for r in results})} seed(s) paired"
+        f" {GROUPS_DESCRIPTION}, {len({r['seed'] for r in results})} seed(s) paired; the target: FSDP's final loss"
+        f" after as many tokens (one group of 4 ranks, the same 2,048 tokens a step), which some federations reach"
+        f" only in runs of 3x the tokens"
     )
     factors = planner_factors(results)
     lines = [

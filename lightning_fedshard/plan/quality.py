@@ -1,12 +1,14 @@
-"""How many tokens a setup needs to reach a loss, relative to float32 plain averaging, where a study measured it.
+"""How many tokens a setup needs to reach plain FSDP's quality, relative to FSDP, where a study measured it.
 
-The planner predicts time per token; a sync option may also change how many tokens a run needs (a coarser codec,
-a delayed outer step). The recipe study (docs/benchmarks.md, "The recipe study") measured that factor for a few
-options at one setting: the *tokens to target* of each recipe against float32 plain averaging, paired by seed. Where a
-seed of a recipe never reached float32's final loss, its factor is the one at the looser target it did reach, its own
-final loss (the factor at the real target is larger; ``looser`` says so). A setup with the same sync options gets that
-factor; any other setup has none (not measured, not guessed). The factors are written to
-:mod:`lightning_fedshard.plan.measured` by the benchmarks report.
+The planner predicts time per token; how many tokens a setup needs to reach a quality depends on its sync options
+too (the federation trains apart between syncs, a coarser codec, a delayed outer step). The recipe study
+(docs/benchmarks.md, "The recipe study") measured that factor for a few options at one setting: the *tokens to target*
+of each recipe, the target being plain FSDP's final validation loss after the study's tokens (FSDP's factor is 1),
+paired by seed. A federation that needs more tokens than FSDP gets a longer run of the same setting (3x the tokens),
+and its factor comes from that run. Where a seed of a recipe never reached FSDP's final loss, its factor is the one
+at the looser target it did reach, its own final loss (the factor at the real target is larger; ``looser`` says so).
+A setup with the same sync options gets that factor; any other setup has none (not measured, not guessed). The
+factors are written to :mod:`lightning_fedshard.plan.measured` by the benchmarks report.
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ class TokensToTarget:
     """A measured tokens-to-target factor.
 
     Attributes:
-        factor: Tokens to the target loss over float32 plain averaging's (the median over seeds).
+        factor: Tokens to FSDP's final loss over FSDP's own (the median over seeds).
         recipe: The study's recipe it was measured with.
         per_seed: Each seed's factor.
-        looser: Some seed's factor is at its own final loss, a looser target than float32's final loss (which it did
+        looser: Some seed's factor is at its own final loss, a looser target than FSDP's final loss (which it did
             not reach): the factor at the real target is larger.
         study: The study, in words (model, groups, horizon, seeds).
     """

@@ -100,3 +100,22 @@ def test_the_study_pace_counts_the_time_runs_ran_not_the_days_between() -> None:
     speed = report.study_speed([first, later])
     assert speed is not None and speed["hours"] == pytest.approx(30.0 / 3600)
     assert speed["tokens_per_s"] == pytest.approx(2 * 10 * 100 / 30.0)
+
+
+def test_the_planners_factors_are_tokens_to_fsdps_final_loss_from_the_longest_run_that_reached_it() -> None:
+    """FSDP is 1; a federation that missed FSDP's loss in the study's tokens but reached it in a 3x run gets the 3x
+    run's factor (at the real target), not the short run's looser one."""
+    fsdp = [[9, 5.0], [19, 4.0], [29, 3.0]]  # 3,000 tokens to 3.0
+    results = [
+        _run("fsdp", seed, fsdp) for seed in (0, 1)
+    ] + [
+        _run("fedavg_f32", seed, [[9, 5.0], [19, 4.0], [29, 3.5]]) for seed in (0, 1)  # 3.5 at 3,000: looser
+    ] + [
+        _run("fedavg_f32_x3", 0, [[9, 5.0], [19, 4.0], [29, 3.5], [59, 3.25], [89, 3.0]]),  # 3.0 after 9,000 tokens
+        _run("int4ef", 0, [[9, 5.0], [19, 4.0], [29, 3.5]]),
+    ]  # fmt: skip
+    factors = report.planner_factors(results)
+    assert factors[("fsdp",)] == (1.0, "fsdp", (1.0, 1.0), False)
+    assert factors[(8, 1, "float32", 0, None, "fedavg")] == (3.0, "fedavg_f32_x3", (3.0,), False)
+    # int4 + error feedback never reached 3.0: its factor at its own final loss, 3.5 (FSDP reached it at 2,500)
+    assert factors[(8, 1, "int4", 0, None, "fedavg")] == (pytest.approx(1.2), "int4ef", (1.2,), True)
