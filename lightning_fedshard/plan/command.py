@@ -171,10 +171,11 @@ RANKING_NOTES = {
     ),
     "time_to_target": (
         "Ranked by predicted time to a target loss where measured: tokens/s over the tokens-to-target factor of the"
-        " row's sync options (1 = float32 plain averaging), measured only on {study}; a factor marked * is measured"
-        " at the recipe's own final loss, a looser target than float32's that some seed did not reach (at the real"
-        " target it is larger). Rows whose options it did not measure follow, by predicted tokens/s. See"
-        ' docs/benchmarks.md ("The recipe study").'
+        " row's sync options (the tokens to plain FSDP's final loss over FSDP's: FSDP = 1), measured only on {study};"
+        " a factor marked * is measured at the recipe's own final loss, a looser target than FSDP's that some seed did"
+        " not reach (at the real target it is larger). Plain FSDP over the whole cluster is ranked with them (its row"
+        " is shown below the top ones where it ranks lower). Rows whose options it did not measure follow, by"
+        ' predicted tokens/s. See docs/benchmarks.md ("The recipe study").'
     ),
 }
 #: Under a sweep ranked with ``--node_speeds``.

@@ -98,6 +98,17 @@ def _probed_round(
     return sum(kept), probe * max(step_seconds) + rest + sync
 
 
+def lockstep_tokens_per_second(p: Prediction, node_speeds: Sequence[float]) -> float:
+    """Tokens/s of a setup whose every step waits for its slowest node (plain FSDP or HSDP, no federation).
+
+    The slowest node stretches each step's compute; the collectives stay as they were (overlapped with it where the
+    cluster overlaps them).
+    """
+    compute = p.compute_seconds / min(node_speeds)
+    inner = max(compute, p.collective_seconds) if p.cluster.overlap_collectives else compute + p.collective_seconds
+    return p.tokens_per_second * p.step_seconds / (inner + p.exposed_sync_seconds)
+
+
 def heterogeneous(p: Prediction, node_speeds: Sequence[float]) -> HeterogeneousPace | None:
     """A federated prediction's pace when its nodes compute at ``node_speeds`` (a group at its slowest node's).
 

@@ -1,4 +1,4 @@
-"""Every federated configuration of a cluster that fits in memory, ranked by predicted throughput."""
+"""Every federated configuration of a cluster that fits in memory, ranked by predicted throughput or time to target."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
-from lightning_fedshard.plan.hetero import heterogeneous
+from lightning_fedshard.plan.hetero import heterogeneous, lockstep_tokens_per_second
 from lightning_fedshard.plan.predict import Prediction, predict
 from lightning_fedshard.plan.quality import tokens_to_target
 from lightning_fedshard.plan.specs import ClusterSpec, ModelSpec, TrainSetup
@@ -129,7 +129,9 @@ def sweep(
     send between nodes, fewest first. A larger ``sync_every`` or a coarser ``reduce_dtype`` may cost perplexity per
     token, which this ignores. ``rank="time_to_target"``: the setups whose sync options have a measured
     tokens-to-target factor (:mod:`~lightning_fedshard.plan.quality`) by ``factor / tokens per second``, then the
-    others by tokens/s. With ``node_speeds`` (each node's speed relative to the cluster's device) the tokens/s are
+    others by tokens/s; plain FSDP over the whole cluster (:func:`fsdp_reference`) is ranked with them, and shown
+    below the ``top`` rows where it ranks lower, so that the table says whether a federation reaches FSDP's quality
+    sooner than FSDP does. With ``node_speeds`` (each node's speed relative to the cluster's device) the tokens/s are
     the barrier's with those speeds (:func:`~lightning_fedshard.plan.hetero.heterogeneous`): a slow node slows a
     compute-bound setup more than one bound by its links.
 
@@ -159,9 +161,24 @@ def sweep(
     speed = {id(p): throughput(p, node_speeds) for p in predictions}
     best = max(speed.values())
     predictions.sort(key=lambda p: (-math.floor(speed[id(p)] / best * 200), p.link_bytes_per_step))
-    if rank == "time_to_target":
-        predictions.sort(key=lambda p: _time_to_target_order(p, node_speeds))  # stable: the unmeasured keep order
-    return predictions[:top]
+    if rank != "time_to_target":
+        return predictions[:top]
+    reference = fsdp_reference(model, cluster, base)
+    if reference is not None:
+        predictions.append(reference)
+    predictions.sort(key=lambda p: _time_to_target_order(p, node_speeds))  # stable: the unmeasured keep order
+    shown = predictions[:top]
+    return shown if reference is None or reference in shown else [*shown, reference]
+
+
+def fsdp_reference(model: ModelSpec, cluster: ClusterSpec, base: TrainSetup) -> Prediction | None:
+    """Plain FSDP over the whole cluster with ``base``'s training settings, or ``None`` where it does not fit."""
+    setup = replace(base, strategy="fsdp", federation=replace(base.federation, num_groups=None, shard_size=None))
+    try:
+        prediction = predict(model, cluster, setup)
+    except ValueError:
+        return None
+    return prediction if prediction.fits else None
 
 
 #: What a sweep may rank by.
@@ -169,9 +186,11 @@ RANKS = ("tokens_per_s", "time_to_target")
 
 
 def throughput(prediction: Prediction, node_speeds: Sequence[float] | None = None) -> float:
-    """Predicted tokens/s; with ``node_speeds``, the barrier's with nodes of those speeds."""
+    """Predicted tokens/s; with ``node_speeds``, the barrier's with nodes of those speeds (FSDP: the slowest's)."""
     if node_speeds is None:
         return prediction.tokens_per_second
+    if not prediction.setup.federated:
+        return lockstep_tokens_per_second(prediction, node_speeds)
     paced = heterogeneous(prediction, node_speeds)
     return prediction.tokens_per_second if paced is None else paced.barrier
 

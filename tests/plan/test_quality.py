@@ -70,3 +70,36 @@ def test_a_factor_measured_at_a_looser_target_is_marked_in_the_table(capsys: pyt
     plan(model="xs", cluster="emulated-4x2", sweep=True, top=30, num_groups=4)
     out = capsys.readouterr().out
     assert "(1.500* tokens)" in out and "(1.000 tokens)" in out and "a factor marked * is measured" in out
+
+
+def test_plain_fsdp_is_ranked_with_the_federations_and_shown_below_the_top_rows_where_it_ranks_lower() -> None:
+    """On a slow link the federations reach FSDP's quality sooner despite their factors; FSDP's row stays visible."""
+    from lightning_fedshard.plan.inputs import PlannerInputs
+
+    cluster = PlannerInputs(cluster="emulated-4x2", step_seconds=0.1, inter_gbit_per_s=0.05).cluster_spec()
+    base = TrainSetup("fl_fsdp", micro_batch=4, param_bytes=4, grad_bytes=4)
+    grid = dict(sync_every=(8,), fragments=(1,), reduce_dtypes=("float32", "int4"), sync_delays=(0,))
+    grid["eager_updates"] = (False,)
+    ranked = sweep(MODELS["xs"], cluster, base, top=100, rank="time_to_target", **grid)
+    strategies = [p.setup.strategy for p in ranked]
+    assert strategies.count("fsdp") == 1 and strategies[0] != "fsdp"
+    times = [relative_time_to_target(p) for p in ranked]
+    fsdp = ranked[strategies.index("fsdp")]
+    assert relative_time_to_target(fsdp) == pytest.approx(0.9 / fsdp.tokens_per_second)  # its factor, 0.9 here
+    assert times == sorted(times)  # every row measured: in order, FSDP among them
+    top = sweep(MODELS["xs"], cluster, base, top=2, rank="time_to_target", **grid)
+    assert [p.setup.strategy for p in top][-1] == "fsdp" and len(top) == 3
+    assert all(p.setup.federated for p in sweep(MODELS["xs"], cluster, base, top=100, **grid))  # by tokens/s: none
+
+
+def test_a_slow_node_slows_every_step_of_plain_fsdp_by_its_compute() -> None:
+    from lightning_fedshard.plan.hetero import lockstep_tokens_per_second
+    from lightning_fedshard.plan.inputs import PlannerInputs
+    from lightning_fedshard.plan.predict import predict
+
+    inputs = PlannerInputs()  # Llama-3.1-8B on 128 nodes: FSDP is compute-bound, its collectives overlapped
+    p = predict(inputs.model_spec(), inputs.cluster_spec(), replace(inputs.setup(FederationConfig()), strategy="fsdp"))
+    assert p.bottleneck == "compute" and p.collective_seconds < p.compute_seconds
+    assert lockstep_tokens_per_second(p, [1.0] * 128) == pytest.approx(p.tokens_per_second)
+    slowed = lockstep_tokens_per_second(p, [1.0] * 127 + [0.5])  # one node at half speed: every step waits for it
+    assert slowed == pytest.approx(p.tokens_per_second * p.step_seconds / (2 * p.compute_seconds))
