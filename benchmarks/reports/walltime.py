@@ -118,19 +118,25 @@ def target(study: list[dict[str, Any]], results: dict[str, Any] | None) -> Row:
 
 
 def plot(study: list[dict[str, Any]], results: dict[str, Any], path: Path) -> Path:
-    """Minutes to FSDP's final loss by link, one bar per recipe (a missing bar: not reached)."""
+    """Minutes to FSDP's final loss by link, one bar per recipe that reached it (the others named in a corner)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     walls = wall_seconds(study, cluster_tokens_per_s(results))
+    medians = {recipe: [_median(by_link.get(link, {})) for link in LINKS] for recipe, by_link in walls.items()}
+    shown = {recipe: values for recipe, values in medians.items() if any(v is not None for v in values)}
     figure, ax = plt.subplots(figsize=(8, 4.2))
-    width = 0.8 / max(1, len(walls))
-    for i, (recipe, by_link) in enumerate(walls.items()):
-        values = [_median(by_link.get(link, {})) for link in LINKS]
+    width = 0.8 / max(1, len(shown))
+    for i, (recipe, values) in enumerate(shown.items()):
         xs = [j + i * width for j, v in enumerate(values) if v is not None]
-        ax.bar(xs, [v / 60 for v in values if v is not None], width, label=recipe)
+        bars = ax.bar(xs, [v / 60 for v in values if v is not None], width, label=recipe, color=f"C{i}")
+        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+    missing = sorted(set(medians) - set(shown))
+    if missing:
+        note = f"never reached it in FSDP's tokens: {', '.join(missing)}"
+        ax.text(0.01, 0.97, note, transform=ax.transAxes, va="top", fontsize=8)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(LINKS))], [metrics.link_label(link) for link in LINKS])
     ax.set_ylabel("minutes to FSDP's final validation loss")
     ax.set_yscale("log")

@@ -21,7 +21,7 @@ def _cluster(configuration: str, link: float | None, tokens_per_s: float) -> dic
             "tokens_per_step": 100.0, "steps": steps}  # fmt: skip
 
 
-def test_the_wall_time_joins_tokens_to_fsdps_final_loss_with_the_clusters_pace():
+def test_the_wall_time_joins_tokens_to_fsdps_final_loss_with_the_clusters_pace(tmp_path):
     # FSDP ends at 3.0 after 30,000 tokens; the federation reaches 3.0 at 50,000 tokens (3x run), the defaults never
     study = [
         _study("fsdp", 0, [5.0, 4.0, 3.0]),
@@ -37,6 +37,7 @@ def test_the_wall_time_joins_tokens_to_fsdps_final_loss_with_the_clusters_pace()
     row = walltime.target(study, results)
     assert row["recipe"] == "fedavg_f32_x3" and row["measured"] == pytest.approx(500 / 3000) and row["met"]
     assert "| `int4ef` | - | - | not reached | - |" in walltime.table(study, results)
+    assert walltime.plot(study, results, tmp_path / "walltime.png").stat().st_size > 0  # a recipe without bars too
 
 
 def test_without_the_cluster_runs_the_target_is_not_run():
