@@ -174,7 +174,7 @@ def _m1_vs_fsdp(runs: Runs) -> Row:
 
 def _fed_vs_fsdp(runs: Runs) -> Row:
     what = "final loss of the best 4-group recipe over FSDP's at equal tokens (median over seeds)"
-    four = tuple(n for n, r in RECIPES.items() if r.groups == 4 and "pace" not in r.options)
+    four = tuple(n for n, r in RECIPES.items() if r.groups == 4 and "pace" not in r.options and _fsdps_tokens(n))
     chosen = best(runs, four)
     if chosen is None or FSDP not in runs:
         return _row("fed-vs-fsdp-loss", what, None, runs=0, note="not run")
@@ -182,6 +182,12 @@ def _fed_vs_fsdp(runs: Runs) -> Row:
     measured = statistics.median(per_seed.values())
     return _row("fed-vs-fsdp-loss", what, measured, runs=len(per_seed), recipe=chosen,
                 per_seed={str(k): v for k, v in sorted(per_seed.items())})  # fmt: skip
+
+
+def _fsdps_tokens(name: str) -> bool:
+    """Whether a recipe trains as many tokens as FSDP's run (not a longer run, not another batch per step)."""
+    recipe, fsdp = RECIPES[name], RECIPES[FSDP]
+    return recipe.steps == fsdp.steps and recipe.tokens_per_step == fsdp.tokens_per_step
 
 
 def _paper_regime(runs: Runs) -> Row:
