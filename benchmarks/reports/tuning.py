@@ -127,7 +127,7 @@ def outer_table(results: list[dict[str, Any]]) -> str:
 
 
 def critical_batch_table(results: list[dict[str, Any]]) -> str:
-    """FSDP's final loss at the study's token budget, by batch per step and inner learning rate (seed 0)."""
+    """FSDP's final loss at the study's token budget, by batch per step and inner learning rate (each seed run)."""
     runs = by_recipe(results)
     rates = (LR / 2, LR, 2 * LR)
     lines = ["| batch per step | steps | " + " | ".join(f"lr {lr:g}" for lr in rates) + " |", "|---|---|---|---|---|"]
@@ -135,8 +135,7 @@ def critical_batch_table(results: list[dict[str, Any]]) -> str:
         cells = []
         for lr in rates:
             name = FSDP if (multiple, lr) == (1, LR) else _batch_name(multiple, lr)
-            value = finals(runs, name).get(0)
-            cells.append("-" if value is None else f"{value:.3f}")
+            cells.append(" / ".join(f"{v:.3f}" for _, v in sorted(finals(runs, name).items())) or "-")
         lines.append(f"| {16 * multiple} windows ({multiple}x) | {1200 // multiple} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -41,3 +41,10 @@ def test_the_papers_regime_takes_the_best_federation_of_any_horizon() -> None:
     row = _row(results, "paper-regime")
     assert (row["recipe"], row["against"]) == ("paper_fed4_fedavg_h2", "fsdp_b4_lr0p0025") and not row["met"]
     assert "not reached by every seed" in row["note"]
+
+
+def test_the_critical_batch_table_shows_every_seed_of_a_cell_and_a_dash_where_none_ran() -> None:
+    results = [_run("fsdp", 0, 4.156), _run("fsdp", 1, 4.151), _run("fsdp_b16_lr0p0025", 0, 5.72)]
+    table = tuning.critical_batch_table(results)
+    assert "| 16 windows (1x) | 1200 | - | 4.156 / 4.151 | - |" in table
+    assert "| 256 windows (16x) | 75 | 5.720 | - | - |" in table
