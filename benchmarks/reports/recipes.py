@@ -353,9 +353,15 @@ def planner_factors(
         factor = _planner_factor(runs, name) if key is not None else None
         if key is None or factor is None:
             continue
-        if key not in out or (not factor[3], len(factor[2])) > (not out[key][3], len(out[key][2])):
+        if key not in out or _preference(factor) > _preference(out[key]):
             out[key] = factor
     return out
+
+
+def _preference(factor: tuple[float, str, tuple[float, ...], bool]) -> tuple[bool, int]:
+    """Of two factors for one setting: a factor at the real target before a looser one, then more seeds."""
+    _, _, per_seed, looser = factor
+    return not looser, len(per_seed)
 
 
 def _planner_factor(

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_fedshard.core.options.pace import PROBE_STEPS
-from lightning_fedshard.plan.predict import Prediction
+from lightning_fedshard.plan.predict import Prediction, inner_step_seconds
 
 
 @dataclass(frozen=True)
@@ -104,8 +104,7 @@ def lockstep_tokens_per_second(p: Prediction, node_speeds: Sequence[float]) -> f
     The slowest node stretches each step's compute; the collectives stay as they were (overlapped with it where the
     cluster overlaps them).
     """
-    compute = p.compute_seconds / min(node_speeds)
-    inner = max(compute, p.collective_seconds) if p.cluster.overlap_collectives else compute + p.collective_seconds
+    inner = inner_step_seconds(p.compute_seconds / min(node_speeds), p.collective_seconds, p.cluster)
     return p.tokens_per_second * p.step_seconds / (inner + p.exposed_sync_seconds)
 
 

@@ -685,6 +685,11 @@ def compute_seconds(model: ModelSpec, setup: TrainSetup, cluster: ClusterSpec) -
     return tokens * model.flops_per_token / (cluster.peak_flops * cluster.mfu)
 
 
+def inner_step_seconds(compute: float, collective: float, cluster: ClusterSpec) -> float:
+    """A step's seconds without the outer sync: compute and in-group collectives, overlapped where the cluster does."""
+    return max(compute, collective) if cluster.overlap_collectives else compute + collective
+
+
 def predict(model: ModelSpec, cluster: ClusterSpec, setup: TrainSetup) -> Prediction:
     """Time, traffic, memory and the bottleneck of ``setup`` on ``cluster`` (see the module docstring).
 
@@ -695,7 +700,7 @@ def predict(model: ModelSpec, cluster: ClusterSpec, setup: TrainSetup) -> Predic
     compute = compute_seconds(model, setup, cluster)
     step = step_collectives(model, setup, t, cluster)
     collective = sum(col.seconds * col.calls for col in step)
-    inner = max(compute, collective) if cluster.overlap_collectives else compute + collective
+    inner = inner_step_seconds(compute, collective, cluster)
     syncs = sync_collectives(model, setup, t, cluster)
     sync = sum(col.seconds for col in syncs)
     levels = sync_levels(model, setup, t, cluster)
