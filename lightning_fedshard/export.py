@@ -5,14 +5,21 @@ from __future__ import annotations
 import importlib.util
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.nn import Module
 
-from lightning_fedshard.checkpoint.format import checkpoint_kind, in_memory, pop_state_dict, read_full
+from lightning_fedshard.checkpoint.format import (
+    METADATA_FILENAME,
+    checkpoint_kind,
+    in_memory,
+    pop_state_dict,
+    read_full,
+    saved_model_key,
+)
 
 #: File name of the plain PyTorch state dict written by :func:`export_consensus`.
 CONSENSUS_FILENAME = "consensus.pt"
@@ -72,19 +79,37 @@ def read_consensus(checkpoint_path: str | Path) -> dict[str, Tensor]:
     path = Path(checkpoint_path)
     if checkpoint_kind(path) == "sharded":
         return _read_sharded_model(path)
-    return in_memory(pop_state_dict(read_full(path), path))
+    checkpoint = read_full(path)
+    return in_memory(pop_state_dict(checkpoint, path, saved_model_key(checkpoint).full))
+
+
+def read_whole_checkpoint(checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+    """Everything a checkpoint holds, as one dict, as ``fabric.load(path)`` returns it; single-process.
+
+    A full checkpoint is read as it is. A sharded one gives its ``meta.pt`` with the consensus under the model's key.
+
+    Args:
+        checkpoint_path: A full checkpoint file or a sharded checkpoint directory.
+        weights_only: Passed to ``torch.load``.
+    """
+    path = Path(checkpoint_path)
+    if checkpoint_kind(path) == "full":
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+    metadata = torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=weights_only)
+    return {**metadata, saved_model_key(metadata).full: _read_sharded_model(path)}
 
 
 def _read_sharded_model(path: Path) -> dict[str, Tensor]:
-    """The ``"model"`` of a DCP checkpoint, through a temporary ``torch.save`` file (the public DCP conversion)."""
+    """The model of a DCP checkpoint, through a temporary ``torch.save`` file (the public DCP conversion)."""
+    key = saved_model_key(torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=False)).sharded
     with tempfile.TemporaryDirectory() as scratch:
         converted = Path(scratch) / "consensus.pt"
         dcp_to_torch_save(path, converted)
         # Written just now from the DCP files, which `dcp_to_torch_save` already unpickled in full.
         checkpoint = torch.load(converted, map_location="cpu", weights_only=False)
-    if "model" not in checkpoint:
-        raise ValueError(f"Sharded checkpoint {str(path)!r} holds no 'model'; its keys are {sorted(checkpoint)}.")
-    return checkpoint["model"]
+    if key not in checkpoint:
+        raise ValueError(f"Sharded checkpoint {str(path)!r} holds no {key!r}; its keys are {sorted(checkpoint)}.")
+    return checkpoint[key]
 
 
 def _pretrained_model(module: Module) -> PreTrainedModel | None:

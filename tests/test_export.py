@@ -57,3 +57,11 @@ def test_export_writes_save_pretrained_for_a_wrapped_transformers_model(tmp_path
     loaded = LlamaForCausalLM.from_pretrained(out)
     for k, v in trained.model.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v)
+
+
+def test_a_fabric_checkpoint_exports_the_model_under_the_users_key(tmp_path):
+    net = make_net()
+    torch.save({"net": net.state_dict(), "step": 3, "fedshard_fabric": {"num_steps": 3, "model_key": "net"}},
+               tmp_path / "fabric.ckpt")  # fmt: skip
+    exported = torch.load(export_consensus(tmp_path / "fabric.ckpt", tmp_path / "out"))
+    assert all(torch.equal(exported[k], v) for k, v in net.state_dict().items())

@@ -22,6 +22,8 @@ from lightning_fedshard.checkpoint.failures import collective_failures
 from lightning_fedshard.checkpoint.format import (
     FEDSHARD_KEY,
     METADATA_FILENAME,
+    TRAINER_MODEL_KEY,
+    ModelKey,
     StateDictType,
     check_version,
     checkpoint_kind,
@@ -35,6 +37,7 @@ from lightning_fedshard.checkpoint.format import (
     read_full,
     replica_entry,
     rng_entry,
+    saved_model_key,
     section,
 )
 from lightning_fedshard.core.backends.fsdp import FSDP1, fsdp_state_dict_type
@@ -107,16 +110,18 @@ class FederationCheckpointer:
         path: str | Path,
         state_dict_type: StateDictType,
         optimizer_states: Sequence[dict[str, Any]],
+        model_key: ModelKey = TRAINER_MODEL_KEY,
     ) -> None:
         """Write ``checkpoint`` plus this federation's state to ``path``, atomically.
 
         Args:
-            checkpoint: Lightning's checkpoint dict. ``"state_dict"`` must hold the consensus: a full state dict on
-                rank 0 (``"full"``) or FSDP's sharded state dict on every rank (``"sharded"``). It must not hold
-                ``"optimizer_states"`` (pass them as ``optimizer_states``).
+            checkpoint: Lightning's checkpoint dict. ``checkpoint[model_key.full]`` must hold the consensus: a full
+                state dict on rank 0 (``"full"``) or FSDP's sharded state dict on every rank (``"sharded"``, saved
+                to DCP under ``model_key.sharded``).
             path: Target file (full) or directory (sharded); the same on every rank.
             state_dict_type: ``"full"`` or ``"sharded"``.
-            optimizer_states: This rank's local inner optimizer state dicts.
+            optimizer_states: This rank's local inner optimizer state dicts (kept in the group's entry).
+            model_key: Where the checkpoint holds the consensus (the Trainer's layout by default).
 
         Raises:
             ValueError: For a URL (only local or mounted file systems can be renamed atomically) or an unknown
@@ -127,7 +132,7 @@ class FederationCheckpointer:
         if state_dict_type == "full":
             self._save_full(checkpoint, path, entries)
         elif state_dict_type == "sharded":
-            self._save_sharded(checkpoint, path, entries)
+            self._save_sharded(checkpoint, path, entries, model_key)
         else:
             raise ValueError(f"Unknown `state_dict_type={state_dict_type!r}`; choose 'full' or 'sharded'.")
         with collective_failures("barrier after a checkpoint save"):
@@ -180,7 +185,9 @@ class FederationCheckpointer:
         save_file(checkpoint, staging)
         move_into_place(staging, path)
 
-    def _save_sharded(self, checkpoint: dict[str, Any], path: Path, entries: dict[str, Any]) -> None:
+    def _save_sharded(
+        self, checkpoint: dict[str, Any], path: Path, entries: dict[str, Any], model_key: ModelKey
+    ) -> None:
         staging = staging_path(path)
         if self.rank == 0:
             remove(staging)  # left over by an earlier, interrupted save
@@ -188,7 +195,7 @@ class FederationCheckpointer:
         with collective_failures("barrier before a sharded checkpoint save"):
             dist.barrier()
         # The consensus is identical in every group, so DCP's de-duplication of equal chunks is harmless here.
-        dcp.save({"model": checkpoint.pop("state_dict")}, checkpoint_id=staging)
+        dcp.save({model_key.sharded: checkpoint.pop(model_key.full)}, checkpoint_id=staging)
         for name, payload in entries.items():
             save_file(payload, staging / FEDSHARD_KEY / entry_file(name))
         if self.rank == 0:
@@ -254,16 +261,17 @@ class FederationCheckpointer:
 
     def _load_full(self, path: Path, strict: bool, weights_only: bool | None) -> tuple[dict[str, Any], ReadEntry]:
         checkpoint = read_full(path, weights_only)  # memory-mapped: other groups' entries are never read
-        state_dict = pop_state_dict(checkpoint, path)
+        state_dict = pop_state_dict(checkpoint, path, saved_model_key(checkpoint).full)
         self.backend.load_state_dict(self.module, state_dict, "full", strict=strict)
         entries = (checkpoint.get(FEDSHARD_KEY) or {}).pop("entries", {})
         return in_memory(checkpoint), lambda name: in_memory(entries.get(name))
 
     def _load_sharded(self, path: Path, strict: bool, weights_only: bool | None) -> tuple[dict[str, Any], ReadEntry]:
-        module_state = {"model": self.backend.state_dict(self.module, "sharded")}
-        dcp.load(module_state, checkpoint_id=path)
-        self.backend.load_state_dict(self.module, module_state["model"], "sharded", strict=strict)
         metadata = torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=weights_only)
+        key = saved_model_key(metadata).sharded
+        module_state = {key: self.backend.state_dict(self.module, "sharded")}
+        dcp.load(module_state, checkpoint_id=path)
+        self.backend.load_state_dict(self.module, module_state[key], "sharded", strict=strict)
 
         def read(name: str) -> Any:
             file = path / FEDSHARD_KEY / entry_file(name)
@@ -281,24 +289,41 @@ class FederationCheckpointer:
                 f"Checkpoint {str(path)!r} holds no federation state (it was not written by 'fl_fsdp'/'fl_hsdp'):"
                 " every group starts from its weights, with fresh inner and outer optimizer states."
             )
+            if self.federation.started:  # else it starts with training, at the loop's step
+                self.start_afresh(self.federation.last_step)
             return
         check_version(path, fedshard)
         schedule = fedshard["schedule"]
-        self.federation.start(
-            self.backend.local_shards(self.module),
-            step=int(schedule["last_synced_step"]),
-            on_write=self.on_write,
-            unit_sizes=self.backend.unit_sizes(self.module),
-        )
+        step = int(schedule["last_synced_step"])
         if not fedshard["started"]:
-            return  # saved before training started: the weights are all there is
+            self.start_afresh(step)  # saved before training started: the weights are all there is
+            return
         outer = read(outer_entry(self.shard))
         differences = self._layout_differences(fedshard["layout"], outer)
         if differences:
+            self.start_afresh(step)
             self.federation.outer.num_syncs = int(schedule["num_syncs"])
             self._warn(_topology_message(path, differences))
             return
+        self.federation.start(
+            self.backend.local_shards(self.module),
+            step=step,
+            on_write=self.on_write,
+            unit_sizes=self.backend.unit_sizes(self.module),
+        )
         self._restore_exactly(path, outer, read, optimizers)
+
+    def start_afresh(self, step: int) -> None:
+        """Anchor the federation on the weights the module holds now (every group's), with a fresh outer state.
+
+        After loading weights that do not continue this federation exactly; collective.
+        """
+        self.federation.restart(
+            self.backend.local_shards(self.module),
+            step=step,
+            on_write=self.on_write,
+            unit_sizes=self.backend.unit_sizes(self.module),
+        )
 
     def _layout_differences(self, section_layout: dict[str, Any], outer: dict[str, Any] | None) -> list[str]:
         """How the checkpoint's layout differs from this run's, agreed by all ranks (collective).

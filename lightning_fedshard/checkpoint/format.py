@@ -10,6 +10,7 @@ section, without entries) and one file per entry in the :data:`FEDSHARD_KEY` sub
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,6 +24,8 @@ from lightning_fedshard.core.transport.topology import FederationTopology
 FEDSHARD_KEY = "fedshard"
 #: Version of the ``"fedshard"`` section this code writes; it reads this one and older.
 FORMAT_VERSION = 1
+#: Key of what the Fabric strategies add to a checkpoint (their step count and the user's key of the model).
+FABRIC_KEY = "fedshard_fabric"
 #: Lightning's metadata file in a sharded checkpoint folder; its presence is what makes a folder a checkpoint. The same
 #: name as Lightning's ``FSDPStrategy`` uses, so that each can read the other's sharded checkpoints.
 METADATA_FILENAME = "meta.pt"
@@ -70,15 +73,48 @@ def in_memory(obj: Any) -> Any:
     return apply_to_collection(obj, Tensor, Tensor.clone)
 
 
-def pop_state_dict(checkpoint: dict[str, Any], path: Path) -> dict[str, Tensor]:
-    """Remove and return the model weights (the consensus) of a full checkpoint.
+@dataclass(frozen=True)
+class ModelKey:
+    """Where a checkpoint holds the model's weights (the consensus).
+
+    Args:
+        full: Its key in a full checkpoint file.
+        sharded: Its key in the DCP files of a sharded checkpoint.
+    """
+
+    full: str = "state_dict"
+    sharded: str = "model"
+
+
+#: The Trainer's layout, as Lightning's ``FSDPStrategy`` writes it: ``"state_dict"`` in a file, ``"model"`` in DCP.
+TRAINER_MODEL_KEY = ModelKey()
+
+
+def fabric_model_key(user_key: str) -> ModelKey:
+    """The layout of a Fabric checkpoint, as Lightning's Fabric ``FSDPStrategy`` writes it: the user's own key."""
+    return ModelKey(full=user_key, sharded=user_key)
+
+
+def saved_model_key(metadata: dict[str, Any]) -> ModelKey:
+    """Where a checkpoint holds the consensus, from its metadata (a full file's dict, or a sharded one's ``meta.pt``).
+
+    A Fabric checkpoint names the user's key of the model under :data:`FABRIC_KEY`. The Trainer's checkpoints, plain
+    Lightning ones, and Fabric checkpoints of lightning_fedshard 0.1.0 written before Fabric kept the user's keys
+    (they stored the model as the Trainer does) use :data:`TRAINER_MODEL_KEY`.
+    """
+    key = (metadata.get(FABRIC_KEY) or {}).get("model_key")
+    return TRAINER_MODEL_KEY if key is None else fabric_model_key(key)
+
+
+def pop_state_dict(checkpoint: dict[str, Any], path: Path, key: str = TRAINER_MODEL_KEY.full) -> dict[str, Tensor]:
+    """Remove and return the model weights (the consensus) of a full checkpoint, held under ``key``.
 
     Raises:
-        ValueError: If the checkpoint holds no ``"state_dict"``.
+        ValueError: If the checkpoint holds no ``key``.
     """
-    if "state_dict" not in checkpoint:
-        raise ValueError(f"Checkpoint {str(path)!r} holds no 'state_dict'; its keys are {sorted(checkpoint)}.")
-    return checkpoint.pop("state_dict")
+    if key not in checkpoint:
+        raise ValueError(f"Checkpoint {str(path)!r} holds no {key!r}; its keys are {sorted(checkpoint)}.")
+    return checkpoint.pop(key)
 
 
 # -- entries ---------------------------------------------------------------------------------------------------------

@@ -139,6 +139,26 @@ class Federation:
         probation = Probation(elastic.probation) if elastic is not None and elastic.probation > 0 else None
         self.participation = combine(self._paced, probation)
 
+    def restart(
+        self,
+        shards: Sequence[Tensor],
+        step: int,
+        on_write: Callable[[], None] | None = None,
+        unit_sizes: Sequence[int] | None = None,
+    ) -> None:
+        """Start afresh from the current shards: a new anchor, a fresh outer optimizer state, a schedule from ``step``.
+
+        For weights that did not come out of this federation (a model loaded from a file, a checkpoint of another
+        layout): every group must hold them. Sums in flight are awaited and dropped first (collective), so no round
+        lands a pseudo-gradient of the weights that were replaced. Before :meth:`start` this is :meth:`start`.
+        """
+        if self._outer is not None:
+            self.finish_pending()
+            self._outer = None
+            self.consensus_distance = None
+            self.round = build_round(self)
+        self.start(shards, step, on_write=on_write, unit_sizes=unit_sizes)
+
     def trains(self, step: int) -> bool:
         """Whether this group trains optimizer step ``step`` (1-based); with a per-group pace it may skip it."""
         return self.pace is None or self.pace.trains(self.communicator.group_index, step)

@@ -25,11 +25,10 @@ from lightning_fedshard._arguments import (
     FSDP2Arguments,
     document_federation_args,
 )
+from lightning_fedshard.checkpoint.format import FABRIC_KEY, fabric_model_key
 from lightning_fedshard.core.options.elastic import FederationEnded
 from lightning_fedshard.core.step.stats import SyncStats
-
-#: Key of the Fabric strategy's own counters in a checkpoint.
-_FABRIC_KEY = "fedshard_fabric"
+from lightning_fedshard.export import read_whole_checkpoint
 
 
 class _FabricHooks(FederatedArguments):
@@ -188,18 +187,27 @@ class _FabricHooks(FederatedArguments):
     ) -> None:
         """Save ``state`` (the federated model, its optimizer, anything else) for an exact resume; collective.
 
-        The saved model weights are the consensus; each group's own weights and inner optimizer state, the anchor
-        and the outer optimizer state are stored beside them (see docs/checkpoints.md).
+        The file keeps the keys of ``state``, as Lightning's FSDP strategy writes them: the model's key holds the
+        consensus as a plain state dict (in the DCP files of a sharded checkpoint); in a full checkpoint each
+        optimizer's key holds group 0's optimizer state over the whole model, keyed by parameter name. Each group's
+        own weights and inner optimizer state, the anchor and the outer optimizer state go under ``"fedshard"``, the
+        step count under ``"fedshard_fabric"`` (see docs/checkpoints.md).
         """
         if storage_options is not None or filter is not None:
             raise TypeError(f"`{type(self).__name__}.save_checkpoint` supports neither `storage_options` nor `filter`.")
         module_key, optimizer_keys = self._federated_keys(state)
         checkpoint = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()
                       if k != module_key and k not in optimizer_keys}  # fmt: skip
-        checkpoint["state_dict"] = self.runtime.checkpointer.consensus_state_dict(self._state_dict_type)
-        checkpoint[_FABRIC_KEY] = {"num_steps": self.runtime.step}
+        runtime = self.runtime
+        checkpoint[module_key] = runtime.checkpointer.consensus_state_dict(self._state_dict_type)
+        if self._state_dict_type == "full":
+            for key in optimizer_keys:
+                checkpoint[key] = runtime.backend.full_optimizer_state_dict(runtime.module, state[key])  # type: ignore[arg-type]
+        checkpoint[FABRIC_KEY] = {"num_steps": runtime.step, "model_key": module_key}
         optimizer_states = [state[k].state_dict() for k in optimizer_keys]
-        self.runtime.checkpointer.save(checkpoint, self.broadcast(path), self._state_dict_type, optimizer_states)
+        runtime.checkpointer.save(
+            checkpoint, self.broadcast(path), self._state_dict_type, optimizer_states, fabric_model_key(module_key)
+        )
 
     def load_checkpoint(
         self,
@@ -210,24 +218,56 @@ class _FabricHooks(FederatedArguments):
     ) -> dict[str, Any]:
         """Restore what :meth:`save_checkpoint` wrote into the objects of ``state`` (in place); returns the rest.
 
-        The model must have been set up by this strategy. With the same topology the run continues bit-identically;
-        otherwise every group starts from the consensus (see docs/checkpoints.md).
+        With the model and its optimizer in ``state`` the run continues exactly where it was saved (with the same
+        topology; otherwise every group starts from the consensus, see docs/checkpoints.md). With the model alone,
+        every group gets the consensus and the federation starts afresh from it. A module alone (``fabric.load_raw``)
+        loads a plain state dict file into every group, e.g. pretrained weights. Without ``state`` the whole
+        checkpoint is returned. Collective.
         """
-        if not isinstance(state, dict):
-            raise TypeError("Pass the same `state` dict to `fabric.load` that was given to `fabric.save`.")
+        path = self.broadcast(path)
+        if isinstance(state, Module):
+            self._load_raw_module(path, state, strict, weights_only)
+            return {}
+        if isinstance(state, Optimizer):
+            raise NotImplementedError(
+                f"`{type(self).__name__}` cannot load an optimizer alone: its state is each group's own. Save and load"
+                " it together with the model, e.g. `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
+            )
+        if not state:
+            return read_whole_checkpoint(path, weights_only)
         module_key, optimizer_keys = self._federated_keys(state)
-        optimizers = [state[k] for k in optimizer_keys]
-        metadata = self.runtime.checkpointer.load(self.broadcast(path), optimizers=optimizers, strict=strict,
-                                          weights_only=weights_only)  # fmt: skip
-        self.runtime.step = int(metadata.pop(_FABRIC_KEY, {}).get("num_steps", self.runtime.step))
+        optimizers: list[Optimizer] = [state[k] for k in optimizer_keys]  # type: ignore[misc]
+        runtime = self.runtime
+        metadata = runtime.checkpointer.load(path, optimizers=optimizers or None, strict=strict,
+                                             weights_only=weights_only)  # fmt: skip
+        fabric = metadata.pop(FABRIC_KEY, {})
+        if optimizers:
+            runtime.step = int(fabric.get("num_steps", runtime.step))
+        else:  # weights only: every group holds the consensus now
+            self._restart_federation()
         for key, obj in state.items():
-            if key == module_key or key in optimizer_keys or key not in metadata:
-                continue
-            if isinstance(obj, Stateful):
-                obj.load_state_dict(metadata.pop(key))
-            else:
-                state[key] = metadata.pop(key)
+            if key == module_key or key in optimizer_keys:
+                metadata.pop(key, None)  # restored above (an optimizer from its group's entry)
+            elif key in metadata:
+                if isinstance(obj, Stateful):
+                    obj.load_state_dict(metadata.pop(key))
+                else:
+                    state[key] = metadata.pop(key)
         return metadata
+
+    def _load_raw_module(self, path: _PATH, module: Module, strict: bool, weights_only: bool | None) -> None:
+        """Load a plain ``torch.save(model.state_dict())`` file into ``module`` (the federated one: in every group)."""
+        state_dict = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        if module is not self.runtime.module:
+            module.load_state_dict(state_dict, strict=strict)
+            return
+        self.runtime.backend.load_state_dict(module, state_dict, "full", strict=strict)
+        self._restart_federation()
+
+    def _restart_federation(self) -> None:
+        """Anchor the federation afresh on the weights every group holds now (loaded from outside the federation)."""
+        if self.runtime.federation.started:
+            self.runtime.checkpointer.start_afresh(self.runtime.step)
 
     def _federated_keys(self, state: dict[str, Any]) -> tuple[str, list[str]]:
         """The key of the federated model in ``state`` and the keys of the optimizers."""

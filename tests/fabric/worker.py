@@ -147,7 +147,7 @@ def run_resume(spec: dict[str, Any], root: Path) -> None:
     straight, straight_full = _train(spec, range(0, 7))
     _train(spec, range(0, 3), save_at=path)
     resumed, resumed_full = _train(spec, range(3, 7), resume_from=path)
-    consensus = torch.load(path, weights_only=False)["state_dict"] if path.is_file() else None
+    consensus = torch.load(path, weights_only=False)["model"] if path.is_file() else None  # the user's key
     torch.save({"straight": straight, "resumed": resumed, "straight_full": straight_full,
                 "resumed_full": resumed_full, "consensus_keys": None if consensus is None else sorted(consensus)},
                out / f"rank{os.environ['RANK']}.pt")  # fmt: skip

@@ -16,6 +16,7 @@ from torch.distributed.fsdp.api import (
     ShardedStateDictConfig,
 )
 from torch.nn import Module
+from torch.optim import Optimizer
 
 from lightning_fedshard.core.backends.sharding import StateDictType
 
@@ -151,6 +152,11 @@ class FSDP1Backend:
         """Load a full state dict given on every rank, or a sharded one of :meth:`state_dict`'s layout."""
         with fsdp_state_dict_type(module, state_dict_type, rank0_only=False):
             module.load_state_dict(state_dict, strict=strict)
+
+    def full_optimizer_state_dict(self, module: Module, optimizer: Optimizer) -> dict[str, Any]:
+        """FSDP's full optimizer state dict (``FullyShardedDataParallel.optim_state_dict``), on the group's rank 0."""
+        with fsdp_state_dict_type(module, "full"):
+            return FullyShardedDataParallel.optim_state_dict(module, optimizer)
 
 
 #: The FSDP1 backend (stateless).

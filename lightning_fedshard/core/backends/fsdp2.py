@@ -14,7 +14,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -252,6 +257,11 @@ class FSDP2Backend:
         options = StateDictOptions(full_state_dict=state_dict_type == "full", strict=strict)
         free_unsharded(module)
         set_model_state_dict(module, state_dict, options=options)
+
+    def full_optimizer_state_dict(self, module: Module, optimizer: Optimizer) -> dict[str, Any]:
+        """Torch's ``get_optimizer_state_dict`` over the whole model, on global rank 0 (on the CPU)."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(module, optimizer, options=options)
 
 
 #: The FSDP2 backend (stateless).

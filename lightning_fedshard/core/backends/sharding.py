@@ -11,6 +11,7 @@ from typing import Any, Literal, Protocol
 
 from torch import Tensor
 from torch.nn import Module
+from torch.optim import Optimizer
 
 #: How a model state dict is laid out: the whole model on one rank, or each rank's part for DCP.
 StateDictType = Literal["full", "sharded"]
@@ -58,6 +59,14 @@ class ShardingBackend(Protocol):
         """Load a state dict of :meth:`state_dict`'s kind; a ``"full"`` one must be given on every rank (collective)."""
         ...
 
+    def full_optimizer_state_dict(self, module: Module, optimizer: Optimizer) -> dict[str, Any]:
+        """The state of ``optimizer`` over the whole model, keyed by parameter names, as Lightning's FSDP saves it.
+
+        Collective within the module's group: each group gathers its own; global rank 0 gets group 0's (other ranks
+        may get an empty dict).
+        """
+        ...
+
 
 class UnshardedBackend:
     """:class:`ShardingBackend` of a model that one rank holds whole (a group of one rank, e.g. in the simulator).
@@ -92,6 +101,10 @@ class UnshardedBackend:
     ) -> None:
         """Load the module's own state dict."""
         module.load_state_dict(state_dict, strict=strict)
+
+    def full_optimizer_state_dict(self, module: Module, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's own state dict (it holds the whole model)."""
+        return optimizer.state_dict()
 
 
 def _named_parameters(module: Module) -> list[tuple[str, Tensor]]:
