@@ -3,8 +3,8 @@
 Each group of a simulated federation is a Lightning ``Trainer`` running in a thread of its own with a
 :class:`SimulatedStrategy`. To Lightning the strategy is rank ``g`` of a world of ``num_groups`` ranks: the data
 loaders get a ``DistributedSampler`` for the group's part, validation metrics logged with ``sync_dist=True`` are
-averaged over the groups (training metrics stay each group's own, as on a cluster), only group 0 draws the progress
-bar and writes logs. The federation itself is the strategies' own
+averaged over the groups (a training step's metrics stay each group's own, as on a cluster), only group 0 draws the
+progress bar and writes logs. The federation itself is the strategies' own
 (:class:`~lightning_fedshard.runtime.FederatedRuntime` with its :class:`~lightning_fedshard.OuterSync` callback) over
 an in-process communicator.
 """
@@ -29,6 +29,7 @@ from lightning_fedshard.core.transport.inprocess import GROUP_THREAD_PREFIX, Bat
 from lightning_fedshard.core.transport.topology import FederationTopology
 from lightning_fedshard.elastic.heal import cloned
 from lightning_fedshard.runtime import FederatedRuntime
+from lightning_fedshard.trainer.callback import OuterSync
 from lightning_fedshard.trainer.strategy import (
     place_outer_sync_first,
     refuse_pace_with_manual_optimization,
@@ -104,6 +105,7 @@ class SimulatedStrategy(ParallelStrategy):
         self.device = device
         self.baton = baton
         self.settings = settings
+        self._outer_sync: OuterSync | None = None
 
     # -- where this group is --------------------------------------------------------------------------------------
 
@@ -148,7 +150,7 @@ class SimulatedStrategy(ParallelStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        place_outer_sync_first(trainer)
+        self._outer_sync = place_outer_sync_first(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             refuse_pace_with_manual_optimization(trainer.lightning_module, self.runtime.config.pace)
         assert self.model is not None
@@ -199,14 +201,16 @@ class SimulatedStrategy(ParallelStrategy):
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         """Sum or average a tensor over the groups (in group order: every group gets the same bits).
 
-        A metric reduced while training stays in its group, as on the cluster (groups do not meet between syncs): a
-        group is one rank here, so it is the group's own value.
+        A metric reduced inside an epoch's training batches stays in its group, as on the cluster (groups do not meet
+        between syncs): a group is one rank here, so it is the group's own value. An epoch's metrics are reduced over
+        the groups once its batches are done, as on the cluster.
         """
         if not isinstance(tensor, Tensor):
             return tensor
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None) if module is not None else None
-        if trainer is not None and trainer.training:
+        boundary = self._outer_sync.epoch_boundary if self._outer_sync is not None else None
+        if trainer is not None and trainer.training and boundary is not None and boundary.inside:
             return tensor
         op = str(reduce_op).lower().removeprefix("reduceop.") if reduce_op is not None else "mean"
         posted = self.gather_objects(tensor.detach().clone())

@@ -11,6 +11,7 @@ from typing_extensions import override
 
 from lightning_fedshard.core.step.stats import SyncStats
 from lightning_fedshard.runtime import FederatedRuntime
+from lightning_fedshard.trainer.meetings import EpochBoundary
 
 
 class OuterSync(Callback):
@@ -43,13 +44,25 @@ class OuterSync(Callback):
     def __init__(self, log_stats: bool = True, prog_bar: bool = True) -> None:
         self.log_stats = log_stats
         self.prog_bar = prog_bar
+        #: Where the loop is: inside an epoch's training batches (metrics stay in the group) or where groups meet.
+        self.epoch_boundary = EpochBoundary()
         self._consensus = ExitStack()
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.epoch_boundary.reached()
         runtime = _runtime(trainer)
         runtime.set_optimizers(trainer.optimizers)
         runtime.start(trainer.global_step)
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self.epoch_boundary.batch_started()
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # The first of the epoch-end hooks (this callback is first): the epoch's metrics are reduced after it.
+        self.epoch_boundary.reached()
 
     @override
     def on_train_batch_end(
@@ -65,6 +78,7 @@ class OuterSync(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.epoch_boundary.reached()
         runtime = _runtime(trainer)
         stats = runtime.finish()
         if stats is not None and self.log_stats:

@@ -13,10 +13,18 @@ and some of its callbacks issue collectives over the whole world on their own:
 - validation and ``ModelCheckpoint(every_n_train_steps=N)`` involve every group by nature (the validation set is
   split over every rank, a checkpoint holds every group's state): :func:`meetings_between_syncs` names the settings
   that put them between syncs, for a warning.
+
+Lightning's decisions are the same on every rank of every group, as under DDP: ``reduce_boolean_decision`` always
+votes over the whole world, and it is only called where every group meets anyway (a checkpoint, the end of an epoch,
+validation, the end of a round). Metrics reduced at the end of an epoch (``on_epoch=True``) reduce over the world too
+(:class:`EpochBoundary`), as under DDP; a metric reduced inside a training step is its group's. A ``ModelCheckpoint``
+that decides while training reads the metrics of global rank 0 (:func:`decide_at_syncs`), so every rank ranks and
+names its checkpoints alike even when the groups' own metrics differ.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -26,8 +34,33 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-#: The instance attribute that marks a callback hook this module replaced, so it can be put back.
+#: The instance attribute that marks a callback whose hooks this module replaced, so they can be put back.
 _DEFERRED = "_fedshard_decides_at_syncs"
+#: The hooks this module may replace on a callback instance (restored by :func:`restore_callbacks`).
+_REPLACED = ("on_train_batch_end", "_monitor_candidates")
+
+
+class EpochBoundary:
+    """Whether a fitting Trainer is inside an epoch's training batches or at a point where every group meets.
+
+    Lightning reduces the metrics logged with ``sync_dist=True`` through the strategy: a step's metrics when they are
+    logged, an epoch's (``on_epoch=True``) once the epoch's batches are done. Inside the batches a reduction over the
+    world would make every group wait for the others at every step, so the strategies keep it in the group; from the
+    end of the epoch's batches to the next batch (epoch-end hooks, the epoch's metrics, checkpoints) every group is
+    at the same point and reductions span the world, as under DDP. :class:`~lightning_fedshard.OuterSync` tells it
+    where the loop is.
+    """
+
+    def __init__(self) -> None:
+        self.inside = False
+
+    def batch_started(self) -> None:
+        """A training batch begins: reductions stay in the group until the epoch's batches end."""
+        self.inside = True
+
+    def reached(self) -> None:
+        """The epoch's batches are done (or training starts or ends): every group meets."""
+        self.inside = False
 
 
 def keep_sigterm_in_group(trainer: Trainer, process_groups: Callable[[], Any]) -> None:
@@ -61,37 +94,60 @@ def keep_sigterm_in_group(trainer: Trainer, process_groups: Callable[[], Any]) -
 
 
 def decide_at_syncs(trainer: Trainer, period: int) -> list[Callback]:
-    """Let the callbacks that broadcast a decision after every batch decide only every ``period`` optimizer steps.
+    """Make the callbacks that decide while training decide alike in every group, where every group meets.
 
     ``Timer`` with ``interval="step"`` (what ``Trainer(max_time=...)`` adds) and ``ModelCheckpoint`` with a
     ``train_time_interval`` broadcast "stop?" / "save?" from global rank 0 after every training batch. Their decision
     must be the same in every group (a group that stops or saves alone would leave the others waiting at the next
-    sync), so it stays a broadcast over the world, but only at the ends of the federation's rounds, where every group
-    meets anyway. A time limit or a checkpoint interval is then honoured up to ``period - 1`` steps late.
+    sync), so it stays a broadcast over the world, but only at the ends of the federation's rounds (every ``period``
+    optimizer steps), where every group meets anyway. A time limit or a checkpoint interval is then honoured up to
+    ``period - 1`` steps late.
+
+    A ``ModelCheckpoint`` that saves while training (``every_n_train_steps``, at the end of a training epoch, at the
+    end of ``fit``) ranks and names its checkpoints by the metrics it reads; a metric logged in a training step is its
+    group's, so each such save reads global rank 0's metrics (one broadcast, at a save, where every group meets).
 
     Returns:
-        The callbacks whose ``on_train_batch_end`` now runs only at those steps (see :func:`restore_callbacks`).
+        The callbacks whose hooks were replaced (see :func:`restore_callbacks`).
     """
-    deferred = []
+    changed = []
     for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector
-        if _decides_every_batch(callback) and _DEFERRED not in vars(callback):
-            hook = callback.on_train_batch_end
-
-            def at_round_ends(trainer: Trainer, *args: Any, _hook: Any = hook, **kwargs: Any) -> None:
-                if trainer.global_step % period == 0:
-                    _hook(trainer, *args, **kwargs)
-
-            callback.on_train_batch_end = at_round_ends  # type: ignore[method-assign]
+        if _DEFERRED in vars(callback):
+            continue
+        if _decides_every_batch(callback):
+            callback.on_train_batch_end = _at_round_ends(callback.on_train_batch_end, period)  # type: ignore[method-assign]
+        if isinstance(callback, ModelCheckpoint):
+            # Private hook: every save of ModelCheckpoint reads the metrics through it (no public one).
+            callback._monitor_candidates = _from_rank_zero(callback._monitor_candidates)  # type: ignore[method-assign,assignment]
+        if any(hook in vars(callback) for hook in _REPLACED):
             setattr(callback, _DEFERRED, True)
-            deferred.append(callback)
-    return deferred
+            changed.append(callback)
+    return changed
+
+
+def _at_round_ends(hook: Callable[..., None], period: int) -> Callable[..., None]:
+    def at_round_ends(trainer: Trainer, *args: Any, **kwargs: Any) -> None:
+        if trainer.global_step % period == 0:
+            hook(trainer, *args, **kwargs)
+
+    return at_round_ends
+
+
+def _from_rank_zero(candidates: Callable[[Trainer], dict[str, Any]]) -> Callable[[Trainer], dict[str, Any]]:
+    def from_rank_zero(trainer: Trainer) -> dict[str, Any]:
+        metrics = candidates(trainer)
+        if not trainer.training or sys.exc_info()[1] is not None:
+            return metrics  # validation metrics span every group already; after an exception no collective is safe
+        return trainer.strategy.broadcast(metrics, src=0)
+
+    return from_rank_zero
 
 
 def restore_callbacks(callbacks: list[Callback]) -> None:
-    """Give the callbacks changed by :func:`decide_at_syncs` their own ``on_train_batch_end`` back."""
+    """Give the callbacks changed by :func:`decide_at_syncs` their own hooks back."""
     for callback in callbacks:
-        vars(callback).pop("on_train_batch_end", None)
-        vars(callback).pop(_DEFERRED, None)
+        for hook in (*_REPLACED, _DEFERRED):
+            vars(callback).pop(hook, None)
 
 
 def _decides_every_batch(callback: Callback) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
 
@@ -16,10 +16,12 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -50,12 +52,24 @@ class _TrainerHooks(FederatedArguments):
 
     #: Callbacks whose per-batch decision waits for the ends of rounds while fitting (see `trainer/meetings.py`).
     _deferred_callbacks: list[Callback] = []
+    #: The Trainer's `OuterSync`, which knows whether the loop is inside an epoch's training batches.
+    _outer_sync: OuterSync | None = None
 
     # Provided by Lightning's strategy classes.
     lightning_module: Any
     optimizers: list[Optimizer]
     global_rank: int
+    world_size: int
+    root_device: torch.device
     broadcast: Any
+
+    def __repr__(self) -> str:
+        # Fabric quotes this when it is handed a Trainer strategy ("You selected an invalid strategy name: ...").
+        name = type(self).__name__
+        return (
+            f"<lightning_fedshard.{name} for the Trainer; under Fabric use lightning_fedshard.fabric.{name} or"
+            f" strategy={self.strategy_name!r}>"
+        )
 
     def _begin_setup(self, trainer: Trainer) -> None:
         """Before Lightning's ``setup`` of one entry point (``fit``, ``validate``, ``test``, ``predict``).
@@ -63,7 +77,7 @@ class _TrainerHooks(FederatedArguments):
         The model federated by an earlier entry point of this Trainer stays federated (sharded once, its anchor and
         outer state kept); a different LightningModule gets a new federation.
         """
-        place_outer_sync_first(trainer)
+        self._outer_sync = place_outer_sync_first(trainer)
         if not self.runtime.holds(self.lightning_module):
             self.runtime.release_model()
         if self.runtime.config.elastic is not None:
@@ -101,21 +115,37 @@ class _TrainerHooks(FederatedArguments):
         return super().training_step(*args, **kwargs)  # type: ignore[misc]
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """Lightning's reduce; while training, over the group's own ranks: a metric of the group.
+        """Lightning's reduce; inside an epoch's training batches, over the group's own ranks: a metric of the group.
 
         ``self.log(..., sync_dist=True)`` in ``training_step`` reduces at every step; over every group it would make
         all of them wait for the slowest at every step (and with a per-group pace for one that skips the step). The
-        value logged by global rank 0 is therefore group 0's. Validation and testing evaluate the consensus on a
-        validation set split over every rank, and reduce over every group as usual.
+        value logged by global rank 0 is therefore group 0's. An epoch's metrics (``on_epoch=True``) are reduced once
+        its batches are done, where every group meets: over the world, as under DDP. Validation and testing evaluate
+        the consensus on a validation set split over every rank, and reduce over every group as usual.
         """
-        module = self.lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
-        if group is None and trainer is not None and trainer.training:
+        if group is None and self._inside_training_batches():
             process_groups = self.runtime.fsdp_process_group
             for process_group in process_groups if isinstance(process_groups, tuple) else (process_groups,):
                 tensor = super().reduce(tensor, group=process_group, reduce_op=reduce_op)  # type: ignore[misc]
             return tensor
         return super().reduce(tensor, group, reduce_op)  # type: ignore[misc]
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Lightning's vote (``all`` or any), over every rank of every group wherever it is taken, as under DDP.
+
+        ``ModelCheckpoint`` and ``EarlyStopping`` vote where every group meets anyway (a checkpoint, the end of an
+        epoch or of validation), and every rank must reach the same decision: a save or a stop that one group takes
+        and another does not is a collective that some ranks never enter.
+        """
+        votes = torch.tensor(int(decision), device=self.root_device)
+        votes = super().reduce(votes, reduce_op=dist.ReduceOp.SUM)  # type: ignore[misc]  # over the world
+        return bool(votes == self.world_size) if all else bool(votes)
+
+    def _inside_training_batches(self) -> bool:
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        boundary = self._outer_sync.epoch_boundary if self._outer_sync is not None else None
+        return trainer is not None and trainer.training and boundary is not None and boundary.inside
 
     def process_dataloader(self, dataloader: object) -> object:
         """Elastic: the group joins the federation when ``fit`` asks for its training data.
@@ -200,8 +230,45 @@ class _TrainerHooks(FederatedArguments):
                 exception.add_note(message)
 
 
+class GroupNormFSDPPrecision(FSDPPrecision):
+    """Lightning's FSDP1 precision, with gradient clipping by norm: the norm of the group's whole model.
+
+    Lightning's own ``FSDPPrecision`` refuses ``gradient_clip_algorithm="norm"`` because it holds no reference to the
+    root FSDP module, whose ``clip_grad_norm_`` is the correct clip of a sharded model; the federation strategies
+    give it theirs. The norm is computed over the group's shards (FSDP's process group), never across groups.
+
+    Args:
+        plugin: The precision plugin Lightning chose (its precision and gradient scaler are kept).
+        root: Returns the root FSDP module of the group's model.
+    """
+
+    def __init__(self, plugin: FSDPPrecision, root: Callable[[], Module]) -> None:
+        super().__init__(plugin.precision, plugin.scaler)  # type: ignore[arg-type]
+        self._root = root
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        root = self._root()
+        if not isinstance(root, FullyShardedDataParallel):
+            raise TypeError(f"Clipping by norm needs the root FSDP module; the model is a {type(root).__name__}.")
+        root.clip_grad_norm_(clip_val)
+
+
 class _FederatedFSDPStrategy(_TrainerHooks, FSDP1Arguments, FSDPStrategy):
     """What :class:`FLFSDPStrategy` and :class:`FLHSDPStrategy` share: Lightning's FSDP1 strategy, federated."""
+
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> FSDPPrecision:
+        plugin = FSDPStrategy.precision_plugin.fget(self)  # type: ignore[attr-defined]
+        if not isinstance(plugin, GroupNormFSDPPrecision):
+            plugin = self._precision_plugin = GroupNormFSDPPrecision(plugin, lambda: self.runtime.module)
+        return plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        FSDPStrategy.precision_plugin.fset(self, precision_plugin)  # type: ignore[attr-defined]
 
     @property
     def _fsdp_options(self) -> dict[str, Any]:
@@ -405,8 +472,8 @@ def skipped_step_loss(module: LightningModule) -> Tensor:
     return torch.zeros((), device=module.device, requires_grad=True)
 
 
-def place_outer_sync_first(trainer: Trainer) -> None:
-    """Put the trainer's :class:`OuterSync` (a new one if the user gave none) first in its callback list.
+def place_outer_sync_first(trainer: Trainer) -> OuterSync:
+    """Put the trainer's :class:`OuterSync` (a new one if the user gave none) first in its callback list; return it.
 
     Callbacks run in list order, so at a sync step every other callback (checkpoints included) sees the synced
     weights in ``on_train_batch_end``, and when ``fit`` stops mid-round every other ``on_train_end`` sees the
@@ -418,7 +485,9 @@ def place_outer_sync_first(trainer: Trainer) -> None:
         raise ValueError(f"The Trainer got {len(given)} `OuterSync` callbacks; give at most one.")
     for callback in given:
         callbacks.remove(callback)
-    callbacks.insert(0, given[0] if given else OuterSync())
+    outer_sync = given[0] if given else OuterSync()
+    callbacks.insert(0, outer_sync)
+    return outer_sync
 
 
 __all__ = [

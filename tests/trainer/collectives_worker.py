@@ -5,8 +5,8 @@ Each collective is recorded with the phase of training it happened in (``tests/c
 - ``between``: inside a training step that ends without a sync (from the start of the epoch loop's ``advance``
   to the end of the runtime's ``after_optimizer_step`` that ran no sync), and anything else until the next sync;
 - ``sync``: inside a runtime call that ran a sync (``after_optimizer_step`` returning statistics, ``finish``);
-- ``boundary``: after a sync (or at the start of training) until the next training step begins: epoch-end hooks,
-  checkpoints and validation that fall on a sync step;
+- ``boundary``: after a sync (or at the start of training) until the next training step begins, and from the end of
+  an epoch's batches: epoch-end hooks and metrics, checkpoints and validation that fall on a sync step;
 - ``validation``: between ``on_validation_start`` and ``on_validation_end``;
 - ``outside``: set-up before training and everything after it.
 """
@@ -87,6 +87,9 @@ class Phases(L.Callback):
             return advance(*args, **kwargs)
 
         trainer.fit_loop.epoch_loop.advance = advance_marked  # type: ignore[method-assign]
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        spy.set_phase("boundary", trainer.global_step)  # every group ends the epoch at this step
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._before = spy.current_phase()

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 
 from lightning_fedshard.trainer.meetings import decide_at_syncs, meetings_between_syncs, restore_callbacks
@@ -38,7 +39,7 @@ def test_settings_on_the_syncs_are_not_named():
     train_time_interval=timedelta(minutes=5))], ids=["timer", "timed_checkpoint"])  # fmt: skip
 def test_per_batch_decisions_are_taken_only_at_the_ends_of_rounds(make, monkeypatch):
     callback = make()
-    trainer = _trainer(callbacks=[callback])
+    trainer = _trainer(callbacks=[callback], enable_checkpointing=isinstance(callback, ModelCheckpoint))
     seen: list[int] = []
     monkeypatch.setattr(
         type(callback), "on_train_batch_end", lambda self, trainer, *a, **k: seen.append(trainer.global_step)
@@ -53,9 +54,29 @@ def test_per_batch_decisions_are_taken_only_at_the_ends_of_rounds(make, monkeypa
     assert seen == [4, 8, 5], "the callback's own hook is back"
 
 
-def test_callbacks_that_decide_nothing_per_batch_are_left_alone():
+def test_callbacks_that_decide_nothing_per_batch_keep_their_hooks():
     untimed = [Timer(duration="00:01:00:00", interval="epoch"), ModelCheckpoint(every_n_train_steps=3)]
-    assert decide_at_syncs(_trainer(callbacks=untimed), period=4) == []
+    changed = decide_at_syncs(_trainer(callbacks=untimed), period=4)
+    assert changed == [untimed[1]], "only the checkpoint's metrics are read differently"
+    assert all("on_train_batch_end" not in vars(callback) for callback in untimed)
+
+
+def test_a_checkpoint_saved_while_training_reads_global_rank_zeros_metrics(monkeypatch):
+    """Every rank ranks and names its checkpoints by the same values: a training step's metric is its group's."""
+    callback = ModelCheckpoint(every_n_train_steps=4, monitor="loss")
+    trainer = _trainer(callbacks=[callback])
+    trainer.callback_metrics.update({"loss": torch.tensor(2.5)})  # what this rank's group logged
+    broadcast: list[object] = []
+    monkeypatch.setattr(trainer.strategy, "broadcast", lambda obj, src=0: broadcast.append(obj) or {"loss": 0.5})
+    assert decide_at_syncs(trainer, period=4) == [callback]
+    trainer.training = True
+    assert callback._monitor_candidates(trainer) == {"loss": 0.5}, "not rank 0's metrics"
+    assert broadcast and float(broadcast[0]["loss"]) == 2.5
+    trainer.training = False  # validation metrics span every group already: no broadcast
+    assert float(callback._monitor_candidates(trainer)["loss"]) == 2.5 and len(broadcast) == 1
+    restore_callbacks([callback])
+    trainer.training = True
+    assert float(callback._monitor_candidates(trainer)["loss"]) == 2.5 and len(broadcast) == 1
 
 
 def test_a_group_of_one_rank_checks_its_own_sigterm_flag_without_a_collective(tmp_path, monkeypatch):

@@ -245,3 +245,8 @@ def test_the_federation_is_described_in_one_line():
         " step(s), anchor on the CPU"
     )
     assert "float32, anchor" in FLFSDPStrategy(reduce_dtype="float32").federation_config.describe()
+
+
+def test_a_trainer_strategy_handed_to_fabric_is_named_with_the_fabric_class_to_use():
+    with pytest.raises(ValueError, match=r"under Fabric use lightning_fedshard\.fabric\.FLHSDPStrategy or"):
+        L.Fabric(accelerator="cpu", devices=1, strategy=lightning_fedshard.FLHSDPStrategy())
