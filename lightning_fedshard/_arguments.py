@@ -14,7 +14,7 @@ import difflib
 import importlib
 import inspect
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
@@ -434,6 +434,19 @@ def accepted_keywords(cls: type) -> set[str]:
     return accepted
 
 
+def did_you_mean(name: str, valid: Iterable[str], prefix: str = "", n: int = 3) -> str:
+    """`` (did you mean `a`, `b`?)`` naming the valid names closest to a misspelled ``name``; empty if none is close.
+
+    Args:
+        name: The name as the user wrote it.
+        valid: The accepted names.
+        prefix: Written before each suggestion (e.g. ``"--"`` for command-line options given without it).
+        n: The most names suggested, closest first.
+    """
+    close = difflib.get_close_matches(name, list(valid), n=n, cutoff=0.6)
+    return f" (did you mean {', '.join(f'`{prefix}{c}`' for c in close)}?)" if close else ""
+
+
 def check_keywords(cls: type, kwargs: dict[str, Any]) -> None:
     """Refuse keyword arguments that neither the federation nor the strategy behind ``cls`` accepts.
 
@@ -451,11 +464,7 @@ def check_keywords(cls: type, kwargs: dict[str, Any]) -> None:
     ours = cls.__mro__[: cls.__mro__.index(base)]
     own = set().union(*(_named_parameters(vars(c)["__init__"]) for c in ours if "__init__" in vars(c)))
     valid = sorted(own | accepted)
-    hints = []
-    for key in unknown:
-        close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
-        hint = f" (did you mean {', '.join(f'`{c}`' for c in close)}?)" if close else ""
-        hints.append(f"`{key}={kwargs[key]!r}`{hint}")
+    hints = [f"`{key}={kwargs[key]!r}`{did_you_mean(key, valid)}" for key in unknown]
     raise ValueError(
         f"`{cls.__name__}` got unknown argument(s) {'; '.join(hints)}. It takes the federation arguments and those"
         f" of Lightning's `{base.__name__}`; valid names: {', '.join(valid)}."

@@ -10,8 +10,8 @@ imports :mod:`lightning_fedshard` before parsing, both ``trainer.strategy: fl_hs
 A bad argument ends the command with a short report on stderr and exit status 2, as argparse does: its first line
 is the error itself (for a rejected strategy argument, the strategy's own message), then the argument it concerns.
 This holds for values the parser rejects and for values a class rejects when it is built (a ``ValueError`` or
-Lightning's ``MisconfigurationException`` from a constructor). ``JSONARGPARSE_DEBUG=true`` raises the error with its
-traceback instead.
+Lightning's ``MisconfigurationException`` from a constructor). An unknown option is one line that names the nearest
+valid one. ``JSONARGPARSE_DEBUG=true`` raises the error with its traceback instead.
 """
 
 from __future__ import annotations
@@ -23,10 +23,14 @@ import os
 import re
 import sys
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
 from jsonargparse import ArgumentParser, Namespace
+
+# Private: jsonargparse's test of a pending `--print_config` (stable since 4.0): only that dump hides the secrets.
+from jsonargparse._actions import _ActionPrintConfig
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
@@ -34,6 +38,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
 import lightning_fedshard  # noqa: F401  (registers "fl_fsdp" and "fl_hsdp")
+from lightning_fedshard._arguments import did_you_mean
 
 #: Lines of one error's own text that the report keeps.
 MAX_ERROR_LINES = 4
@@ -46,6 +51,7 @@ _GIVEN_CLASS = re.compile(r"^Given value: Namespace\(class_path='(?P<path>[^']+)
 _UNION = "Does not validate against any of the Union subtypes"
 _ITEM = re.compile(r"(?P<indent>\s*)- ")
 _NESTED_HELP = re.compile(r"--(?P<key>[\w.]+)\.(?P<name>\w+)\.help")
+_UNRECOGNIZED = re.compile(r"unrecognized arguments: (?P<args>.*)", re.IGNORECASE | re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -178,8 +184,34 @@ def _debug() -> bool:
     return os.environ.get("JSONARGPARSE_DEBUG", "").lower() == "true"
 
 
-class FedshardArgumentParser(LightningArgumentParser):
-    """Lightning's argument parser with a short error report (:func:`short_report`) instead of usage and dumps."""
+def unknown_option_line(message: str, prog: str, options: Iterable[str]) -> str | None:
+    """One line for options the parser does not know, each with the nearest valid one; ``None`` for other errors.
+
+    Args:
+        message: A jsonargparse error message, e.g. ``"unrecognized arguments: --sync_evry 4"``.
+        prog: The command, e.g. ``fedshard plan``.
+        options: The parser's options, e.g. ``--sync_every``.
+    """
+    match = _UNRECOGNIZED.fullmatch(message.strip())
+    given = [arg.partition("=")[0] for arg in match["args"].split() if arg.startswith("--")] if match else []
+    if not given:  # another error, or stray values (e.g. a list given with spaces): the short report says it
+        return None
+    names = [option.removeprefix("--") for option in options if option.startswith("--")]
+    unknown = "; ".join(f"`{arg}`{did_you_mean(arg.removeprefix('--'), names, '--', n=1)}" for arg in given)
+    plural = "s" if len(given) > 1 else ""
+    return f"{prog}: error: unknown option{plural} {unknown}; `{prog} --help` lists every option."
+
+
+def _options(parser: ArgumentParser) -> list[str]:
+    """The option strings a parser accepts (``--trainer.max_steps``, ...)."""
+    return [option for action in parser._actions for option in action.option_strings]  # argparse's list, stable
+
+
+class ShortErrorParser(ArgumentParser):
+    """A jsonargparse parser that reports an error in a few lines (:func:`short_report`) instead of usage and dumps.
+
+    An unknown option is one line naming the nearest valid one (:func:`unknown_option_line`).
+    """
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         """Print the short report and exit with status 2; raise as jsonargparse does if it must not exit.
@@ -193,8 +225,26 @@ class FedshardArgumentParser(LightningArgumentParser):
         self.logger.error(message)
         parser = getattr(ex, "subcommand_parser", None) or self
         prog = parser.prog.replace(" [options]", "")
-        sys.stderr.write("\n".join(short_report(message, prog)) + "\n")
+        line = unknown_option_line(message, prog, _options(parser))
+        sys.stderr.write("\n".join([line] if line is not None else short_report(message, prog)) + "\n")
         self.exit(2)
+
+
+class FedshardArgumentParser(ShortErrorParser, LightningArgumentParser):
+    """Lightning's argument parser with short errors; ``--print_config`` hides secrets as the saved config does."""
+
+    @override
+    def dump(self, namespace: Namespace, *args: Any, **kwargs: Any) -> str:
+        """Dump as jsonargparse does; for ``--print_config``, with every ``secret`` hidden (:func:`without_secrets`).
+
+        Args:
+            namespace: The configuration.
+            *args: As jsonargparse's ``dump`` takes them.
+            **kwargs: As jsonargparse's ``dump`` takes them.
+        """
+        if _ActionPrintConfig.is_print_config_requested(self):
+            namespace = without_secrets(namespace)
+        return super().dump(namespace, *args, **kwargs)
 
 
 def _class_key(config: Namespace, message: str) -> str | None:

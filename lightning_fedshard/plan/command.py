@@ -270,7 +270,44 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of ``fedshard plan`` (``argv`` without the ``plan`` word)."""
     from jsonargparse import CLI
 
+    from lightning_fedshard.cli import ShortErrorParser
+
+    args = bracketed_lists(sys.argv[2:] if argv is None else argv)
     try:
-        CLI(plan, args=sys.argv[2:] if argv is None else argv, as_positional=False)
+        CLI(plan, args=args, as_positional=False, parser_class=ShortErrorParser, prog="fedshard plan")
     except ValueError as error:  # bad input: one line naming the value, no traceback
         raise SystemExit(f"fedshard plan: error: {error}") from None
+
+
+def _list_inputs() -> set[str]:
+    """The options of the planner's inputs that take a list (``--node_speeds``)."""
+    hints = typing.get_type_hints(PlannerInputs)
+    return {
+        f"--{f.name}"
+        for f in fields(PlannerInputs)
+        if any(typing.get_origin(t) is list for t in (typing.get_args(hints[f.name]) or (hints[f.name],)))
+    }
+
+
+def bracketed_lists(argv: list[str]) -> list[str]:
+    """``argv`` with each list input given as comma-separated values (``--node_speeds 1,1,1,0.5``) in brackets.
+
+    jsonargparse reads a list in YAML's form (``[1,1,1,0.5]``); a value given so already, or ``null``, is kept.
+    """
+    lists = _list_inputs()
+    out = []
+    for i, arg in enumerate(argv):
+        option, equals, value = arg.partition("=")
+        if equals and option in lists:
+            out.append(f"{option}={_bracketed(value)}")
+        elif i > 0 and argv[i - 1] in lists and not arg.startswith("--"):
+            out.append(_bracketed(arg))
+        else:
+            out.append(arg)
+    return out
+
+
+def _bracketed(value: str) -> str:
+    """``1,1,0.5`` as ``[1,1,0.5]``; a list in brackets, ``null`` or nothing as given."""
+    bare = value.strip()
+    return value if not bare or bare.startswith("[") or bare.lower() in ("null", "none") else f"[{bare}]"

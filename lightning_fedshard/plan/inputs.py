@@ -8,9 +8,21 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
 
-from lightning_fedshard.core.options.checks import check_positive_int
+from lightning_fedshard.core.options.checks import check_positive_int, check_positive_number
 from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.plan.specs import CLUSTERS, GIB, MODELS, ClusterSpec, ModelSpec, TrainSetup
+
+#: Inputs checked here, in the units and under the names the user gives them (not the cluster fields they become).
+_POSITIVE_INTS = ("seq_len", "nodes", "devices_per_node", "nodes_per_site")
+_POSITIVE_NUMBERS = (
+    "peak_tflops",
+    "step_seconds",
+    "device_memory_gib",
+    "intra_gbytes_per_s",
+    "inter_gbit_per_s",
+    "site_mbit_per_s",
+)
+_AT_LEAST_ZERO = ("intra_latency_us", "inter_latency_us", "rtt_ms")
 
 
 @dataclass(frozen=True)
@@ -46,7 +58,7 @@ class PlannerInputs:
         top: Rows of the sweep.
         rank: What the sweep ranks by: ``time_to_target`` (tokens/s over the tokens-to-target factor the recipe
             study measured for the row's sync options; unmeasured rows follow by tokens/s) or ``tokens_per_s``.
-        node_speeds: Each node's compute speed relative to the cluster's device (e.g. ``[1, 1, 1, 0.5]``): every
+        node_speeds: Each node's compute speed relative to the cluster's device (e.g. ``1,1,1,0.5``): every
             federated row then also gets the tokens/s of the barrier (every group waits for the slowest at each sync)
             and of a per-group pace (``Pace``), and the attainable sum of the groups' own paces (docs/pace.md).
         json: Print JSON instead of a table.
@@ -81,8 +93,14 @@ class PlannerInputs:
 
     def __post_init__(self) -> None:
         check_positive_int("top", self.top)
-        if self.rtt_ms is not None and self.rtt_ms < 0:
-            raise ValueError(f"`rtt_ms={self.rtt_ms}` must be at least 0.")
+        for name in _POSITIVE_INTS:
+            check_positive_int(name, getattr(self, name), allow_none=True)
+        for name in _POSITIVE_NUMBERS:
+            if (value := getattr(self, name)) is not None:
+                check_positive_number(name, value)
+        for name in _AT_LEAST_ZERO:
+            if (value := getattr(self, name)) is not None and not value >= 0:
+                raise ValueError(f"`{name}={value!r}` must be at least 0.")
 
     def model_spec(self) -> ModelSpec:
         """The model: a transformers ``config.json`` if given, else the preset (at ``seq_len`` if given)."""
@@ -102,6 +120,7 @@ class PlannerInputs:
         """
         if self.cluster not in CLUSTERS:
             raise ValueError(f"Unknown `cluster={self.cluster!r}`; choose one of {sorted(CLUSTERS)}.")
+        self._check_sites(CLUSTERS[self.cluster])
         changes: dict[str, Any] = {
             "num_nodes": self.nodes,
             "devices_per_node": self.devices_per_node,
@@ -117,6 +136,28 @@ class PlannerInputs:
             "site_bandwidth": _scaled(self.site_mbit_per_s, 1e6 / 8),
         }
         return replace(CLUSTERS[self.cluster], **{k: v for k, v in changes.items() if v is not None})
+
+    def _check_sites(self, preset: ClusterSpec) -> None:
+        """Refuse sites that do not cut the nodes, or that have no uplink bandwidth, naming the inputs.
+
+        Raises:
+            ValueError: Naming ``nodes_per_site`` and ``nodes`` (each marked as the preset's where not given), or
+                asking for ``site_mbit_per_s``.
+        """
+        per_site = self.nodes_per_site or preset.nodes_per_site
+        if per_site is None:
+            return
+        nodes = self.nodes or preset.num_nodes
+        preset_note = f" (the {self.cluster} preset's)"
+        if nodes % per_site:
+            raise ValueError(
+                f"`nodes_per_site={per_site}`{'' if self.nodes_per_site else preset_note} must divide"
+                f" `nodes={nodes}`{'' if self.nodes else preset_note}: every site holds as many nodes."
+            )
+        if self.site_mbit_per_s is None and preset.site_bandwidth is None:
+            raise ValueError(
+                f"`nodes_per_site={per_site}` needs the bandwidth of each site's uplink: give `site_mbit_per_s`."
+            )
 
     def _inter_latency_us(self) -> float | None:
         """The one-way latency between nodes: half the round trip if one is given."""

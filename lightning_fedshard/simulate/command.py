@@ -20,6 +20,9 @@ from typing import Any
 
 from lightning_fedshard._arguments import FederatedArguments
 
+#: ``fedshard fit`` options that would change the simulated cluster: the config's values describe it.
+_CLUSTER_OPTIONS = ("--trainer.devices", "--trainer.num_nodes")
+
 
 def parser() -> argparse.ArgumentParser:
     """The simulator's own options; every other argument is one of ``fedshard fit``'s."""
@@ -29,7 +32,8 @@ def parser() -> argparse.ArgumentParser:
         epilog=(
             "Every other argument is a `fedshard fit` argument: --config FILE, --trainer.max_steps N, --model.*, ..."
             " The strategy's federation options are simulated; its FSDP options do not apply (a group holds the"
-            " whole model). See docs/simulate.md."
+            " whole model). The config's trainer.devices and trainer.num_nodes are the cluster simulated: change it"
+            " with --groups and --ranks_per_group. See docs/simulate.md."
         ),
     )
     p.add_argument("--groups", type=int, default=None, help="groups to simulate (default: the config's)")
@@ -46,7 +50,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> Any:
     """Console entry point (``fedshard simulate ...``); returns the :class:`SimulationResult`."""
     argv = list(sys.argv[2:] if argv is None else argv)
-    own, rest = parser().parse_known_args(argv)
+    own, rest = _parse(argv)
     if not rest:
         parser().print_help()
         return None
@@ -69,10 +73,10 @@ def main(argv: list[str] | None = None) -> Any:
         topology = strategy.runtime.resolve_topology(
             trainer_args.pop("num_nodes"), _devices(trainer_args.pop("devices"))
         )
-        groups = own.groups or topology.num_groups
+        groups = own.groups if own.groups is not None else topology.num_groups
         simulator = Simulator(
             dataclasses.replace(strategy.runtime.config, num_groups=groups),
-            ranks_per_group=own.ranks_per_group or topology.group_size,
+            ranks_per_group=own.ranks_per_group if own.ranks_per_group is not None else topology.group_size,
             **trainer_args,
         )
     except ValueError as error:  # a value of the command line or the config that cannot be simulated
@@ -84,6 +88,47 @@ def main(argv: list[str] | None = None) -> Any:
     for name, value in sorted(result.metrics.items()):
         print(f"{name}: {value:.4g}")
     return result
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The simulator's own options and the ``fedshard fit`` arguments, checked before anything is built."""
+    own, rest = parser().parse_known_args(argv)
+    for flag, value in (("--groups", own.groups), ("--ranks_per_group", own.ranks_per_group)):
+        if value is not None and value < 1:
+            parser().error(f"`{flag} {value}` must be at least 1.")
+    try:
+        return own, without_own_devices(rest)
+    except ValueError as error:
+        parser().error(str(error))
+
+
+def without_own_devices(rest: list[str]) -> list[str]:
+    """The ``fedshard fit`` arguments without ``--trainer.devices`` or ``--trainer.num_nodes`` of 1 (or ``auto``).
+
+    The config's ``trainer.devices`` and ``trainer.num_nodes`` describe the cluster that is simulated (how many ranks
+    a group has); the simulator itself runs every group on one device. On the command line they can only say the
+    latter: 1 is dropped, any other value refused.
+
+    Raises:
+        ValueError: For another value, naming the option and the value.
+    """
+    kept: list[str] = []
+    i = 0
+    while i < len(rest):
+        option, equals, value = rest[i].partition("=")
+        if option not in _CLUSTER_OPTIONS or (not equals and i + 1 == len(rest)):  # no value: the parser says so
+            kept.append(rest[i])
+            i += 1
+            continue
+        value = value if equals else rest[i + 1]
+        if value.strip().lower() not in ("1", "auto"):
+            raise ValueError(
+                f"`{option} {value}`: the simulator runs every group on one device of this process. The config's"
+                " `trainer.devices` and `trainer.num_nodes` are the cluster it simulates (its groups' ranks); give"
+                " --groups and --ranks_per_group to simulate another one."
+            )
+        i += 1 if equals else 2
+    return kept
 
 
 @contextmanager

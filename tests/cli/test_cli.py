@@ -355,3 +355,36 @@ def test_the_saved_config_hides_the_federation_secret(tmp_path):
     assert secret not in saved and f"secret: {HIDDEN}" in saved
     secrets = [run.config[k] for k in run.config.keys() if k.endswith(".secret")]
     assert secrets == [secret]  # the run's own configuration is left as it was
+
+
+def test_print_config_hides_the_federation_secret(tmp_path, capsys, monkeypatch):
+    from lightning_fedshard.cli import HIDDEN
+
+    monkeypatch.setattr(sys, "argv", ["fedshard"])
+    secret = "a-federation-secret-given-in-yaml"
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  strategy:\n    class_path: lightning_fedshard.FLFSDPStrategy\n    init_args:\n"
+        "      num_groups: 2\n      elastic:\n        class_path: lightning_fedshard.Elastic\n        init_args:\n"
+        f"          lighthouse: http://localhost:29510\n          group: 0\n          secret: {secret}\n"
+        "model:\n  class_path: lightning_fedshard.examples.LlamaLM\n  init_args: {size: xs, vocab_size: 256}\n"
+    )
+    for args in (["fit", "--config", str(config), "--print_config"], ["--config", str(config), "--print_config"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli(args=args, run=args[0] == "fit")
+        printed = capsys.readouterr().out
+        assert exit_info.value.code == 0
+        assert secret not in printed and f"secret: {HIDDEN}" in printed
+        assert "lighthouse: http://localhost:29510" in printed  # the rest is shown
+
+
+def test_a_misspelled_option_names_the_nearest_valid_one(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["fedshard"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli(args=["fit", "--config", str(ROOT / "configs/shakespeare/fl_hsdp.yaml"), "--trainer.max_stpes", "4"])
+    lines = _error_lines(capsys.readouterr().err)
+    assert exit_info.value.code == 2
+    assert lines[0] == (
+        "fedshard fit: error: unknown option `--trainer.max_stpes` (did you mean `--trainer.max_steps`?); `fedshard fit"
+        " --help` lists every option."
+    )

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from lightning_fedshard.plan.command import plan
+from lightning_fedshard.plan.command import main, plan
 from lightning_fedshard.plan.quality import STUDY
 
 
@@ -156,3 +157,61 @@ def test_options_the_planner_does_not_model_are_still_checked(capsys):
     plan(model="xs", cluster="emulated-4x2", merge_alpha=0.5, on_nonfinite="skip_group")
     with pytest.raises(ValueError, match="merge_alpha"):
         plan(model="xs", cluster="emulated-4x2", merge_alpha=2.0)
+
+
+def test_node_speeds_are_a_comma_separated_list_or_a_bracketed_one(capsys):
+    small = ["--model", "xs", "--cluster", "emulated-4x2"]
+    for speeds in ("1,1,1,0.25", "[1,1,1,0.25]", "[1, 1, 1, 0.25]"):
+        main([*small, "--node_speeds", speeds])
+        assert "With node speeds 1, 1, 1, 0.25 (docs/pace.md):" in capsys.readouterr().out, speeds
+    main([*small, "--node_speeds=1,1,1,0.5"])
+    assert "With node speeds 1, 1, 1, 0.5 (docs/pace.md):" in capsys.readouterr().out
+
+
+def test_a_misspelled_flag_is_one_line_naming_the_nearest_valid_one(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["--model", "xs", "--sync_evry", "4"])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "fedshard plan: error: unknown option `--sync_evry` (did you mean `--sync_every`?); `fedshard plan --help`"
+        " lists every option."
+    ]
+
+
+#: Cluster fields the planner computes from its inputs: an error must name the input the user gave instead.
+_INTERNAL = ("num_nodes", "peak_flops", "device_memory", "intra_bandwidth", "intra_latency", "inter_bandwidth",
+             "inter_latency", "site_bandwidth")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--seq_len", "0"], "seq_len"),
+        (["--nodes", "0"], "nodes"),
+        (["--devices_per_node", "0"], "devices_per_node"),
+        (["--peak_tflops", "-1"], "peak_tflops"),
+        (["--mfu", "1.5"], "mfu"),
+        (["--step_seconds", "0"], "step_seconds"),
+        (["--device_memory_gib", "-1"], "device_memory_gib"),
+        (["--intra_gbytes_per_s", "0"], "intra_gbytes_per_s"),
+        (["--intra_latency_us", "-1"], "intra_latency_us"),
+        (["--inter_gbit_per_s", "-1"], "inter_gbit_per_s"),
+        (["--inter_latency_us", "-1"], "inter_latency_us"),
+        (["--rtt_ms", "-1"], "rtt_ms"),
+        (["--nodes_per_site", "0"], "nodes_per_site"),
+        (["--nodes_per_site", "3"], "nodes_per_site"),  # 4 nodes: not cut into sites of 3
+        (["--nodes_per_site", "2"], "site_mbit_per_s"),  # sites need their uplink's bandwidth
+        (["--cluster", "emulated-2x2x2", "--nodes", "3"], "nodes"),  # the preset's sites of 2 do not cut 3 nodes
+        (["--site_mbit_per_s", "-1"], "site_mbit_per_s"),
+        (["--micro_batch", "0"], "micro_batch"),
+        (["--grad_accum", "0"], "grad_accum"),
+        (["--top", "0"], "top"),
+        (["--node_speeds", "1,1,1,0"], "node_speeds"),
+    ],
+)
+def test_an_error_names_the_flag_the_user_gave(args, flag):
+    with pytest.raises(SystemExit) as exit:
+        main(["--model", "xs", "--cluster", "emulated-4x2", *args])
+    message = str(exit.value.code)
+    assert message.startswith("fedshard plan: error: ") and re.search(f"`{flag}[=`]", message), message
+    assert not any(f"`{name}=" in message for name in _INTERNAL) and "Latencies" not in message, message

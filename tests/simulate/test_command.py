@@ -116,3 +116,38 @@ def test_a_run_says_what_it_simulates_once_and_nothing_the_user_did_not_cause(
     assert len(summary) == 1 and "a group's step the batches of 2 rank(s) (`ranks_per_group=2`)" in summary[0]
     assert not any("replica(s)" in line for line in lines), lines
     assert not [w for w in recwarn if "command line arguments" in str(w.message)]
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--groups", "0"), ("--groups", "-2"), ("--ranks_per_group", "0")])
+def test_a_count_below_one_is_refused_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(["--config", str(_config(tmp_path, _paced_hsdp())), flag, value])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit.value.code == 2
+    assert err[-1] == f"fedshard simulate: error: `{flag} {value}` must be at least 1."
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--trainer.devices", "2"], ["--trainer.devices=4"], ["--trainer.num_nodes", "3"]],
+    ids=["devices", "devices=", "num_nodes"],
+)
+def test_devices_and_nodes_on_the_command_line_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(["--config", str(_config(tmp_path, _paced_hsdp())), *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    flag, value = args[0].partition("=")[0], args[-1].rpartition("=")[2]
+    assert exit.value.code == 2
+    assert err[-1].startswith(f"fedshard simulate: error: `{flag} {value}`: the simulator runs every group on one")
+
+
+def test_the_devices_the_simulator_uses_may_be_given() -> None:
+    from lightning_fedshard.simulate.command import without_own_devices
+
+    rest = ["--config", "c.yaml", "--trainer.devices", "1", "--trainer.num_nodes=1", "--trainer.max_steps", "4"]
+    assert without_own_devices(rest) == ["--config", "c.yaml", "--trainer.max_steps", "4"]
+    assert without_own_devices(["--trainer.devices", "auto"]) == []

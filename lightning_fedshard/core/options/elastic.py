@@ -184,9 +184,20 @@ class Elastic:
             except ValueError:
                 raise ValueError(f"${GROUP_ENV}={value!r} is not a group index.") from None
         assert isinstance(group, int)
-        if not 0 <= group < num_groups:
-            raise ValueError(f"The elastic group index {group} is outside [0, num_groups={num_groups}).")
+        source = f"`Elastic(group={group})`" if self.group is not None else f"${GROUP_ENV}={group}"
+        _check_group_index(group, num_groups, source)
         return group
+
+    def check_group(self, num_groups: int) -> None:
+        """Refuse a ``group`` given in the options that is outside ``[0, num_groups)``, naming both.
+
+        ``$FEDSHARD_GROUP`` is not read here: it belongs to the job's own environment, checked when the job starts.
+
+        Raises:
+            ValueError: If ``group`` is set and outside ``[0, num_groups)``.
+        """
+        if self.group is not None:
+            _check_group_index(self.group, num_groups, f"`Elastic(group={self.group})`")
 
     def lighthouse_address(self) -> str:
         """``lighthouse``, or ``$TORCHFT_LIGHTHOUSE``.
@@ -218,11 +229,22 @@ class Elastic:
         return secret.encode()
 
     def describe(self, group: int, num_groups: int) -> str:
-        """One line for the log at the start of training."""
+        """This job's place in the federation, for the log at the start of training.
+
+        The federation's name and its ``min_groups`` are not repeated: the sync options' line
+        (``FederationConfig.describe``) that follows it names them.
+        """
         standby = " (a standby that took its place)" if self.standby else ""
-        return (
-            f"elastic group {group} of {num_groups}{standby} in federation {self.federation!r} (lighthouse"
-            f" {self.lighthouse or os.environ.get(LIGHTHOUSE_ENV, '?')}, at least {self.min_groups} group(s) per sync)"
+        lighthouse = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "?")
+        return f"elastic group {group} of {num_groups}{standby} (lighthouse {lighthouse})"
+
+
+def _check_group_index(group: int, num_groups: int, source: str) -> None:
+    """Refuse a group index outside ``[0, num_groups)``; ``source`` names where it came from, with its value."""
+    if not 0 <= group < num_groups:
+        raise ValueError(
+            f"{source} is outside [0, num_groups={num_groups}): the federation is planned for {num_groups} group(s),"
+            f" numbered 0 to {num_groups - 1}."
         )
 
 

@@ -141,6 +141,8 @@ def check_elastic(config: Config) -> None:
                 f" planned for {config.num_groups} group(s), so it would wait for groups that never come (and fail"
                 f" after `quorum_timeout={config.elastic.quorum_timeout:g}` s). Set `{name}` <= `num_groups`."
             )
+    if isinstance(config.num_groups, int):
+        config.elastic.check_group(config.num_groups)  # when the options are built, not seconds into the job
     if config.hierarchical is not None and isinstance(config.num_groups, int):
         config.hierarchical.check_groups(config.num_groups)  # the sites hold planned groups, whichever are running
 

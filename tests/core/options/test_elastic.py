@@ -52,7 +52,7 @@ def test_the_group_index_comes_from_the_options_or_the_environment(monkeypatch):
         Elastic().group_index(4)
     monkeypatch.setenv("FEDSHARD_GROUP", "3")
     assert Elastic().group_index(4) == 3
-    with pytest.raises(ValueError, match=r"The elastic group index 3 is outside \[0, num_groups=3\)"):
+    with pytest.raises(ValueError, match=r"\$FEDSHARD_GROUP=3 is outside \[0, num_groups=3\)"):
         Elastic().group_index(3)
     monkeypatch.setenv("FEDSHARD_GROUP", "x")
     with pytest.raises(ValueError, match=r"\$FEDSHARD_GROUP='x' is not a group index"):
@@ -151,3 +151,31 @@ def test_an_empty_or_short_secret_is_refused_with_the_reason_and_not_its_value(s
     monkeypatch.setenv(SECRET_ENV, "tiny")
     with pytest.raises(ValueError, match=r"\$FEDSHARD_SECRET is 4 character\(s\) long"):
         Elastic().federation_secret()
+
+
+@pytest.mark.parametrize("group", [2, 5, -1])
+def test_a_group_outside_the_planned_federation_is_refused_when_the_strategy_is_built(group, monkeypatch):
+    from lightning_fedshard import FLFSDPStrategy, FLHSDP2Strategy
+    from lightning_fedshard.fabric import FLFSDPStrategy as FabricFLFSDPStrategy
+
+    monkeypatch.delenv("FEDSHARD_GROUP", raising=False)
+    message = rf"`Elastic\(group={group}\)` is outside \[0, num_groups=2\)"
+    for strategy in (FLFSDPStrategy, FLHSDP2Strategy, FabricFLFSDPStrategy):
+        with pytest.raises(ValueError, match=message):
+            strategy(num_groups=2, elastic=Elastic(group=group))
+    FLFSDPStrategy(num_groups=2, elastic=Elastic(group=1))  # in range: fine
+    monkeypatch.setenv("FEDSHARD_GROUP", "7")
+    FLFSDPStrategy(num_groups=2, elastic=Elastic())  # the environment is the job's own: read when it starts
+
+
+def test_the_elastic_start_line_describes_the_federation_once():
+    from lightning_fedshard.core.backends.sharding import UNSHARDED
+    from lightning_fedshard.runtime import FederatedRuntime
+
+    elastic = Elastic(group=1, lighthouse="http://h:1", federation="llama-8b", min_groups=2)
+    runtime = FederatedRuntime(FederationConfig(num_groups=4, elastic=elastic), False, "fl_fsdp", UNSHARDED)
+    runtime.resolve_topology(1, 4)
+    line = runtime.describe()
+    assert line.startswith("fl_fsdp: elastic group 1 of 4 (lighthouse http://h:1), 1 replica(s) x 4 shard(s) here; ")
+    assert line.endswith(", elastic (federation 'llama-8b', at least 2 group(s)), anchor on the CPU")
+    assert line.count("llama-8b") == 1 and line.count("at least 2 group(s)") == 1, line
