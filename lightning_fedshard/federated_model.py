@@ -55,6 +55,7 @@ class FederatedModel:
             )
         with torch_choices_silenced():
             wrapped = wrap(module)
+        self.backend.check(wrapped)
         self._synchronize_initial_weights(wrapped)
         self._module = wrapped
         return wrapped

@@ -203,14 +203,12 @@ def materialized_bytes(root: Module) -> tuple[int, int]:
     share their storage); the second is every other tensor that is not on the meta device, e.g. the unit being
     materialized. Meant for tests and benchmarks: it sees what the model references, not temporaries.
     """
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from lightning_fedshard.core.backends.fsdp import flat_params
 
     flat: dict[int, int] = {}
-    for unit in FullyShardedDataParallel.fsdp_modules(root):
-        handle = unit._handle  # private: FSDP1 has no public accessor for a unit's flat parameter
-        if handle is not None:
-            storage = handle.flat_param.untyped_storage()
-            flat[storage.data_ptr()] = storage.nbytes()
+    for flat_param in flat_params(root):
+        storage = flat_param.untyped_storage()
+        flat[storage.data_ptr()] = storage.nbytes()
     other: dict[int, int] = {}
     for tensor in itertools.chain(root.parameters(), root.buffers()):
         storage = tensor.untyped_storage()

@@ -1,7 +1,14 @@
-"""The FSDP1 backend: local shards and state dicts of a model wrapped by torch's ``FullyShardedDataParallel``."""
+"""The FSDP1 backend: local shards and state dicts of a model wrapped by torch's ``FullyShardedDataParallel``.
+
+FSDP1 offers no public access to its flat parameters, which the outer step writes in place, nor a public way to free
+the parameters it gathered for a forward pass. This module is the only place in the package that reads FSDP1's
+private parts (:data:`FSDP1_INTERNALS`); :func:`check_internals` checks them once, when a model is wrapped, against
+the installed torch. FSDP2 (:mod:`.fsdp2`) needs none: ``DTensor.to_local()`` is public.
+"""
 
 from __future__ import annotations
 
+import inspect
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -20,6 +27,59 @@ from torch.optim import Optimizer
 
 from lightning_fedshard.core.backends.sharding import StateDictType
 
+#: The torch releases on which the whole suite ran with the FSDP1 internals read here.
+FSDP1_TESTED_TORCH = ("2.13", "2.14")
+#: The private parts of FSDP1 this module reads: FSDP units' ``_handle``, its ``flat_param`` (the local shard), the
+#: handle's methods that free gathered parameters, and the lazily created ``_full_param_padded`` (gathered storage).
+FSDP1_INTERNALS = (
+    "FullyShardedDataParallel._handle",
+    "FlatParamHandle.flat_param",
+    "FlatParamHandle.uses_sharded_strategy",
+    "FlatParamHandle.needs_unshard",
+    "FlatParamHandle.reshard",
+    "FlatParamHandle.post_reshard",
+    "FlatParameter._full_param_padded",
+)
+
+
+def check_internals(module: Module) -> None:
+    """Check, once the model is wrapped, that the installed torch's FSDP1 has every part in :data:`FSDP1_INTERNALS`.
+
+    A torch release that renamed one would otherwise fail deep inside a sync, or (``_full_param_padded``) silently
+    evaluate stale weights after a sync.
+
+    Raises:
+        RuntimeError: Naming the first missing part, the installed torch and the releases tested.
+    """
+    units = [unit for unit in FullyShardedDataParallel.fsdp_modules(module)]
+    for part in FSDP1_INTERNALS:
+        if units and not _has_internal(part, units[0]):
+            raise RuntimeError(
+                f"lightning_fedshard reads FSDP1's private `{part}`, which torch {torch.__version__} does not have"
+                f" (tested with torch {', '.join(FSDP1_TESTED_TORCH)}). Use the FSDP2 strategies ('fl_fsdp2',"
+                " 'fl_hsdp2'), which read only public torch APIs, or a tested torch release."
+            )
+
+
+def _has_internal(part: str, unit: Module) -> bool:
+    owner, name = part.split(".")
+    if owner == "FullyShardedDataParallel":
+        return hasattr(unit, name)
+    handle = getattr(unit, "_handle", None)
+    if handle is None:
+        return False
+    if owner == "FlatParamHandle":
+        return hasattr(type(handle), name) or hasattr(handle, name)
+    # Created lazily by the handle's `init_flat_param_attributes` (at the first forward): present if it sets it.
+    init = getattr(type(handle), "init_flat_param_attributes", None)
+    return init is not None and name in inspect.unwrap(init).__code__.co_names  # under torch's `no_grad` decorator
+
+
+def flat_params(module: Module) -> list[Tensor]:
+    """The flat parameter of every FSDP unit in ``module`` that holds parameters, in a fixed order (maybe none)."""
+    handles = [unit._handle for unit in FullyShardedDataParallel.fsdp_modules(module)]
+    return [handle.flat_param for handle in handles if handle is not None]
+
 
 def local_shards(module: Module) -> list[Tensor]:
     """This rank's flat parameter shards of every FSDP unit in ``module``, in a fixed order.
@@ -32,9 +92,7 @@ def local_shards(module: Module) -> list[Tensor]:
     Raises:
         ValueError: If ``module`` holds no FSDP unit.
     """
-    # Private: FSDP1 has no public access to its flat parameters (FSDP2's `DTensor.to_local()` is the public way).
-    handles = [unit._handle for unit in FullyShardedDataParallel.fsdp_modules(module)]
-    shards: list[Tensor] = [handle.flat_param for handle in handles if handle is not None]
+    shards = flat_params(module)
     if not shards:
         raise ValueError(f"{type(module).__name__} contains no FSDP-wrapped parameters.")
     return shards
@@ -128,6 +186,10 @@ class FSDP1Backend:
     def local_shards(self, module: Module) -> list[Tensor]:
         """See :func:`local_shards`."""
         return local_shards(module)
+
+    def check(self, module: Module) -> None:
+        """See :func:`check_internals`."""
+        check_internals(module)
 
     def unit_sizes(self, module: Module) -> list[int]:
         """The flat shards' numels: FSDP1 pads every unit's shards to equal sizes."""

@@ -227,6 +227,9 @@ class FSDP2Backend:
         """See :func:`local_shards`."""
         return local_shards(module)
 
+    def check(self, module: Module) -> None:
+        """Nothing to check: FSDP2's ``DTensor`` shards are read through public torch APIs only."""
+
     def unit_sizes(self, module: Module) -> list[int]:
         """The whole parameters' numels (the local rows of a parameter differ between in-group positions)."""
         return [p.numel() for _, p in sharded_parameters(module)]

@@ -30,6 +30,14 @@ class ShardingBackend(Protocol):
         """
         ...
 
+    def check(self, module: Module) -> None:
+        """Check, once after ``module`` was wrapped, that the installed torch offers what this backend reads.
+
+        Raises:
+            RuntimeError: Naming what is missing.
+        """
+        ...
+
     def unit_sizes(self, module: Module) -> list[int]:
         """The size of each entry of :meth:`local_shards` that streaming fragments are balanced by.
 
@@ -80,6 +88,9 @@ class UnshardedBackend:
     def local_shards(self, module: Module) -> list[Tensor]:
         """Every parameter (detached, sharing its memory), in ``named_parameters`` order."""
         return [p.detach() for _, p in _named_parameters(module)]
+
+    def check(self, module: Module) -> None:
+        """Nothing to check: plain parameters."""
 
     def unit_sizes(self, module: Module) -> list[int]:
         """The parameters' numels."""
