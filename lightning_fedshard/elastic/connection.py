@@ -27,6 +27,7 @@ from lightning_fedshard.elastic.lighthouse import (
 )
 from lightning_fedshard.elastic.quiet import quiet_torchft
 from lightning_fedshard.elastic.rings import QuorumRecorder, fed_rings
+from lightning_fedshard.elastic.torchft_api import http_transport_class, manager_class, wrap_quorum_client
 from lightning_fedshard.elastic.watchdog import GroupWatchdog
 
 __all__ = ["ManagerConnection"]
@@ -83,16 +84,14 @@ class ManagerConnection:
         if self.manager is not None:
             return self.manager
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's native side logs every quorum at INFO otherwise
-        from torchft.checkpointing import HTTPTransport
-        from torchft.manager import Manager
-
         quiet_torchft()
         options = self.options
         self.check_lighthouse()
         timeout = timedelta(seconds=options.timeout)
         self.rings = fed_rings(timeout)
-        self._transport = heal_transport(HTTPTransport, timeout, options.hostname, options.federation_secret())
-        manager = Manager(
+        transport = http_transport_class()
+        self._transport = heal_transport(transport, timeout, options.hostname, options.federation_secret())
+        manager = manager_class()(
             pg=self.rings,
             load_state_dict=None,
             state_dict=None,
@@ -115,7 +114,7 @@ class ManagerConnection:
         # torchft rebuilds its process groups when the quorum id changes, and a restarted lighthouse counts ids from
         # the start again: the quorum's step, recorded here, keeps the rendezvous of every rebuilt ring apart from an
         # earlier one of the same id (FedRings.configure).
-        manager._client = QuorumRecorder(manager._client, self.rings)
+        wrap_quorum_client(manager, lambda client: QuorumRecorder(client, self.rings))
         if self._manager_state is not None:
             manager.load_state_dict(self._manager_state)
         self.manager = manager

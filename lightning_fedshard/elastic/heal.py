@@ -26,6 +26,7 @@ from urllib.parse import urlparse
 from torch import Tensor
 
 from lightning_fedshard.core.options.elastic import FederationError, proof, proves
+from lightning_fedshard.elastic.torchft_api import streaming_load
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +118,6 @@ def fetch_state(url: str, secret: bytes | None, timeout: timedelta) -> Any:
         SecretRefused: If the server refused the request (this job's secret is not the federation's, or it has none).
         FederationError: If the answer does not prove the secret: nothing of it was loaded.
     """
-    from torchft.checkpointing._serialization import _streaming_load
-
     path = urlparse(url).path
     claimed = None if secret is None else proof(secret, "heal request", path)
     request = urllib.request.Request(url, headers={} if claimed is None else {PROOF_HEADER: claimed})
@@ -131,7 +130,7 @@ def fetch_state(url: str, secret: bytes | None, timeout: timedelta) -> Any:
                     " was loaded."
                 )
             try:
-                return cast(Any, _streaming_load(answer, weights_only=False))
+                return cast(Any, streaming_load(answer))
             except (ValueError, EOFError, RuntimeError) as error:  # torch's reader on a stream that ended early
                 raise ConnectionError(
                     f"The heal from {urlparse(url).netloc} ended before the whole state arrived (the peer is gone?):"

@@ -30,6 +30,7 @@ from lightning_fedshard.core.transport.topology import FederationTopology
 from lightning_fedshard.elastic.communicator import ElasticCommunicator
 from lightning_fedshard.elastic.membership import ElasticMembership
 from lightning_fedshard.elastic.quorum import MembershipChange
+from lightning_fedshard.elastic.torchft_api import torchft_version
 
 #: Lightning's warning when a fit resumes mid-epoch with a data loader that is not resumable. A group that heals takes
 #: a peer's loop position on purpose, not a checkpoint's: for a heal (only) the warning is dropped.
@@ -268,6 +269,7 @@ class ElasticHost:
             "shard layout": layout,
             "num_groups": runtime.num_groups,
             "sync options": dataclasses.replace(runtime.config, elastic=None, num_groups=None).describe(),
+            "torchft": torchft_version(),  # every job of a federation must run the same release
         }
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_fedshard.elastic.torchft_api import process_group_gloo_class
+
 
 def sum_options() -> Any:
     """Options of an all-reduce that sums (torchft's process groups take the options object)."""
@@ -56,9 +58,9 @@ def _held_back(
 
 def fed_rings(timeout: timedelta) -> Any:
     """Torchft's reconfigurable gloo group for the sums, with a second ring for statistics configured beside it."""
-    from torchft.process_group import ProcessGroupGloo
+    ProcessGroupGloo = process_group_gloo_class()
 
-    class FedRings(ProcessGroupGloo):
+    class FedRings(ProcessGroupGloo):  # type: ignore[misc,valid-type]
         """The fed ring of one in-group position; ``stats`` is the same ring for the training thread's statistics."""
 
         def __init__(self) -> None:

@@ -290,9 +290,9 @@ class ElasticDemo:
         if self._external_lighthouse is not None:
             return self._external_lighthouse
         os.environ.setdefault("RUST_LOG", "warn")
-        from torchft.coordination import LighthouseServer
+        from lightning_fedshard.elastic.torchft_api import lighthouse_server_class
 
-        self._lighthouse = LighthouseServer(
+        self._lighthouse = lighthouse_server_class()(
             bind=f"[::]:{port}",
             min_replicas=self.config.min_groups,
             join_timeout_ms=int(self.config.join * 1000),
