@@ -45,6 +45,12 @@ class _UnshardedBackend:
     def local_shards(self, module: nn.Module) -> list[torch.Tensor]:
         return [module.weight.data.view(-1)]
 
+    def check(self, module: nn.Module) -> None:
+        pass
+
+    def full_optimizer_state_dict(self, module: nn.Module, optimizer: Any) -> dict[str, Any]:
+        return optimizer.state_dict()
+
     def unit_sizes(self, module: nn.Module) -> list[int]:
         return [module.weight.numel()]
 

@@ -51,9 +51,11 @@ def check_internals(module: Module) -> None:
     Raises:
         RuntimeError: Naming the first missing part, the installed torch and the releases tested.
     """
-    units = [unit for unit in FullyShardedDataParallel.fsdp_modules(module)]
+    units = FullyShardedDataParallel.fsdp_modules(module)
+    # A unit whose parameters all went to inner units holds no handle (`_handle` is None): read one that holds some.
+    unit = next((u for u in units if getattr(u, "_handle", None) is not None), units[0] if units else None)
     for part in FSDP1_INTERNALS:
-        if units and not _has_internal(part, units[0]):
+        if unit is not None and not _has_internal(part, unit):
             raise RuntimeError(
                 f"lightning_fedshard reads FSDP1's private `{part}`, which torch {torch.__version__} does not have"
                 f" (tested with torch {', '.join(FSDP1_TESTED_TORCH)}). Use the FSDP2 strategies ('fl_fsdp2',"
