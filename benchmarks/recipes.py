@@ -11,7 +11,7 @@ Each (recipe, seed) runs in a process of its own, two at a time (one per core, `
 ``benchmarks/results/recipes/<recipe>-s<seed>.json``. A run whose result is there is not run again; an interrupted run
 resumes from its last checkpoint under ``--work`` (the simulator refuses a checkpoint written with other settings, and
 a result file written with other settings is an error, never overwritten silently). ``benchmarks.reports.recipes``
-turns the results into tokens-to-target ratios, the table and the plot of docs/benchmarks.md.
+turns the results into tokens-to-target ratios, the table and the plot of docs/benchmarks/recipes.md.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def _outer_cell(name: str, outer: tuple[float, float] | None, sync_every: int, g
                   ranks_per_group=ranks, sync_every=sync_every)  # fmt: skip
 
 
-#: The outer step by H and the number of groups M (docs/benchmarks.md, "The outer step by H and M").
+#: The outer step by H and the number of groups M (docs/benchmarks/recipes.md, "The outer step by H and M").
 OUTER_SWEEP = (
     _outer_cell("sgd07_f32", (0.7, 0.0), 8),
     _outer_cell("nesterov02_f32", (0.2, 0.9), 8),

@@ -6,7 +6,8 @@ Reads ``benchmarks/results/throughput.json`` and, where they exist, ``sync_grid.
 - ``benchmarks/results/<sweep>_summary.json``: every derived number, per run and per configuration;
 - ``benchmarks/results/targets.json``: every target as ``{"id", "target", "measured", "bound", "met", "runs"}``;
 - the plots under ``docs/images/``;
-- with ``--write-docs``, the generated sections of ``docs/benchmarks.md`` and ``docs/plan.md``::
+- with ``--write-docs``, the generated sections of the benchmark pages (``docs/benchmarks.md`` and
+  ``docs/benchmarks/*.md``) and of ``docs/plan.md``::
 
     python -m benchmarks.report --write-docs
 """
@@ -38,12 +39,14 @@ from benchmarks.reports import (
     tuning,
     walltime,
 )
-from benchmarks.reports.docs import provenance, replace_section
+from benchmarks.reports.docs import page_with_section, provenance, replace_section
 from benchmarks.reports.targets import targets, targets_table
 
 ROOT = RESULTS.parents[1]
 IMAGES = ROOT / "docs" / "images"
 BENCHMARKS_DOC = ROOT / "docs" / "benchmarks.md"
+#: The benchmark pages' sub-pages: each generated section lives on one of them or on BENCHMARKS_DOC.
+BENCHMARKS_PAGES = ROOT / "docs" / "benchmarks"
 PLAN_DOC = ROOT / "docs" / "plan.md"
 
 
@@ -83,8 +86,9 @@ class Report:
             tables["latency"] = latency.table(latency_results)
         if (analysis := self.analyses["race"]) is not None:
             moments = race.wall_time_table(analysis)
-            tables["race"] = f"{race.link_table(analysis)}\n\n<details><summary>Every moment compared</summary>\n\n"
-            tables["race"] += f"{moments}\n\n</details>"
+            # markdown="1": the docs site renders the table inside (md_in_html); GitHub ignores the attribute.
+            details = '<details markdown="1"><summary>Every moment compared</summary>'
+            tables["race"] = f"{race.link_table(analysis)}\n\n{details}\n\n{moments}\n\n</details>"
             tables["race_budgets"] = race.budget_table(analysis)
         return tables
 
@@ -193,7 +197,7 @@ def plot(report: Report) -> list[Path]:
 
 
 def write_docs(report: Report, tables: dict[str, str]) -> None:
-    """The generated sections of ``docs/benchmarks.md`` and ``docs/plan.md``, each with its provenance."""
+    """The generated sections of the benchmark pages and ``docs/plan.md``, each with its provenance."""
     throughput_note = report.note("throughput")
     notes = [report.note(name) for name, results in report.results.items() if results is not None]
     sections = {
@@ -226,8 +230,9 @@ def write_docs(report: Report, tables: dict[str, str]) -> None:
         if (walltime_results := report.results.get("walltime")) is not None:
             sections["walltime"] = walltime.table(study, walltime_results) + f"\n\n{report.note('walltime')}"
         recipes.write_planner_factors(study)
+    pages = [BENCHMARKS_DOC, *sorted(BENCHMARKS_PAGES.glob("*.md"))]
     for name, body in sections.items():
-        replace_section(BENCHMARKS_DOC, name, body)
+        replace_section(page_with_section(pages, name), name, body)
     replace_section(PLAN_DOC, "calibration", f"{tables['calibration']}\n\n{throughput_note}")
 
 

@@ -2,10 +2,10 @@
 # Create .venv and install the project into it. torch is installed first and pinned: on this project's machines pip
 # takes torch 2.13.0 from a local CPU wheel, and an open range would pull a multi-GB CUDA build. Elsewhere, install
 # the torch build you want into .venv before running this script (the pin is then already satisfied).
-# Usage: bash scripts/install.sh [extras]   (default extras: dev,examples,elastic)
+# Usage: bash scripts/install.sh [extras]   (default extras: dev,examples,elastic,docs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="${1:-dev,examples,elastic}"
+extras="${1:-dev,examples,elastic,docs}"
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import inspect
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -220,3 +224,18 @@ def test_the_main_jobs_perplexity_is_quoted_as_one_range_that_holds_every_quoted
     sim_low, sim_high = map(float, re.search(r"perplexity ([\d.]+) to ([\d.]+) after 96 steps", simulate).groups())
     seen = [float(v) for v in re.search(r"\(([\d.]+), ([\d.]+) and ([\d.]+) on three machines", simulate).groups()]
     assert min(seen) == sim_low and max(seen) == sim_high
+
+
+# ------------------------------------------------------------------------------------------------------ (d) the site
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="mkdocs is not installed (the `docs` extra)")
+def test_the_docs_site_builds_in_strict_mode(tmp_path):
+    """mkdocs.yml's site: a broken link or anchor, a page left out of the nav, a missing reference or a docstring
+    section the Google parser rejects is a warning, and --strict fails on it."""
+    build = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")]
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's notice about MkDocs 2.0
+    done = subprocess.run(build, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"`mkdocs build --strict` failed:\n{done.stdout}{done.stderr}"
+    assert (tmp_path / "site" / "reference" / "options.html").is_file()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,20 @@ def replace_section(path: Path, name: str, body: str) -> None:
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     path.write_text(f"{head}{start}\n{body.strip()}\n{end}{tail}")
+
+
+def page_with_section(pages: Iterable[Path], name: str) -> Path:
+    """The one page of ``pages`` that holds the ``<!-- generated:name -->`` section.
+
+    Raises:
+        ValueError: If no page holds it, or more than one does.
+    """
+    pages = list(pages)
+    holding = [page for page in pages if f"<!-- generated:{name} -->" in page.read_text()]
+    if len(holding) != 1:
+        where = ", ".join(str(page) for page in holding) or f"none of {', '.join(str(page) for page in pages)}"
+        raise ValueError(f"One page must hold the <!-- generated:{name} --> section; found it in {where}.")
+    return holding[0]
 
 
 def provenance(results: dict[str, Any]) -> str:

@@ -235,7 +235,7 @@ def table(analysis: dict[str, Any]) -> str:
 
 
 def section(results: list[dict[str, Any]]) -> str:
-    """The generated section of docs/benchmarks.md: the table and the study's pace."""
+    """The generated section of docs/benchmarks/recipes.md: the table and the study's pace."""
     analysis = analyze(results)
     speed = analysis["speed"]
     runs = f"{len(results)} runs of {len(analysis['recipes'])} recipes"
@@ -410,7 +410,7 @@ def _planner_key(recipe: Any) -> tuple[object, ...] | None:
 def write_planner_factors(results: list[dict[str, Any]], path: Path = MEASURED_MODULE) -> Path:
     """Write :func:`planner_factors` as the Python module the planner imports."""
     study = (
-        f"the recipe study of docs/benchmarks.md: the examples' Llama (1.38 M parameters) on Shakespeare,"
+        f"the recipe study of docs/benchmarks/recipes.md: the examples' Llama (1.38 M parameters) on Shakespeare,"
         f" {GROUPS_DESCRIPTION}, {len({r['seed'] for r in results})} seed(s) paired; the target: FSDP's final loss"
         f" after as many tokens (one group of 4 ranks, the same 2,048 tokens a step), which some federations reach"
         f" only in runs of 3x the tokens"

@@ -175,7 +175,7 @@ RANKING_NOTES = {
         " a factor marked * is measured at the recipe's own final loss, a looser target than FSDP's that some seed did"
         " not reach (at the real target it is larger). Plain FSDP over the whole cluster is ranked with them (its row"
         " is shown below the top ones where it ranks lower). Rows whose options it did not measure follow, by"
-        ' predicted tokens/s. See docs/benchmarks.md ("The recipe study").'
+        " predicted tokens/s. See docs/benchmarks/recipes.md (the recipe study)."
     ),
 }
 #: Under a sweep ranked with ``--node_speeds``.

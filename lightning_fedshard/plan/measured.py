@@ -1,6 +1,6 @@
 """Tokens-to-target factors measured by the recipe study (written by ``python -m benchmarks.report``)."""
 
-STUDY = "the recipe study of docs/benchmarks.md: the examples' Llama (1.38 M parameters) on Shakespeare, 4 groups of one rank, 2,048 tokens a step, sync every 8, 1,200 steps (150 outer rounds), 2 seed(s) paired; the target: FSDP's final loss after as many tokens (one group of 4 ranks, the same 2,048 tokens a step), which some federations reach only in runs of 3x the tokens"  # noqa: E501
+STUDY = "the recipe study of docs/benchmarks/recipes.md: the examples' Llama (1.38 M parameters) on Shakespeare, 4 groups of one rank, 2,048 tokens a step, sync every 8, 1,200 steps (150 outer rounds), 2 seed(s) paired; the target: FSDP's final loss after as many tokens (one group of 4 ranks, the same 2,048 tokens a step), which some federations reach only in runs of 3x the tokens"  # noqa: E501
 #: {option key: (median factor, recipe, per-seed factors, measured at the recipe's own final loss)}
 FACTORS: dict[tuple[object, ...], tuple[float, str, tuple[float, ...], bool]] = {
     (8, 1, "float32", 0, "share", "fedavg"): (4.4232, "eager_fedavg_f32", (5.7212, 3.1253), True),

@@ -2,7 +2,7 @@
 
 The planner predicts time per token; how many tokens a setup needs to reach a quality depends on its sync options
 too (the federation trains apart between syncs, a coarser codec, a delayed outer step). The recipe study
-(docs/benchmarks.md, "The recipe study") measured that factor for a few options at one setting: the *tokens to target*
+(docs/benchmarks/recipes.md) measured that factor for a few options at one setting: the *tokens to target*
 of each recipe, the target being plain FSDP's final validation loss after the study's tokens (FSDP's factor is 1),
 paired by seed. A federation that needs more tokens than FSDP gets a longer run of the same setting (3x the tokens),
 and its factor comes from that run. Where a seed of a recipe never reached FSDP's final loss, its factor is the one

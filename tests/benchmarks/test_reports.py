@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.metrics import link_label, link_slug, pace_window, spread
 from benchmarks.reports import elastic, hetero, latency, recipes, torchft, tuning, walltime
-from benchmarks.reports.docs import replace_section
+from benchmarks.reports.docs import page_with_section, replace_section
 from benchmarks.reports.overlap import TARGET_IDS as OVERLAP_TARGET_IDS
 from benchmarks.reports.targets import TARGET_IDS, targets, targets_table
 from benchmarks.reports.topologies import TARGET_IDS as TOPOLOGY_TARGET_IDS
@@ -122,6 +122,24 @@ def test_replace_section(tmp_path):
     assert page.read_text() == "a\n<!-- generated:x -->\nnew table\n<!-- /generated:x -->\nb\n"
     with pytest.raises(ValueError, match="no <!-- generated:y -->"):
         replace_section(page, "y", "z")
+
+
+def test_each_generated_section_is_on_one_benchmark_page(tmp_path):
+    first, second = tmp_path / "first.md", tmp_path / "second.md"
+    first.write_text("<!-- generated:x -->\n<!-- /generated:x -->\n")
+    second.write_text("<!-- generated:y -->\n<!-- /generated:y -->\n<!-- generated:x -->\n<!-- /generated:x -->\n")
+    assert page_with_section([first, second], "y") == second
+    with pytest.raises(ValueError, match="found it in .*first.md, .*second.md"):
+        page_with_section([first, second], "x")
+    with pytest.raises(ValueError, match="found it in none of"):
+        page_with_section([first, second], "z")
+    # The report writes each section of the benchmark pages where it stands (docs/benchmarks.md or a sub-page).
+    from benchmarks.report import BENCHMARKS_DOC, BENCHMARKS_PAGES
+
+    pages = [BENCHMARKS_DOC, *sorted(BENCHMARKS_PAGES.glob("*.md"))]
+    names = re.findall(r"<!-- generated:(\w+) -->", "".join(page.read_text() for page in pages))
+    assert "targets" in names and "race" in names
+    assert {name: page_with_section(pages, name).name for name in names}["targets"] == "benchmarks.md"
 
 
 def test_the_harness_sends_barriers_and_lightnings_broadcast_across_nodes():

@@ -210,7 +210,7 @@ class ProcessGroupCommunicator:
 #: On gloo, an all-reduce of more than this many bytes goes as several all-reduces in flight at once, each of about
 #: this size and at most :data:`GLOO_SUM_PARTS` of them. One gloo ring over a large tensor leaves a slow link idle part
 #: of the time: a 5.5 MB float32 sum over 4 nodes at 5 Mbit/s each took 15.8 s as one all-reduce (median of 5; the
-#: link's bound is 13.2 s) and 13.85 s as 16 in flight (3 runs; 40 parts: 13.9 s). See docs/benchmarks.md.
+#: link's bound is 13.2 s) and 13.85 s as 16 in flight (3 runs; 40 parts: 13.9 s). See docs/benchmarks/torchft.md.
 GLOO_SUM_PART_BYTES = 256 * 1024
 GLOO_SUM_PARTS = 16
 
