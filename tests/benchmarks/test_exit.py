@@ -27,6 +27,7 @@ from benchmarks.harness.process import exit_without_finalization
 rank, ending = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", rank=rank, world_size=2)
 group = dist.new_group([0, 1])
+dist.barrier(group=group)  # both ends connected: rank 0 must not end while rank 1 still builds the group
 tensor = torch.ones(1 << 16)
 if rank == 0:  # the callback runs in gloo's worker thread once the collective completes, and takes the GIL
     dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda f: f.value())
