@@ -69,6 +69,9 @@ class Recipe:
     sync_every: int = SYNC_EVERY
     lr: float = LR
     val_every: int = VAL_EVERY
+    batch: int = BATCH  # windows per rank and step
+    val_windows: int = VAL_WINDOWS
+    warmup_fraction: float = 0.1  # of the steps, then cosine to 0
 
     def federation(self) -> Any:
         """The options as the simulator takes them (outer optimizers given by name and learning rate)."""
@@ -94,22 +97,28 @@ class Recipe:
     @property
     def tokens_per_step(self) -> float:
         """Tokens the groups train per optimizer step (committed: a skipped step trains none), on average."""
-        return self.groups * self.ranks_per_group * BATCH * SEQ_LEN * self.trained_share
+        return self.groups * self.ranks_per_group * self.batch * SEQ_LEN * self.trained_share
 
     def settings(self) -> dict[str, Any]:
-        """Everything that decides a run's result (a result file of other settings is never overwritten)."""
-        return {
+        """Everything that decides a run's result (a result file of other settings is never overwritten).
+
+        The warm-up is named only where it is not the study's 10%, so the study's results on record keep matching.
+        """
+        settings = {
             "options": {k: repr(v) for k, v in sorted(self.options.items())},
             "groups": self.groups,
             "ranks_per_group": self.ranks_per_group,
-            "batch": BATCH,
+            "batch": self.batch,
             "seq_len": SEQ_LEN,
             "sync_every": self.sync_every,
             "steps": self.steps,
             "val_every": self.val_every,
-            "val_windows": VAL_WINDOWS,
+            "val_windows": self.val_windows,
             "lr": self.lr,
         }
+        if self.warmup_fraction != 0.1:
+            settings["warmup_fraction"] = self.warmup_fraction
+        return settings
 
 
 def _outer_cell(name: str, outer: tuple[float, float] | None, sync_every: int, groups: int = GROUPS) -> Recipe:
@@ -190,6 +199,22 @@ LONGER = (
            {"reduce_dtype": "float32", "eager_updates": True}),
 )  # fmt: skip
 
+def _inner_lr(lr: float) -> Recipe:
+    """Float32 plain averaging at H=8 with the groups' own inner learning rate (each group trains 4 windows per step)."""
+    name = f"fedavg_f32_lr{lr:g}".replace(".", "p")
+    return Recipe(name, f"float32, plain averaging, the groups' inner lr {lr:g}", {"reduce_dtype": "float32"}, lr=lr)
+
+
+#: The federation's inner step tuned for its own batch (each group 4 windows per step, FSDP's lr was for 16), outer
+#: SGD steps above 1 without momentum, and momentum 0.5 at H=32 with 4 groups and with one (cells the sweep had not run).
+GROUP_TUNING = (
+    *(_inner_lr(lr) for lr in (0.0025, 0.0035, 0.007)),
+    _outer_cell("sgd12_f32", (1.2, 0.0), 8),
+    _outer_cell("sgd15_f32", (1.5, 0.0), 8),
+    _outer_cell("h32_nesterov1m05_f32", (1.0, 0.5), 32),
+    _outer_cell("m1_h32_nesterov1m05", (1.0, 0.5), 32, groups=1),
+)
+
 RECIPES = {
     r.name: r
     for r in (
@@ -229,6 +254,7 @@ RECIPES = {
         *CRITICAL_BATCH,
         *PAPER_REGIME,
         *LONGER,
+        *GROUP_TUNING,
     )
 }
 
@@ -244,10 +270,14 @@ def run_one(recipe: Recipe, seed: int, work: Path, module: str = "benchmarks.rec
 
     root = work / f"{recipe.name}-s{seed}"
     L.seed_everything(seed, verbose=False)
-    model = LlamaLM(size="xs", vocab_size=4096, max_seq_len=SEQ_LEN, lr=recipe.lr, warmup_fraction=0.1, init_seed=seed)
+    model = LlamaLM(
+        size="xs", vocab_size=4096, max_seq_len=SEQ_LEN, lr=recipe.lr, warmup_fraction=recipe.warmup_fraction,
+        init_seed=seed,
+    )  # fmt: skip
     data = ShakespeareDataModule(
-        seq_len=SEQ_LEN, batch_size=BATCH, vocab_size=4096, max_val_windows=VAL_WINDOWS, seed=seed, resumable=True
-    )
+        seq_len=SEQ_LEN, batch_size=recipe.batch, vocab_size=4096, max_val_windows=recipe.val_windows, seed=seed,
+        resumable=True,
+    )  # fmt: skip
     checkpoints = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, every_n_train_steps=CHECKPOINT_EVERY)
     simulator = Simulator(
         recipe.federation(),
@@ -355,14 +385,30 @@ def pending(
     return todo
 
 
+def record_invocation(results: Path, module: str, argv: list[str], todo: list[tuple[str, int]]) -> None:
+    """Append one invocation of a study to ``results/invocations.jsonl`` (kept whatever its runs became)."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
+    entry = {"at": time.strftime("%Y-%m-%d %H:%M:%S"), "command": f"python -m {module} {' '.join(argv)}".strip(),
+             "commit": commit or None, "runs": [f"{name}-s{seed}" for name, seed in todo]}  # fmt: skip
+    results.mkdir(parents=True, exist_ok=True)
+    with (results / "invocations.jsonl").open("a") as log:
+        log.write(json.dumps(entry) + "\n")
+
+
 def main(
     argv: list[str] | None = None,
     recipes: dict[str, Recipe] | None = None,
     results: Path | None = None,
     module: str = "benchmarks.recipes",
     description: str | None = None,
+    seeds: tuple[int, ...] = SEEDS,
 ) -> None:
     """Command line entry point: run what is missing, two runs at a time.
+
+    Every invocation (not the runs it starts) is appended to ``results/invocations.jsonl``: when, the command line,
+    the commit, and the runs it found to do, so that no invocation is lost from the record, even one whose runs were
+    replaced later.
 
     Args:
         argv: The command line (default: ``sys.argv``).
@@ -370,13 +416,14 @@ def main(
         results: Where each run's result goes.
         module: The module a run is started as (``python -m module --one RECIPE SEED``).
         description: The study's one-line description.
+        seeds: The seeds run by default.
     """
     recipes, results = recipes or RECIPES, results or RESULTS
     parser = argparse.ArgumentParser(description=description or (__doc__ or "").splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path(f"/tmp/fedshard-{module.rsplit('.', 1)[-1]}"),
                         help="checkpoints and logs")  # fmt: skip
     parser.add_argument("--only", nargs="*", choices=sorted(recipes), help="recipes to run (default: all)")
-    parser.add_argument("--seeds", nargs="*", type=int, default=list(SEEDS))
+    parser.add_argument("--seeds", nargs="*", type=int, default=list(seeds))
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time (one core each)")
     parser.add_argument("--one", nargs=2, metavar=("RECIPE", "SEED"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -387,6 +434,7 @@ def main(
         result_path(name, seed, results).write_text(json.dumps(result, indent=1) + "\n")
         return
     todo = pending(args.only or list(recipes), args.seeds, recipes, results)
+    record_invocation(results, module, argv if argv is not None else sys.argv[1:], todo)
     print(f"{len(todo)} run(s) to do: {', '.join(f'{n}-s{s}' for n, s in todo)}", flush=True)
     running: list[tuple[str, subprocess.Popen[bytes]]] = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
