@@ -73,12 +73,16 @@ def test_a_rank_ending_without_finalization_exits_cleanly():
 @pytest.mark.skipif(sys.version_info >= (3, 14), reason="Python 3.14 no longer ends such threads with pthread_exit")
 @pytest.mark.timeout(180)
 def test_the_same_rank_aborts_when_python_finalizes_on_torch_2_13():
-    """The hazard `exit_without_finalization` avoids: torch 2.13 aborts; torch 2.14 ends such a rank cleanly.
+    """The hazard `exit_without_finalization` avoids, as each torch release the requirement admits shows it.
 
-    Each release the torch requirement admits is asserted with its own behaviour, so a change in either shows.
+    torch 2.13 aborts every time (SIGABRT). torch 2.14 mostly exits cleanly (6 of 6 runs on an idle machine), but was
+    seen to crash with SIGSEGV under the suite's load: still unsafe, so the harness keeps ending ranks without
+    finalization, and this test accepts either outcome there.
     """
     import torch
 
-    aborts = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 14)
-    expected = -6 if aborts else 0  # SIGABRT: "terminate called without an active exception"
-    assert _rank_zero_exit_code("finalize") == expected, f"torch {torch.__version__}"
+    code = _rank_zero_exit_code("finalize")
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 14):
+        assert code == -6, f"torch {torch.__version__}"  # SIGABRT: "terminate called without an active exception"
+    else:
+        assert code in (0, -11), f"torch {torch.__version__}: exit code {code}"
