@@ -33,7 +33,7 @@ def worker(out: Path, repeats: int) -> None:
     import torch.distributed as dist
 
     from lightning_fedshard import Gossip
-    from lightning_fedshard.core.options.config import FederationConfig
+    from lightning_fedshard.core.config import FederationConfig
     from lightning_fedshard.core.rounds.mixing import mix
     from lightning_fedshard.core.step.outer import OuterStep
     from lightning_fedshard.core.transport.mesh import build_federation_mesh

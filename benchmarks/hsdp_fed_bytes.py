@@ -46,7 +46,7 @@ def worker(out: Path, repeats: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from lightning_fedshard.core.options.config import FederationConfig
+    from lightning_fedshard.core.config import FederationConfig
     from lightning_fedshard.core.step.outer import OuterStep
     from lightning_fedshard.core.transport.mesh import build_federation_mesh
     from lightning_fedshard.core.transport.topology import FederationTopology

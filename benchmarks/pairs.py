@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.recipes import Recipe, main
+from benchmarks.recipes import Recipe
+from benchmarks.recipes import main as run_study
 from lightning_fedshard.core.wire.codecs import SparseLoCo
 
 RESULTS = Path(__file__).parent / "results" / "pairs"
@@ -47,5 +48,12 @@ PAIRS = {
 }  # fmt: skip
 
 
+def main(argv: list[str] | None = None) -> None:
+    """Command line entry point (see the module): run what is missing, two runs at a time."""
+    run_study(
+        argv, recipes=PAIRS, results=RESULTS, module="benchmarks.pairs", description=(__doc__ or "").splitlines()[0]
+    )
+
+
 if __name__ == "__main__":
-    main(recipes=PAIRS, results=RESULTS, module="benchmarks.pairs", description=(__doc__ or "").splitlines()[0])
+    main()

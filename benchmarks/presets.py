@@ -18,7 +18,7 @@ from typing import Any
 from benchmarks.harness.config import Job, RunConfig, RunIdentity
 from benchmarks.metrics import link_slug
 from lightning_fedshard import Gossip, Hierarchical, Pace
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 
 FLOAT32: dict[str, Any] = {"reduce_dtype": "float32"}
 INT8: dict[str, Any] = {"reduce_dtype": "int8", "error_feedback": False}  # measured without error feedback

@@ -47,7 +47,7 @@ from benchmarks.harness.launch import TORCHFT_SCRIPT, kill_session, node_env, st
 from benchmarks.harness.machine import machine
 from benchmarks.harness.sweep import RESULTS
 from benchmarks.harness.torchft_train import EVENTS_ENV, KILL_AT_ENV, MIN_GROUPS_ENV
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.examples.elastic import BATCH, SEQ_LEN, DemoConfig, Fault
 
 NODES, VICTIM, KILL_AT, STEPS, SYNC_EVERY, LINK_MBIT = 4, 1, 28, 64, 8, 50.0

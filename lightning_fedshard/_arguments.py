@@ -36,13 +36,13 @@ from lightning_fedshard.core.backends.fsdp2 import (
     shard_model,
 )
 from lightning_fedshard.core.backends.sharding import ShardingBackend, StateDictType
-from lightning_fedshard.core.listeners import SyncListener, UtilizationClock
-from lightning_fedshard.core.options.config import (
+from lightning_fedshard.core.config import (
     FederationConfig,
     OuterOptimizerSpec,
     federation_args_doc,
     outer_learning_rate_warning,
 )
+from lightning_fedshard.core.listeners import SyncListener, UtilizationClock
 from lightning_fedshard.core.options.elastic import Elastic
 from lightning_fedshard.core.options.outer_topology import OuterTopologySpec
 from lightning_fedshard.core.options.pace import Pace

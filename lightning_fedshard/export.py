@@ -18,8 +18,8 @@ from lightning_fedshard.checkpoint.format import (
     in_memory,
     pop_state_dict,
     read_full,
-    saved_model_key,
 )
+from lightning_fedshard.checkpoint.upgrades import model_key
 
 #: File name of the plain PyTorch state dict written by :func:`export_consensus`.
 CONSENSUS_FILENAME = "consensus.pt"
@@ -80,7 +80,7 @@ def read_consensus(checkpoint_path: str | Path) -> dict[str, Tensor]:
     if checkpoint_kind(path) == "sharded":
         return _read_sharded_model(path)
     checkpoint = read_full(path)
-    return in_memory(pop_state_dict(checkpoint, path, saved_model_key(checkpoint).full))
+    return in_memory(pop_state_dict(checkpoint, path, model_key(checkpoint).full))
 
 
 def read_whole_checkpoint(checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -96,12 +96,12 @@ def read_whole_checkpoint(checkpoint_path: str | Path, weights_only: bool | None
     if checkpoint_kind(path) == "full":
         return torch.load(path, map_location="cpu", weights_only=weights_only)
     metadata = torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=weights_only)
-    return {**metadata, saved_model_key(metadata).full: _read_sharded_model(path)}
+    return {**metadata, model_key(metadata).full: _read_sharded_model(path)}
 
 
 def _read_sharded_model(path: Path) -> dict[str, Tensor]:
     """The model of a DCP checkpoint, through a temporary ``torch.save`` file (the public DCP conversion)."""
-    key = saved_model_key(torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=False)).sharded
+    key = model_key(torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=False)).sharded
     with tempfile.TemporaryDirectory() as scratch:
         converted = Path(scratch) / "consensus.pt"
         dcp_to_torch_save(path, converted)

@@ -26,10 +26,10 @@ from torch.optim import Optimizer
 from lightning_fedshard.checkpoint import FederationCheckpointer
 from lightning_fedshard.core.backends.fsdp import FSDP1
 from lightning_fedshard.core.backends.sharding import ShardingBackend
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.lazy import required
 from lightning_fedshard.core.listeners import Listeners, SyncListener, UtilizationClock
-from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.step.stats import SyncStats
 from lightning_fedshard.core.transport.comm import Communicator
 from lightning_fedshard.core.transport.mesh import FederationMesh, build_federation_mesh

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.step.outer import OuterStep
 from lightning_fedshard.examples import LlamaLM
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.wire.reducers import ChunkLayout, make_reducer
 from lightning_fedshard.plan.command import plan, table
 

@@ -15,7 +15,7 @@ from torch import nn
 
 import lightning_fedshard.runtime as runtime_module
 from lightning_fedshard import Hierarchical
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.transport.inprocess import InProcessGroups
 from lightning_fedshard.core.transport.topology import FederationTopology
 from lightning_fedshard.runtime import FederatedRuntime

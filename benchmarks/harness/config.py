@@ -1,6 +1,6 @@
 """What one benchmark run is: its configuration (handed to every rank) and its place in a sweep (its identity).
 
-The sync options are the package's own record, :class:`~lightning_fedshard.core.options.config.FederationConfig`, with
+The sync options are the package's own record, :class:`~lightning_fedshard.core.config.FederationConfig`, with
 the package's defaults: a configuration states only what it changes, and the run's JSON records every field, as the
 strategy received it. The baselines are the same strategy classes with one group averaging with itself, which never
 runs an outer step: exactly FSDP and HSDP.
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lightning_fedshard import Gossip, Hierarchical, Mixing, Pace, Sampled
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 
 STRATEGIES = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp", "torchft")
 #: Runs of torchft's own DiLoCo (``benchmarks/harness/torchft_train.py``): one replica group per node.

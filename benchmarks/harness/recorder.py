@@ -23,6 +23,7 @@ from typing_extensions import override
 from benchmarks.harness.config import RunConfig
 from benchmarks.harness.threads import ThreadClock
 from lightning_fedshard import OuterSync
+from lightning_fedshard.core.step.participation import pace_schedule
 from lightning_fedshard.core.step.stats import SyncStats
 
 #: The node's link counter, inside an emulated node's network namespace.
@@ -100,7 +101,7 @@ def trained_steps(trainer: L.Trainer) -> list[int]:
     """Optimizer steps each group trained (with a per-group pace a slow group skips some; else every step)."""
     federation: Any = trainer.strategy.federation  # type: ignore[attr-defined]
     groups = trainer.strategy.topology.num_groups  # type: ignore[attr-defined]
-    pace = federation.pace
+    pace = pace_schedule(federation.participation)
     if pace is None:
         return [trainer.global_step] * groups
     return [pace.trained(g, 0, trainer.global_step) for g in range(groups)]
@@ -108,7 +109,7 @@ def trained_steps(trainer: L.Trainer) -> list[int]:
 
 def pace_record(trainer: L.Trainer) -> dict[str, Any] | None:
     """A per-group pace's schedule as it ran (steps per group per round, the measured speeds), if there is one."""
-    pace = trainer.strategy.federation.pace  # type: ignore[attr-defined]
+    pace = pace_schedule(trainer.strategy.federation.participation)  # type: ignore[attr-defined]
     return None if pace is None else {k: v for k, v in pace.state_dict().items() if k != "merges"}
 
 

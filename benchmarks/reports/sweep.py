@@ -25,7 +25,7 @@ from benchmarks.harness.config import BASELINE_FEDERATION, BASELINES
 from benchmarks.metrics import link_label, link_order, link_slug, spread
 from benchmarks.presets import Configuration
 from benchmarks.reports.instrumentation import harness_bytes
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.plan import CLUSTERS, MODELS, ClusterSpec, TrainSetup, predict
 
 EMULATED_CLUSTER = "emulated-4x2"

@@ -5,7 +5,7 @@
 ``sync_every=8, fragments=2, sync_delay=1``: a fragment lands every ``K = 8 / 2 = 4`` optimizer steps, in turn. Its
 pseudo-gradient is taken after step ``s - 1``, its sum over the groups travels while step ``s`` trains, and after step
 ``s`` the outer step runs and the fragment's weights are merged with ``merge_alpha``. The schedule is computed by the
-library's own functions (``lightning_fedshard.core.fragments``), so the picture follows the code.
+library's own functions (``lightning_fedshard.core.step.fragments``), so the picture follows the code.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
-from lightning_fedshard.core.fragments import landing_fragment  # noqa: E402
+from lightning_fedshard.core.step.fragments import landing_fragment  # noqa: E402
 
 SYNC_EVERY, FRAGMENTS, DELAY, STEPS = 8, 2, 1, 16
 STEP_FILL, STEP_EDGE = "#E6E6E6", "#8C8C8C"

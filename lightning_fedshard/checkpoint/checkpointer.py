@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_fedshard.checkpoint import upgrades
 from lightning_fedshard.checkpoint.atomic import local_path, move_into_place, remove, save_file, staging_path
 from lightning_fedshard.checkpoint.failures import collective_failures
 from lightning_fedshard.checkpoint.format import (
@@ -37,7 +38,6 @@ from lightning_fedshard.checkpoint.format import (
     read_full,
     replica_entry,
     rng_entry,
-    saved_model_key,
     section,
 )
 from lightning_fedshard.core.backends.fsdp import FSDP1, fsdp_state_dict_type
@@ -261,14 +261,14 @@ class FederationCheckpointer:
 
     def _load_full(self, path: Path, strict: bool, weights_only: bool | None) -> tuple[dict[str, Any], ReadEntry]:
         checkpoint = read_full(path, weights_only)  # memory-mapped: other groups' entries are never read
-        state_dict = pop_state_dict(checkpoint, path, saved_model_key(checkpoint).full)
+        state_dict = pop_state_dict(checkpoint, path, upgrades.model_key(checkpoint).full)
         self.backend.load_state_dict(self.module, state_dict, "full", strict=strict)
         entries = (checkpoint.get(FEDSHARD_KEY) or {}).pop("entries", {})
         return in_memory(checkpoint), lambda name: in_memory(entries.get(name))
 
     def _load_sharded(self, path: Path, strict: bool, weights_only: bool | None) -> tuple[dict[str, Any], ReadEntry]:
         metadata = torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=weights_only)
-        key = saved_model_key(metadata).sharded
+        key = upgrades.model_key(metadata).sharded
         module_state = {key: self.backend.state_dict(self.module, "sharded")}
         dcp.load(module_state, checkpoint_id=path)
         self.backend.load_state_dict(self.module, module_state[key], "sharded", strict=strict)
@@ -332,7 +332,7 @@ class FederationCheckpointer:
         between positions); older checkpoints have none there, and their (FSDP1) shards were equal at every position,
         so the section's (rank 0's) layout stands for all. If any rank differs, all of them resume from the consensus.
         """
-        saved = (outer or {}).get("layout") or section_layout
+        saved = upgrades.layout((outer or {}).get("layout") or section_layout)
         differences = layout_differences(saved, self._layout())
         anywhere = torch.tensor([float(bool(differences))])
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -356,10 +356,11 @@ class FederationCheckpointer:
                 f"Checkpoint {str(path)!r} holds {len(group['optimizers'])} inner optimizer state(s), but this run"
                 f" configures {len(optimizers)} optimizer(s)."
             )
-        self.federation.load_state_dict(outer)
+        groups, fragments = self.topology.num_groups, self.federation.config.fragments
+        self.federation.load_state_dict(upgrades.federation_state(outer, fragments, groups))
         # The residuals are a replica's own: replicas other than the first keep theirs in an entry of their own.
         own = group if self.replica == 0 else read(replica_entry(self.group, self.replica, self.shard))
-        self.federation.load_group_state_dict((own or {}).get("federation", {}))
+        self.federation.load_group_state_dict(upgrades.group_state((own or {}).get("federation", {}), groups))
         with torch.no_grad():
             for shard, saved in zip(self.backend.local_shards(self.module), group["weights"]):
                 shard.copy_(saved)

@@ -95,17 +95,6 @@ def fabric_model_key(user_key: str) -> ModelKey:
     return ModelKey(full=user_key, sharded=user_key)
 
 
-def saved_model_key(metadata: dict[str, Any]) -> ModelKey:
-    """Where a checkpoint holds the consensus, from its metadata (a full file's dict, or a sharded one's ``meta.pt``).
-
-    A Fabric checkpoint names the user's key of the model under :data:`FABRIC_KEY`. The Trainer's checkpoints, plain
-    Lightning ones, and Fabric checkpoints of lightning_fedshard 0.1.0 written before Fabric kept the user's keys
-    (they stored the model as the Trainer does) use :data:`TRAINER_MODEL_KEY`.
-    """
-    key = (metadata.get(FABRIC_KEY) or {}).get("model_key")
-    return TRAINER_MODEL_KEY if key is None else fabric_model_key(key)
-
-
 def pop_state_dict(checkpoint: dict[str, Any], path: Path, key: str = TRAINER_MODEL_KEY.full) -> dict[str, Tensor]:
     """Remove and return the model weights (the consensus) of a full checkpoint, held under ``key``.
 
@@ -172,10 +161,6 @@ def layout(topology: FederationTopology, hybrid: bool, shards: Sequence[Tensor],
     }
 
 
-#: Layout entries that older checkpoints lack, with the value they implied.
-_LAYOUT_DEFAULTS: dict[str, Any] = {"fragments": 1}
-
-
 def section(writer_layout: dict[str, Any], started: bool, last_synced_step: int, num_syncs: int) -> dict[str, Any]:
     """The ``"fedshard"`` section without its entries.
 
@@ -194,11 +179,11 @@ def section(writer_layout: dict[str, Any], started: bool, last_synced_step: int,
 
 
 def layout_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Human-readable differences between the layout a checkpoint was written with and the current one."""
+    """Human-readable differences between the layout a checkpoint was written with (upgraded) and the current one."""
     return [
-        f"{key}: checkpoint {saved.get(key, _LAYOUT_DEFAULTS.get(key))!r}, this run {current.get(key)!r}"
+        f"{key}: checkpoint {saved.get(key)!r}, this run {current.get(key)!r}"
         for key in current
-        if saved.get(key, _LAYOUT_DEFAULTS.get(key)) != current.get(key)
+        if saved.get(key) != current.get(key)
     ]
 
 

@@ -1,6 +1,20 @@
-"""Lightning-free core: the federation topology and mesh, and the outer step on local shards."""
+"""Lightning-free core: the federation topology and mesh, and the outer step on local shards.
 
-from lightning_fedshard.core.options.config import OUTER_OPTIMIZERS, FederationConfig, resolve_outer_optimizer
+Its rooms stand on floors; a room imports from its own floor and those below, never from above
+(``scripts/layout_metrics.py`` counts the arrows):
+
+1. ``options/``: the vocabulary every room uses, the options as users write them (pace, outer topologies, elastic);
+2. ``wire/`` (codecs, reducers, error feedback), ``transport/`` (topology, mesh, communicators), ``backends/`` (FSDP1,
+   FSDP2 local shards);
+3. ``step/``: one sync from its transaction's open to its commit (``transaction.py``), the sum in flight that holds
+   its transaction (``pending.py``), the outer step (``outer.py``), who takes part with what weight, composed once
+   (``participation.py``: ``build_participation``), the fragments' schedule;
+4. ``rounds/``: one round object per sync mode, each asking the participation rule it is given;
+5. this package's own modules: the options assembled and checked (``config.py``, ``validation.py``) and the
+   federation that holds one round and one rule (``federation.py``).
+"""
+
+from lightning_fedshard.core.config import OUTER_OPTIMIZERS, FederationConfig, resolve_outer_optimizer
 from lightning_fedshard.core.options.elastic import Elastic, FederationEnded, FederationError
 from lightning_fedshard.core.options.outer_topology import Gossip, Hierarchical, Mixing, Sampled
 from lightning_fedshard.core.options.pace import Pace

@@ -14,18 +14,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fedshard.core.fragments import cut_fragments
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.lazy import required
-from lightning_fedshard.core.options.config import FederationConfig
-from lightning_fedshard.core.options.pace import PaceSchedule
 from lightning_fedshard.core.rounds import Round, build_round
 from lightning_fedshard.core.rounds.base import combined
+from lightning_fedshard.core.step.fragments import cut_fragments
 from lightning_fedshard.core.step.outer import OuterStep
-from lightning_fedshard.core.step.participation import Paced, Participation, Probation, combine
+from lightning_fedshard.core.step.participation import (
+    Participation,
+    build_participation,
+    load_rules_state,
+    rules_state,
+)
+from lightning_fedshard.core.step.pending import PendingSync
 from lightning_fedshard.core.step.stats import SyncStats
 from lightning_fedshard.core.step.transaction import SyncKind
 from lightning_fedshard.core.transport.comm import Communicator
-from lightning_fedshard.core.wire.pending import PendingSync
 
 
 class Federation:
@@ -53,13 +57,10 @@ class Federation:
         self.groups_may_join = False
         #: State that others attached to this federation keep in its checkpoints, as ``name: (save, load)``.
         self.extra_state: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
-        #: The steps each group trains per round, with a per-group pace (``config.pace``); set by :meth:`start`.
-        self.pace: PaceSchedule | None = None
         #: Who adds to a sync, with what weight (a per-group pace weighs by the steps trained; an elastic federation's
         #: probation leaves out groups that joined recently); set by :meth:`start`. ``None``: every participant,
         #: alike (a round may add its own rule, e.g. a sample).
         self.participation: Participation | None = None
-        self._paced: Paced | None = None
         #: What a sync does: the one round for these options.
         self.round: Round = build_round(self)
 
@@ -126,18 +127,7 @@ class Federation:
         )
         self.last_synced_step = self.last_step = step
         self.landed_at = [step] * self.config.fragments
-        if self.config.pace is not None:
-            # An elastic federation's speeds are given per planned group (asking for its participants is a quorum).
-            groups = (
-                self.config.num_groups if self.config.elastic is not None else len(self.communicator.participants())
-            )
-            assert groups is not None
-            self.config.pace.check(groups, self.config.sync_every)
-            self.pace = PaceSchedule(self.config.pace, groups, self.config.sync_every)
-            self._paced = Paced(self.pace, self._landed, self.communicator)
-        elastic = self.config.elastic
-        probation = Probation(elastic.probation) if elastic is not None and elastic.probation > 0 else None
-        self.participation = combine(self._paced, probation)
+        self.participation = build_participation(self.config, self.communicator, self._landed)
 
     def restart(
         self,
@@ -160,8 +150,9 @@ class Federation:
         self.start(shards, step, on_write=on_write, unit_sizes=unit_sizes)
 
     def trains(self, step: int) -> bool:
-        """Whether this group trains optimizer step ``step`` (1-based); with a per-group pace it may skip it."""
-        return self.pace is None or self.pace.trains(self.communicator.group_index, step)
+        """Whether this group trains optimizer step ``step`` (1-based); the participation rule decides (a pace)."""
+        rule = self.participation
+        return rule is None or rule.trains(self.communicator.group_index, step)
 
     def is_due(self, step: int) -> bool:
         """Whether a sync lands after optimizer step ``step`` (not handled yet).
@@ -188,19 +179,12 @@ class Federation:
             return None
         stats = self.round.after_step(step)
         self.last_step = step
-        if self._paced is not None:
-            self._paced.time_step(step, self.trains(step))
+        if self.participation is not None:
+            self.participation.after_step(step, self.trains(step))
         return stats if stats is None or self.annotate_stats is None else self.annotate_stats(stats)
 
     def _landed(self, fragment: int) -> int:
         return self.landed_at[fragment]
-
-    def _participation_state(self) -> dict[str, Any] | None:
-        return None if self.participation is None else self.participation.state_dict()
-
-    def _load_participation_state(self, state: dict[str, Any] | None) -> None:
-        if self.participation is not None and state is not None:
-            self.participation.load_state_dict(state)
 
     def heal_state(self) -> dict[str, Any]:
         """This rank's federation state for a group that joins or fell behind: outer state, schedule, sync, round.
@@ -216,10 +200,10 @@ class Federation:
                 "last_synced_step": self.last_synced_step,
                 "last_step": self.last_step,
                 "landed_at": list(self.landed_at),
-            },  # fmt: skip
+            },
             "sync": outer.syncing,
             "round": self.round.state_dict(),
-            "participation": self._participation_state(),
+            "participation": rules_state(self.participation),
         }
 
     @torch.no_grad()
@@ -238,7 +222,7 @@ class Federation:
         self.last_synced_step, self.last_step = int(schedule["last_synced_step"]), int(schedule["last_step"])
         self.landed_at = [int(s) for s in schedule["landed_at"]]
         self.round.load_state_dict(state.get("round", {}))
-        self._load_participation_state(state.get("participation"))
+        load_rules_state(self.participation, state.get("participation"))
         outer.copy_anchor_to_shards()
         self.round.restart_from_anchor()
         self._on_write()
@@ -326,8 +310,7 @@ class Federation:
             "landed_at": list(self.landed_at),
             "pending": None,
             "eager": {},
-            "pace": self.pace.state_dict() if self.pace is not None else None,
-            "participation": self._participation_state(),
+            "participation": rules_state(self.participation),
             **self.round.state_dict(),
             **{name: save() for name, (save, _) in self.extra_state.items()},
         }
@@ -353,20 +336,19 @@ class Federation:
             self.round.load_group_state_dict(state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the federation must already be started on the same shards layout."""
+        """Restore :meth:`state_dict`; the federation must already be started on the same shards layout.
+
+        A state written by an older version is upgraded first (:mod:`lightning_fedshard.checkpoint.upgrades`).
+        """
         if state.get("outer") is not None:
             self.outer.load_state_dict(state["outer"])
         self.last_synced_step = int(state["last_synced_step"])
-        # Written by versions without fragments: the last handled step was the last sync (a sync still due then
-        # runs when training starts), and every fragment (the only one) landed then.
-        self.last_step = int(state.get("last_step", self.last_synced_step))
-        self.landed_at = [int(s) for s in state.get("landed_at", [self.last_synced_step] * self.config.fragments)]
+        self.last_step = int(state["last_step"])
+        self.landed_at = [int(s) for s in state["landed_at"]]
         for name, (_, load) in self.extra_state.items():
             if state.get(name) is not None:
                 load(state[name])
-        if self.pace is not None and state.get("pace") is not None:
-            self.pace.load_state_dict(state["pace"])
-        self._load_participation_state(state.get("participation"))
+        load_rules_state(self.participation, state.get("participation"))
         self.round.load_state_dict(state)
 
 

@@ -64,8 +64,9 @@ class RingCollectives:
         if parts < 2:
             self.run(lambda out, _: rings.allreduce([out], sum_options()), tensor)
             return
-        self.run(lambda out, _: _AllWorks([rings.allreduce([p], sum_options()) for p in out.view(-1).chunk(parts)]),
-                 tensor)  # fmt: skip
+        self.run(
+            lambda out, _: _AllWorks([rings.allreduce([p], sum_options()) for p in out.view(-1).chunk(parts)]), tensor
+        )
 
     def sum_stats(self, tensor: Tensor) -> None:
         """All-reduce (sum) over the statistics ring."""
@@ -74,8 +75,9 @@ class RingCollectives:
     def gather_stats(self, output: Tensor, input: Tensor) -> None:
         """All-gather into one tensor over the statistics ring."""
         rings = self._connection.rings
-        self.run(lambda out, in_: rings.stats.allgather_into_tensor_coalesced([out], [in_], gather_options()),
-                 output, input)  # fmt: skip
+        self.run(
+            lambda out, in_: rings.stats.allgather_into_tensor_coalesced([out], [in_], gather_options()), output, input
+        )
 
     def all_to_all(self, output: Tensor, input: Tensor) -> None:
         """``alltoall_base`` over the fed ring (equal parts)."""

@@ -75,8 +75,9 @@ class ManagerConnection:
             FederationError: For a standby that has not taken a place yet.
         """
         if self.group is None:
-            raise FederationError("This standby group has no index yet: it takes one when a group of the federation"
-                                  " is gone (`stand_by`).")  # fmt: skip
+            raise FederationError(
+                "This standby group has no index yet: it takes one when a group of the federation is gone (`stand_by`)."
+            )
         return self.group
 
     def connect(self) -> Any:

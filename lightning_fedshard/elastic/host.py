@@ -20,9 +20,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_fedshard.core.backends.sharding import ShardingBackend
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.lazy import required
-from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.options.elastic import FederationEnded, FederationError
 from lightning_fedshard.core.step.stats import SyncStats
 from lightning_fedshard.core.transport.mesh import FederationMesh

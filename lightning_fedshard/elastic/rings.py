@@ -58,60 +58,78 @@ def _held_back(
 
 def fed_rings(timeout: timedelta) -> Any:
     """Torchft's reconfigurable gloo group for the sums, with a second ring for statistics configured beside it."""
-    ProcessGroupGloo = process_group_gloo_class()
+    base = process_group_gloo_class()
 
-    class FedRings(ProcessGroupGloo):  # type: ignore[misc,valid-type]
-        """The fed ring of one in-group position; ``stats`` is the same ring for the training thread's statistics."""
+    class FedRings(_FedRings, base):  # type: ignore[misc,valid-type]  # torchft's class, imported on first use
+        """The fed ring of one in-group position, on torchft's ``ProcessGroupGloo`` (see :class:`_FedRings`)."""
 
-        def __init__(self) -> None:
-            super().__init__(timeout=timeout)
-            self.stats = ProcessGroupGloo(timeout=timeout)
-            self.members: tuple[int, ...] = ()
-            self.member_ids: tuple[str, ...] = ()  # the replica ids (``<federation>_<group>:<uuid>``) of the quorum
-            self.quorum_id: int | None = None
-            self.max_step = 0  # of the last quorum (set by QuorumRecorder)
-            self.heal_source: int | None = None  # the group this rank heals from at the last quorum, if it does
-            self._built: tuple[int | None, tuple[int, ...]] | None = None  # the quorum id and groups of the ring
-            self._deferred: tuple[str, tuple[Any, ...]] | None = None
-            self.given_up = GivenUp()
+    return FedRings(timeout, base(timeout=timeout))
 
-        def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id: int | None = None,
-                      group_rank: int | None = None, group_world_size: int | None = None,
-                      global_ranks: list[int] | None = None) -> None:  # fmt: skip
-            args = (replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks)
-            members = _quorum_groups(global_ranks, group_rank, group_world_size)
-            self.members, self.quorum_id = members, quorum_id
-            # Every member of a quorum sees the same step: the rendezvous differs from an earlier ring's with the same
-            # id (a restarted lighthouse counts ids from the start).
-            build = (f"{store_addr}/{self.max_step}", args)
-            if self._built == (quorum_id, members):
-                return  # this quorum's ring is built already (a restarted lighthouse gave out its id again)
-            if _held_back(self._built, quorum_id, members):
-                # A restarted lighthouse answered before every group of the last ring reconnected: keep that ring
-                # until they are back (the communicator asks again) or given up for (build_deferred).
-                self._deferred = build
-                return
-            self._build(*build)
 
-        def keep_given_up(self, work: Any, buffers: tuple[Any, ...]) -> None:
-            """Hold a collective given up on with its buffers and this ring's process groups (see :class:`GivenUp`)."""
-            self.given_up.keep(work, (self._pg, self.stats._pg, *buffers))
+class _FedRings:
+    """What the fed ring of one in-group position adds to torchft's process group.
 
-        def _build(self, prefix: str, args: tuple[Any, ...]) -> None:
-            self.given_up.let_go()
-            super().configure(f"{prefix}/sums", *args)
-            self.stats.configure(f"{prefix}/stats", *args)
-            self._built, self._deferred = (args[3], self.members), None
+    ``stats`` is the same ring for the training thread's statistics. Mixed into torchft's class by :func:`fed_rings`
+    (its methods call that class's).
+    """
 
-        def build_deferred(self) -> None:
-            """Build the ring of the last quorum, if it was held back."""
-            if self._deferred is not None:
-                self._build(*self._deferred)
+    def __init__(self, timeout: timedelta, stats: Any) -> None:
+        super().__init__(timeout=timeout)  # type: ignore[call-arg]
+        self.stats = stats
+        self.members: tuple[int, ...] = ()
+        self.member_ids: tuple[str, ...] = ()  # the replica ids (``<federation>_<group>:<uuid>``) of the quorum
+        self.quorum_id: int | None = None
+        self.max_step = 0  # of the last quorum (set by QuorumRecorder)
+        self.heal_source: int | None = None  # the group this rank heals from at the last quorum, if it does
+        self._built: tuple[int | None, tuple[int, ...]] | None = None  # the quorum id and groups of the ring
+        self._deferred: tuple[str, tuple[Any, ...]] | None = None
+        self.given_up = GivenUp()
 
-        def errored(self) -> Exception | None:
-            return super().errored() or self.stats.errored()
+    def configure(
+        self,
+        store_addr: str,
+        replica_id: str,
+        rank: int,
+        world_size: int,
+        quorum_id: int | None = None,
+        group_rank: int | None = None,
+        group_world_size: int | None = None,
+        global_ranks: list[int] | None = None,
+    ) -> None:
+        """Build this quorum's ring (torchft calls it at each new quorum), unless it is built or held back."""
+        args = (replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks)
+        members = _quorum_groups(global_ranks, group_rank, group_world_size)
+        self.members, self.quorum_id = members, quorum_id
+        # Every member of a quorum sees the same step: the rendezvous differs from an earlier ring's with the same
+        # id (a restarted lighthouse counts ids from the start).
+        build = (f"{store_addr}/{self.max_step}", args)
+        if self._built == (quorum_id, members):
+            return  # this quorum's ring is built already (a restarted lighthouse gave out its id again)
+        if _held_back(self._built, quorum_id, members):
+            # A restarted lighthouse answered before every group of the last ring reconnected: keep that ring
+            # until they are back (the communicator asks again) or given up for (build_deferred).
+            self._deferred = build
+            return
+        self._build(*build)
 
-    return FedRings()
+    def keep_given_up(self, work: Any, buffers: tuple[Any, ...]) -> None:
+        """Hold a collective given up on with its buffers and this ring's process groups (see :class:`GivenUp`)."""
+        self.given_up.keep(work, (self._pg, self.stats._pg, *buffers))  # type: ignore[attr-defined]
+
+    def _build(self, prefix: str, args: tuple[Any, ...]) -> None:
+        self.given_up.let_go()
+        super().configure(f"{prefix}/sums", *args)  # type: ignore[misc]
+        self.stats.configure(f"{prefix}/stats", *args)
+        self._built, self._deferred = (args[3], self.members), None
+
+    def build_deferred(self) -> None:
+        """Build the ring of the last quorum, if it was held back."""
+        if self._deferred is not None:
+            self._build(*self._deferred)
+
+    def errored(self) -> Exception | None:
+        """The error of the sums' ring or of the statistics' ring, if either saw one."""
+        return super().errored() or self.stats.errored()  # type: ignore[misc]
 
 
 class GivenUp:

@@ -354,9 +354,16 @@ class ElasticDemo:
 
     def _group_spec(self, group: int, lighthouse: str, out: Path) -> dict[str, Any]:
         hangs = [f.step for f in self.config.faults if f.kind == "hang" and f.group == group]
-        return {**asdict(self.config), "faults": [], "hang_at": hangs, "group": group, "lighthouse": lighthouse,
-                "out": str(out), "hostname": self.node_address(group),
-                "heal_kill_marker": str(self.out / HEAL_KILL_MARKER)}  # fmt: skip
+        return {
+            **asdict(self.config),
+            "faults": [],
+            "hang_at": hangs,
+            "group": group,
+            "lighthouse": lighthouse,
+            "out": str(out),
+            "hostname": self.node_address(group),
+            "heal_kill_marker": str(self.out / HEAL_KILL_MARKER),
+        }
 
     def _inject(self, fault: Fault, lighthouse: str) -> None:
         self._reap()
@@ -545,8 +552,13 @@ class ElasticDemo:
     @staticmethod
     def _hang_wait(fault: dict[str, Any], events: dict[tuple[int, str], list[dict[str, Any]]]) -> float | None:
         """Seconds from a group's hang inside the sum of its sync to the last survivor leaving that sync."""
-        ends = [e["t"] for (group, _), evs in events.items() if group != fault["group"] for e in evs
-                if e["event"] == "sync" and e["step"] == fault["step"] and e["t"] >= fault["t"]]  # fmt: skip
+        ends = [
+            e["t"]
+            for (group, _), evs in events.items()
+            if group != fault["group"]
+            for e in evs
+            if e["event"] == "sync" and e["step"] == fault["step"] and e["t"] >= fault["t"]
+        ]
         return max(ends) - fault["t"] if ends and fault.get("hung") else None
 
     def _rejoin_report(
@@ -690,8 +702,13 @@ def _stranger_report(kind: str, job: Incarnation) -> dict[str, Any]:
     job.process.wait()
     log = (job.out / "job.log").read_text(errors="replace") if (job.out / "job.log").exists() else ""
     refused = next((line for line in reversed(log.splitlines()) if "FederationError: This job" in line), None)
-    return {"kind": kind, "group": job.group, "exit_code": job.process.returncode, "refused": refused,
-            "trained_steps": sum(e["event"] == "step" for e in job.events())}  # fmt: skip
+    return {
+        "kind": kind,
+        "group": job.group,
+        "exit_code": job.process.returncode,
+        "refused": refused,
+        "trained_steps": sum(e["event"] == "step" for e in job.events()),
+    }
 
 
 def _share(report: dict[str, Any]) -> str:

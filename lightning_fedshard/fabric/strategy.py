@@ -196,8 +196,11 @@ class _FabricHooks(FederatedArguments):
         if storage_options is not None or filter is not None:
             raise TypeError(f"`{type(self).__name__}.save_checkpoint` supports neither `storage_options` nor `filter`.")
         module_key, optimizer_keys = self._federated_keys(state)
-        checkpoint = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()
-                      if k != module_key and k not in optimizer_keys}  # fmt: skip
+        checkpoint = {
+            k: v.state_dict() if isinstance(v, Stateful) else v
+            for k, v in state.items()
+            if k != module_key and k not in optimizer_keys
+        }
         runtime = self.runtime
         checkpoint[module_key] = runtime.checkpointer.consensus_state_dict(self._state_dict_type)
         if self._state_dict_type == "full":
@@ -238,8 +241,9 @@ class _FabricHooks(FederatedArguments):
         module_key, optimizer_keys = self._federated_keys(state)
         optimizers: list[Optimizer] = [state[k] for k in optimizer_keys]  # type: ignore[misc]
         runtime = self.runtime
-        metadata = runtime.checkpointer.load(path, optimizers=optimizers or None, strict=strict,
-                                             weights_only=weights_only)  # fmt: skip
+        metadata = runtime.checkpointer.load(
+            path, optimizers=optimizers or None, strict=strict, weights_only=weights_only
+        )
         fabric = metadata.pop(FABRIC_KEY, {})
         if optimizers:
             runtime.step = int(fabric.get("num_steps", runtime.step))

@@ -9,7 +9,7 @@ import typing
 from dataclasses import asdict, fields
 from typing import Any
 
-from lightning_fedshard.core.options.config import FederationConfig, args_doc
+from lightning_fedshard.core.config import FederationConfig, args_doc
 from lightning_fedshard.plan.hetero import heterogeneous
 from lightning_fedshard.plan.inputs import PlannerInputs
 from lightning_fedshard.plan.predict import Prediction
@@ -146,7 +146,7 @@ def summary(p: Prediction) -> dict[str, Any]:
                 "site_bytes": level.site_bytes,
             }
             for level in p.sync_levels
-        ],  # fmt: skip
+        ],
     }
 
 

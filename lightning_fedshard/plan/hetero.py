@@ -79,8 +79,11 @@ def heterogeneous_pace(
     paced_round = (sum(steps), max(n * t + (sync_every - n) * skip_seconds for n, t in zip(steps, step_seconds)))
     paced_round = (paced_round[0], paced_round[1] + sync_seconds)
     barrier = barrier_round[0] * tokens_per_group_step / barrier_round[1]
-    first, later = (_probed_round(steps, step_seconds, sync_every, probe, skip_seconds, sync_seconds),
-                    max(rounds - 1, 0)) if rounds is not None else ((0, 0.0), 1)  # fmt: skip
+    first, later = (
+        (_probed_round(steps, step_seconds, sync_every, probe, skip_seconds, sync_seconds), max(rounds - 1, 0))
+        if rounds is not None
+        else ((0, 0.0), 1)
+    )
     tokens = first[0] + later * paced_round[0]
     pace = tokens * tokens_per_group_step / (first[1] + later * paced_round[1])
     attainable = sum(tokens_per_group_step / t for t in step_seconds)

@@ -8,8 +8,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
 
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.options.checks import check_positive_int, check_positive_number
-from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.plan.specs import CLUSTERS, GIB, MODELS, ClusterSpec, ModelSpec, TrainSetup
 
 #: Inputs checked here, in the units and under the names the user gives them (not the cluster fields they become).

@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.options.outer_topology import Mixing
 from lightning_fedshard.core.transport.topology import FederationTopology
 from lightning_fedshard.core.wire.codecs import SparseTopK

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 
 #: The four ways to train that the planner compares.
 Strategy = Literal["fsdp", "hsdp", "fl_fsdp", "fl_hsdp"]

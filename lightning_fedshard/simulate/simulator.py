@@ -27,7 +27,7 @@ from torchmetrics import Metric
 
 from lightning_fedshard._arguments import FederatedArguments
 from lightning_fedshard.core.backends.sharding import UNSHARDED
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.transport.inprocess import GROUP_THREAD_PREFIX, Baton, InProcessGroups, run_threads
 from lightning_fedshard.core.transport.mesh import FederationMesh
 from lightning_fedshard.runtime import FederatedRuntime
@@ -136,7 +136,7 @@ class Simulator:
     """Runs the federated training of one LightningModule with ``num_groups`` groups on one device.
 
     Args:
-        federation: The federation's options: a :class:`~lightning_fedshard.core.options.config.FederationConfig`, or a
+        federation: The federation's options: a :class:`~lightning_fedshard.core.config.FederationConfig`, or a
             federated strategy (e.g. ``FLHSDPStrategy(num_groups=4, sync_every=8)``) whose options are taken. Its
             FSDP arguments do not apply: a group holds the whole model, and fragments are cut at parameters.
         num_groups: Groups to simulate; default: the federation's ``num_groups``.

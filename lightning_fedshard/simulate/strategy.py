@@ -24,6 +24,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_fedshard.checkpoint import upgrades
 from lightning_fedshard.checkpoint.atomic import save_file
 from lightning_fedshard.core.transport.inprocess import GROUP_THREAD_PREFIX, Baton, InProcessGroups
 from lightning_fedshard.core.transport.topology import FederationTopology
@@ -265,8 +266,9 @@ class SimulatedStrategy(ParallelStrategy):
             simulation = {"version": CHECKPOINT_VERSION, "settings": self.settings, "groups": states}
             # The consensus, as a checkpoint of the federation's model: each group's inner optimizer state is its own.
             plain = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            save_file({**plain, "state_dict": consensus, "optimizer_states": [], SIMULATION_KEY: simulation},
-                      Path(filepath))  # fmt: skip
+            save_file(
+                {**plain, "state_dict": consensus, "optimizer_states": [], SIMULATION_KEY: simulation}, Path(filepath)
+            )
         self.barrier()
 
     @override
@@ -285,8 +287,9 @@ class SimulatedStrategy(ParallelStrategy):
         step = int(own["federation"]["last_synced_step"])
         unit_sizes = self.runtime.backend.unit_sizes(self.runtime.module)
         federation.start(self.runtime.local_shards(), step, unit_sizes=unit_sizes)
-        federation.load_state_dict(own["federation"])
-        federation.load_group_state_dict(own["group"])
+        groups = self.groups.num_groups
+        federation.load_state_dict(upgrades.federation_state(own["federation"], federation.config.fragments, groups))
+        federation.load_group_state_dict(upgrades.group_state(own["group"], groups))
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:

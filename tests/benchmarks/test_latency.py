@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from benchmarks.reports import latency
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 
 STEPS = 16
 

@@ -10,7 +10,7 @@ import pytest
 from benchmarks import records
 from benchmarks.harness.config import RunConfig
 from benchmarks.presets import CONFIGURATIONS, PRESETS, race_job
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 FLAT = {

@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks import metrics
 from benchmarks.harness.cluster import namespaces_available
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 
 pytestmark = pytest.mark.slow  # launches processes
 

@@ -9,7 +9,7 @@ import pytest
 from benchmarks.harness.config import RunConfig
 from benchmarks.presets import PRESETS
 from lightning_fedshard import Gossip, Hierarchical, Mixing, Sampled
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 
 
 @pytest.mark.parametrize(

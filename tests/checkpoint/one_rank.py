@@ -12,8 +12,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from lightning_fedshard.checkpoint import FederationCheckpointer
 from lightning_fedshard.core.backends.fsdp import free_unsharded_params, local_shards
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.transport.mesh import build_federation_mesh
 from lightning_fedshard.core.transport.topology import FederationTopology
 from tests.launch import free_port

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from lightning_fedshard.checkpoint.format import (
-    FABRIC_KEY,
     METADATA_FILENAME,
-    TRAINER_MODEL_KEY,
-    ModelKey,
     checkpoint_kind,
     entry_file,
     group_entry,
@@ -20,7 +15,6 @@ from lightning_fedshard.checkpoint.format import (
     pop_state_dict,
     read_full,
     rng_entry,
-    saved_model_key,
 )
 
 
@@ -56,13 +50,3 @@ def test_layout_differences_name_dtype_and_topology():
         "world_size: checkpoint 4, this run 8",
         "shard_dtypes: checkpoint ['bfloat16'], this run ['float32']",
     ]
-
-
-def test_the_model_key_is_the_one_a_checkpoint_names():
-    """The Trainer's layout, a Fabric checkpoint's own key, and the Fabric layout of 0.1.0 before the user's keys."""
-    assert saved_model_key({"state_dict": {}, "epoch": 1}) == TRAINER_MODEL_KEY == ModelKey("state_dict", "model")
-    assert saved_model_key({"net": {}, FABRIC_KEY: {"num_steps": 3, "model_key": "net"}}) == ModelKey("net", "net")
-    # Written by the Fabric strategies of lightning_fedshard 0.1.0 before a checkpoint kept the user's keys.
-    assert saved_model_key({"state_dict": {}, FABRIC_KEY: {"num_steps": 3}}) == TRAINER_MODEL_KEY
-    checkpoint = {"net": {"w": torch.ones(1)}}
-    assert torch.equal(pop_state_dict(checkpoint, Path("x"), "net")["w"], torch.ones(1)) and checkpoint == {}

@@ -1,8 +1,8 @@
 import torch
 from torch.testing import assert_close
 
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.transport.inprocess import InProcessGroups
 
 
@@ -112,7 +112,7 @@ def test_a_joining_group_heals_the_participation_rules_state_and_a_checkpoint_ke
         return fed.heal_state(), fed.state_dict()
 
     healed, saved = InProcessGroups(2).run(work)[0]
-    assert healed["participation"] == saved["participation"] == {"seen": [[0, 1], [0, 1]]}
+    assert healed["participation"] == saved["participation"] == {"probation": {"seen": [[0, 1], [0, 1]]}}
     for state, load in ((healed, "load_heal_state"), (saved, "load_state_dict")):
         joiner = Federation(config, InProcessGroups(1).run(lambda g, c: c)[0])
         joiner.start([torch.zeros(3)], step=0)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from lightning_fedshard.core import listeners
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
 from lightning_fedshard.core.listeners import Listeners, UtilizationClock
-from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.step.stats import SyncStats
 from lightning_fedshard.core.transport.inprocess import InProcessGroups
 

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch.testing import assert_close
 
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.options.elastic import Elastic
 from lightning_fedshard.core.step.stats import SyncStats
 from lightning_fedshard.core.transport.inprocess import InProcessGroups

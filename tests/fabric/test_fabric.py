@@ -12,7 +12,7 @@ from torch.testing import assert_close
 
 import lightning_fedshard.fabric
 from lightning_fedshard import Gossip
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.transport.topology import FederationTopology
 from tests.launch import launch
 from tests.reference import reference_run, roundtrip_of

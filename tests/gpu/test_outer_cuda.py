@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.transport.inprocess import InProcessGroups
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.plan.check import RunFacts, check_run, cluster_of
 from lightning_fedshard.plan.specs import TrainSetup
 

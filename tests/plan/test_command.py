@@ -145,7 +145,7 @@ def test_every_federation_option_is_an_input_of_the_planner_with_its_default():
     import dataclasses
     import inspect
 
-    from lightning_fedshard.core.options.config import FederationConfig
+    from lightning_fedshard.core.config import FederationConfig
 
     parameters = inspect.signature(plan).parameters
     for field in dataclasses.fields(FederationConfig):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.plan import ClusterSpec, ModelSpec, TrainSetup, predict
 from lightning_fedshard.plan.framing import (
     FRAME_HEADER_BYTES,

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.plan.inputs import PlannerInputs
 from lightning_fedshard.plan.specs import CLUSTERS, GIB, MODELS
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.wire.reducers import make_reducer
 from lightning_fedshard.plan import CLUSTERS, MODELS, ClusterSpec, ModelSpec, TrainSetup, compare, predict, sweep
 from lightning_fedshard.plan.predict import ring

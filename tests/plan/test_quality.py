@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.plan import CLUSTERS, MODELS, TrainSetup, quality, sweep
 from lightning_fedshard.plan.sweep import relative_time_to_target
 

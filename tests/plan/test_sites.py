@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from lightning_fedshard import Gossip, Hierarchical
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.plan.predict import predict, ring
 from lightning_fedshard.plan.specs import CLUSTERS, MODELS, ClusterSpec, TrainSetup
 

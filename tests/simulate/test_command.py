@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.simulate import Simulator
 from lightning_fedshard.simulate.command import main
 from tests.simulate.worker import Module, ToyData

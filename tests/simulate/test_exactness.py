@@ -17,7 +17,8 @@ import torch
 
 from benchmarks.harness.config import topology_record
 from lightning_fedshard import Gossip, Hierarchical, Sampled
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.core.step.participation import pace_schedule
 from lightning_fedshard.simulate import Simulator
 from tests.launch import launch
 from tests.simulate.worker import Module, federation_options, loaders, trainer_options
@@ -110,5 +111,5 @@ def test_the_simulation_lands_on_the_trainer_strategys_weights(spec: dict[str, A
     for name, value in expected["metrics"].items():
         assert result.metrics[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name
     if "pace" in spec:  # the same schedule, and in it the slow group trained half of each round
-        assert result.trainers[0].strategy.runtime.federation.pace.merges == expected["merges"]
+        assert pace_schedule(result.trainers[0].strategy.runtime.federation.participation).merges == expected["merges"]
         assert expected["merges"][1] == (4, 1, {0: 4, 1: 4, 2: 4, 3: 2})

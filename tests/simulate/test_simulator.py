@@ -12,7 +12,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_fedshard import Elastic, FLHSDPStrategy, Hierarchical, Pace
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.core.step.participation import pace_schedule
 from lightning_fedshard.simulate import Simulator
 from tests.simulate.worker import Module
 from tests.toy import IndexedRegression
@@ -56,7 +57,10 @@ def test_a_checkpoint_mid_round_resumes_bit_for_bit(tmp_path: Path, config: Fede
         resumed = fit(10, ckpt_path=tmp_path / name, enable_checkpointing=False, config=config)
         assert all(torch.equal(a, b) for ga, gb in zip(weights(straight), weights(resumed)) for a, b in zip(ga, gb))
         if config.pace is not None:  # the same schedule, taken from the checkpoint: the same merges
-            merges = [r.trainers[0].strategy.runtime.federation.pace.merges for r in (straight, resumed)]
+            merges = [
+                pace_schedule(r.trainers[0].strategy.runtime.federation.participation).merges
+                for r in (straight, resumed)
+            ]
             assert merges[0] == merges[1] and any(counts[2] < counts[0] for _, _, counts in merges[0])
 
 

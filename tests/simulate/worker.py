@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 import lightning_fedshard
 from benchmarks.harness.config import topology_from_record
+from lightning_fedshard.core.step.participation import pace_schedule
 from tests.toy import IndexedRegression, loss_fn, make_net
 
 #: Federation options a scenario may set (the rest of its keys set up the Trainer and the data).
@@ -87,7 +88,7 @@ def run(spec: dict[str, Any], root: Path) -> None:
     final = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
     if trainer.global_rank == 0:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        pace = trainer.strategy.runtime.federation.pace  # type: ignore[attr-defined]
+        pace = pace_schedule(trainer.strategy.runtime.federation.participation)  # type: ignore[attr-defined]
         merges = pace.merges if pace is not None else None
         torch.save({"final": final, "metrics": metrics, "merges": merges}, root / f"{spec['name']}.pt")
 

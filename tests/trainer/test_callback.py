@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from lightning_fedshard import Hierarchical, OuterSync
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.step.stats import SyncStats
 from lightning_fedshard.core.transport.inprocess import InProcessGroups
 from lightning_fedshard.runtime import FederatedRuntime

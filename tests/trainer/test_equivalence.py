@@ -18,7 +18,7 @@ from torch.testing import assert_close
 
 from benchmarks.harness.config import topology_from_record, topology_record
 from lightning_fedshard import Gossip, Hierarchical, Mixing, Sampled
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.transport.topology import FederationTopology
 from tests.launch import launch
 from tests.reference import reference_run, roundtrip_of

@@ -145,7 +145,7 @@ def test_every_federation_option_is_a_strategy_argument_with_the_same_default():
     import inspect
 
     from lightning_fedshard._arguments import FederatedArguments
-    from lightning_fedshard.core.options.config import FederationConfig
+    from lightning_fedshard.core.config import FederationConfig
 
     parameters = inspect.signature(FederatedArguments).parameters
     classes = [

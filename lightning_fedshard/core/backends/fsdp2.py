@@ -213,9 +213,13 @@ def restore_dtensor_state(optimizer: Optimizer) -> None:
             for key, value in state.items():
                 if isinstance(value, Tensor) and not isinstance(value, DTensor) and value.shape == local_shape:
                     state[key] = DTensor.from_local(
-                        value.to(param.device), param.device_mesh, param.placements, run_check=False,
-                        shape=param.shape, stride=param.stride(),
-                    )  # fmt: skip
+                        value.to(param.device),
+                        param.device_mesh,
+                        param.placements,
+                        run_check=False,
+                        shape=param.shape,
+                        stride=param.stride(),
+                    )
 
 
 class FSDP2Backend:

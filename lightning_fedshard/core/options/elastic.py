@@ -149,9 +149,10 @@ class Elastic:
         if self.lighthouse is not None:
             _check_lighthouse_address(self.lighthouse, f"`Elastic(lighthouse={self.lighthouse!r})`")
         if self.manager_port is not None and (
-            not isinstance(self.manager_port, int) or isinstance(self.manager_port, bool)
+            not isinstance(self.manager_port, int)
+            or isinstance(self.manager_port, bool)
             or not 0 <= self.manager_port <= 65535
-        ):  # fmt: skip
+        ):
             raise ValueError(
                 f"`Elastic(manager_port={self.manager_port!r})` must be a port number in [0, 65535] (0 or None: a free"
                 " one)."

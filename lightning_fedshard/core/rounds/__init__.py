@@ -4,8 +4,10 @@
   steps (``sync_delay``), merged (``merge_alpha``), with error feedback in a buffer or in the weights;
 - :class:`~lightning_fedshard.core.rounds.eager.EagerRound`: each sum overlaps with the whole next round;
 - :class:`~lightning_fedshard.core.rounds.sites.HierarchicalRound`: sites average often around the federation's round;
-- :class:`~lightning_fedshard.core.rounds.mixing.MixingRound`: gossip, sampled and matrix mixes of the weights;
-- :class:`~lightning_fedshard.core.rounds.sampled.SampledRound`: the outer step on the mean of a round's sampled groups.
+- :class:`~lightning_fedshard.core.rounds.mixing.MixingRound`: gossip, sampled and matrix mixes of the weights.
+
+Sampled outer steps (the mean of a round's sampled groups) are the plain or the eager round with a participation rule
+(:class:`~lightning_fedshard.core.step.participation.SampledGroups`), not a round of their own.
 
 :mod:`~lightning_fedshard.core.rounds.options` derives from their declarations which options compose.
 """
@@ -17,7 +19,6 @@ from lightning_fedshard.core.rounds.base import Host, Refusal, Round
 from lightning_fedshard.core.rounds.eager import EagerRound
 from lightning_fedshard.core.rounds.mixing import MixingRound
 from lightning_fedshard.core.rounds.plain import PlainRound
-from lightning_fedshard.core.rounds.sampled import SampledRound
 from lightning_fedshard.core.rounds.sites import HierarchicalRound
 
 __all__ = [
@@ -27,7 +28,6 @@ __all__ = [
     "PlainRound",
     "Refusal",
     "Round",
-    "SampledRound",
     "build_round",
 ]
 
@@ -37,16 +37,9 @@ def build_round(federation: Host) -> Round:
     config = federation.config
     topology = resolve_outer_topology(config.outer_topology)
     period = config.outer_period
-    sampled = topology if isinstance(topology, Sampled) and topology.outer_step else None
-    inner: Round
-    if config.eager_rule is not None:
-        inner = EagerRound(federation, period, sampled)
-    elif sampled is not None:
-        inner = SampledRound(federation, sampled, period)
-    else:
-        inner = PlainRound(federation, period)
-    if sampled is not None:
-        return inner
+    inner: Round = EagerRound(federation, period) if config.eager_rule is not None else PlainRound(federation, period)
+    if isinstance(topology, Sampled) and topology.outer_step:
+        return inner  # the sample is the federation's participation rule
     if isinstance(topology, Hierarchical):
         return HierarchicalRound(federation, topology, inner)
     if isinstance(topology, Mixing):

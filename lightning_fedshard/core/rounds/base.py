@@ -11,17 +11,17 @@ from typing_extensions import override
 from lightning_fedshard.core.options.refusal import Refusal
 from lightning_fedshard.core.step.outer import OuterStep
 from lightning_fedshard.core.step.participation import Participation
+from lightning_fedshard.core.step.pending import PendingSync
 from lightning_fedshard.core.step.stats import SyncStats
 from lightning_fedshard.core.step.transaction import SyncKind
 from lightning_fedshard.core.transport.comm import Communicator
 from lightning_fedshard.core.wire.codecs import Codec
-from lightning_fedshard.core.wire.pending import PendingSync
 
 __all__ = ["Host", "OnePendingRound", "Options", "Refusal", "Round", "combined", "drop"]
 
 
 class Options(Protocol):
-    """The federation options a round reads (a :class:`~lightning_fedshard.core.options.config.FederationConfig`)."""
+    """The federation options a round reads (a :class:`~lightning_fedshard.core.config.FederationConfig`)."""
 
     @property
     def num_groups(self) -> int | None: ...  # noqa: D102

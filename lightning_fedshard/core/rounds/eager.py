@@ -31,14 +31,12 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_fedshard.core.fragments import landing_fragment
-from lightning_fedshard.core.options.outer_topology import Sampled
 from lightning_fedshard.core.rounds.base import Host, Refusal, Round, drop
-from lightning_fedshard.core.step.participation import SampledGroups, combine
+from lightning_fedshard.core.step.fragments import landing_fragment
+from lightning_fedshard.core.step.pending import PendingSync
 from lightning_fedshard.core.step.stats import SyncStats
-from lightning_fedshard.core.step.transaction import SyncKind, SyncTransaction, vote_to_commit
+from lightning_fedshard.core.step.transaction import SyncKind, SyncTransaction
 from lightning_fedshard.core.wire.norms import nbytes
-from lightning_fedshard.core.wire.pending import PendingSync
 
 
 class EagerRound(Round):
@@ -47,9 +45,10 @@ class EagerRound(Round):
     Args:
         federation: The federation this round syncs.
         period: Optimizer steps between two syncs of one fragment.
-        sampled: Sampled participation (``Sampled(..., outer_step=True)``): a sum started at a sync adds the
-            pseudo-gradients of the groups the sync's round samples only, and divides by them; a group left out
-            restarts from the anchor (no share of the sum). The end of training takes every group.
+
+    With sampled participation (``Sampled(..., outer_step=True)``, a rule of the federation's participation) a sum
+    started at a sync adds the pseudo-gradients of the groups the sync's round samples only, and divides by them; a
+    group left out restarts from the anchor (no share of the sum). The end of training takes every group.
     """
 
     refuses = {
@@ -57,10 +56,9 @@ class EagerRound(Round):
         "merge_alpha": Refusal("eager updates keep all local progress, there is nothing to merge", impossible=True),
     }
 
-    def __init__(self, federation: Host, period: int, sampled: Sampled | None = None) -> None:
+    def __init__(self, federation: Host, period: int) -> None:
         super().__init__(federation)
         self.period = period
-        self.sampled = sampled
         self.rule = federation.config.eager_rule or "share"
         self._sums: dict[int, PendingSync] = {}  # each fragment's sum in flight until its next sync
         #: Per fragment, how far this group's start of the round lies below the anchor (flat, float32).
@@ -137,9 +135,9 @@ class EagerRound(Round):
         taken = outer.pseudogradient(fragment, self.offsets[fragment])
         own = None if final else self._own_copy(fragment, taken[0])  # before a sum in place overwrites the buffer
         landed = self.land(pending, step, vote)
-        sampling = self.sampled is not None and not final
-        sample = SampledGroups(self.sampled, self.period) if sampling else None  # type: ignore[arg-type]
-        rule = combine(sample, self.federation.participation)  # a pace weighs the end of training too
+        rule = self.federation.participation
+        if final and rule is not None:
+            rule = rule.at_end()  # every group adds at the end (a pace still weighs)
         transaction = SyncTransaction(outer, SyncKind.outer_step(fragment), step, rule)
         started = outer.begin(transaction, background=not final, taken=taken)
         if own is None:
@@ -234,7 +232,8 @@ class EagerRound(Round):
             committed = not stats.lost
         else:
             ask = self.federation.groups_may_join and vote and bool(self._sums)
-            committed = not ask or vote_to_commit(outer, count_lost=False)
+            # No sum lands: the sums in flight vote (the first started's transaction), each counted lost below.
+            committed = not ask or self.in_flight()[0].transaction.commit(count_lost=False)
         if not committed and self.federation.groups_may_join:
             for fragment in sorted(self._sums):
                 del self._sums[fragment]  # completed before the vote: nothing runs on in the background
@@ -314,7 +313,8 @@ class EagerRound(Round):
     @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
         device = self.outer.shards[0].device
-        self._sums = {int(f): PendingSync.from_state_dict(s, device) for f, s in state.get("eager", {}).items()}
+        sums = state.get("eager", {}).items()
+        self._sums = {int(f): PendingSync.from_state_dict(s, device, self.outer) for f, s in sums}
 
     @override
     def group_state_dict(self) -> dict[str, Any]:

@@ -34,7 +34,6 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_fedshard.core.fragments import landing_fragment, starting_fragment
 from lightning_fedshard.core.options.outer_topology import Mixing
 from lightning_fedshard.core.rounds.averaging import (
     FLOAT32_SUM,
@@ -46,11 +45,12 @@ from lightning_fedshard.core.rounds.averaging import (
 )
 from lightning_fedshard.core.rounds.base import Host, OnePendingRound, Refusal, drop
 from lightning_fedshard.core.rounds.plain import PlainRound
+from lightning_fedshard.core.step.fragments import landing_fragment, starting_fragment
 from lightning_fedshard.core.step.nonfinite import NonFiniteOuterGradientError, healthy_mix
+from lightning_fedshard.core.step.pending import PendingSync
 from lightning_fedshard.core.step.stats import SyncStats
-from lightning_fedshard.core.step.transaction import MIX, SyncKind, SyncTransaction, vote_to_commit
+from lightning_fedshard.core.step.transaction import MIX, SyncKind, SyncTransaction
 from lightning_fedshard.core.wire.codecs import ChunkCodec, Codec, FloatCodec
-from lightning_fedshard.core.wire.pending import PendingSync
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -190,7 +190,8 @@ class MixingRound(OnePendingRound):
     @override
     def load_group_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("mix")
-        self._pending = None if saved is None else PendingSync.from_state_dict(saved, self.outer.shards[0].device)
+        device = self.outer.shards[0].device
+        self._pending = None if saved is None else PendingSync.from_state_dict(saved, device, self.outer)
 
 
 def _uniform(matrix: Tensor) -> bool:
@@ -259,10 +260,8 @@ def begin_mix(
         return torch.stack([communicator.mix_over_groups(wire, matrix, decode), own])
 
     receivers = len(groups) - 1 if getattr(communicator, "mixes_by_all_gather", False) else _partners(matrix, me)
-    pending = PendingSync(
-        fragment=fragment, participants=groups, started_at=step, broken=broken, joined=transaction.joined,
-        idle=transaction.idle, own_sq=0.0, bytes_sent=receivers * wire.numel() * wire.element_size(), clock=start,
-    )  # fmt: skip
+    sent = receivers * wire.numel() * wire.element_size()
+    pending = PendingSync(transaction=transaction, own_sq=0.0, bytes_sent=sent, clock=start)
     if background:
         pending._future = outer.in_background(run)
     else:
@@ -300,7 +299,7 @@ def land_mix(
     else:  # a group that joined with no one else in its row keeps the anchor it healed
         new = current
     norm, drift = apply_weights(outer, new, absent, len(groups), indices, write=False)
-    committed = vote_to_commit(outer)
+    committed = pending.transaction.commit()
     if committed:
         write_weights([outer.shards[i] for i in indices], new)
         if uniform:
@@ -420,11 +419,15 @@ def mix(
     if communicator.group_index in broken:
         flat.zero_()  # its column is zero: nobody takes from it, and its own NaN must not meet a 0 weight
     flat = communicator.mix_over_groups(flat, matrix)
-    norm, drift = apply_weights(outer, flat, broken, len(groups), indices)
+    norm, drift = apply_weights(outer, flat, broken, len(groups), indices, write=False)
+    committed = transaction.commit()  # after every collective of the mix; nothing is written unless it commits
+    if committed:
+        write_weights([outer.shards[i] for i in indices], flat)
     seconds = time.perf_counter() - start
     i = communicator.group_index
     partners = sum(1 for j in range(matrix.shape[0]) if j != i and matrix[j, i] > 0)
     sent = partners * FLOAT32_SUM.encoded_bytes(flat.numel(), len(groups))  # the whole vector to each partner
-    return weights_sync_stats(
+    stats = weights_sync_stats(
         outer, norm, drift, sent, seconds, broken, kind="mix", extra={"mixing_partners": partners}
     )
+    return replace(stats, lost=not committed, syncs_lost=outer.syncs_lost)

@@ -26,7 +26,7 @@ from lightning_fedshard.core.rounds.sites import HierarchicalRound
 from lightning_fedshard.core.step.participation import Paced, SampledGroups
 from lightning_fedshard.core.wire.codecs import SparseLoCo
 
-#: A :class:`~lightning_fedshard.core.options.config.FederationConfig` (which imports this module, so it is not
+#: A :class:`~lightning_fedshard.core.config.FederationConfig` (which imports this module, so it is not
 #: imported here).
 Config = Any
 

@@ -1,6 +1,8 @@
 """The plain round: fragments land in turn, each sum optionally overlapped with ``sync_delay`` steps.
 
-Every ``period / fragments`` optimizer steps one fragment lands: the outer step on the groups' mean pseudo-gradient,
+Every ``period / fragments`` optimizer steps one fragment lands: the outer step on the groups' mean pseudo-gradient
+(with sampled outer steps, ``Sampled(..., outer_step=True)``, the mean of the groups the federation's participation
+samples for the landing's round: the others take part with zeros and restart from the new anchor),
 after which every group holds ``anchor + merge_alpha * (local - anchor)`` (the anchor itself with the default
 ``merge_alpha=0``). With ``sync_delay = d`` the pseudo-gradient is taken ``d`` steps before the landing and summed in
 the background meanwhile.
@@ -17,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
-from lightning_fedshard.core.fragments import landing_fragment, starting_fragment
 from lightning_fedshard.core.rounds.base import Host, OnePendingRound, drop
+from lightning_fedshard.core.step.fragments import landing_fragment, starting_fragment
 from lightning_fedshard.core.step.participation import Participation
+from lightning_fedshard.core.step.pending import PendingSync
 from lightning_fedshard.core.step.stats import SyncStats
 from lightning_fedshard.core.step.transaction import SyncKind, SyncTransaction
-from lightning_fedshard.core.wire.pending import PendingSync
 
 if TYPE_CHECKING:
     pass
@@ -83,7 +85,7 @@ class PlainRound(OnePendingRound):
 
     @property
     def participation(self) -> Participation | None:
-        """Who adds to this round's outer steps, and with what weight: the federation's rule (a per-group pace)."""
+        """Who adds to this round's outer steps, and with what weight: the federation's rule (a pace, a sample)."""
         return self.federation.participation
 
     def transaction(self, fragment: int, step: int, landing: int | None = None, final: bool = False) -> SyncTransaction:
@@ -91,7 +93,9 @@ class PlainRound(OnePendingRound):
 
         ``final``: the end of training, where every group adds (a sample no longer applies; a pace still weighs).
         """
-        rule = self.federation.participation if final else self.participation
+        rule = self.participation
+        if final and rule is not None:
+            rule = rule.at_end()
         return SyncTransaction(self.outer, SyncKind.outer_step(fragment), step, rule, landing)
 
     def sync(self, step: int, fragment: int = 0) -> SyncStats:
@@ -105,6 +109,8 @@ class PlainRound(OnePendingRound):
         The end of training (:meth:`finish`) puts the anchor back in, so every group ends on it.
         """
         stats = self.outer.complete(pending, step=step, merge_alpha=merge_alpha, carry_lost=carry_lost)
+        if pending.contributors == 0:  # no group added (a sample of joining groups): every group takes the anchor
+            self.outer.copy_anchor_to_shards(pending.fragment)
         self.federation.written()
         self.federation.last_synced_step = self.federation.landed_at[pending.fragment] = step
         return stats
@@ -145,6 +151,4 @@ class PlainRound(OnePendingRound):
         pending = state.get("pending")
         self._pending = None
         if pending is not None:
-            self._pending = PendingSync.from_state_dict(pending, self.outer.shards[0].device)
-            if not self._pending.participants:  # saved before syncs recorded their participants: every group
-                self._pending.participants = self.federation.communicator.participants()
+            self._pending = PendingSync.from_state_dict(pending, self.outer.shards[0].device, self.outer)

@@ -29,9 +29,9 @@ from lightning_fedshard.core.rounds.averaging import (
     weights_sync_stats,
 )
 from lightning_fedshard.core.rounds.base import Host, Round, combined
+from lightning_fedshard.core.step.pending import PendingSync
 from lightning_fedshard.core.step.stats import SyncStats
 from lightning_fedshard.core.step.transaction import SITE_SYNC, SyncKind, SyncTransaction
-from lightning_fedshard.core.wire.pending import PendingSync
 
 if TYPE_CHECKING:
     from lightning_fedshard.core.step.outer import OuterStep
@@ -207,10 +207,31 @@ def average_in_site(
     if not committed:
         outer.copy_anchor_to_shards()
     sent = site_sum_bytes(communicator, flat.numel(), size, len(blocks), len(groups))
+    return _site_sync_stats(outer, transaction, (norm, drift), sent, start, size, committed)
+
+
+def _site_sync_stats(
+    outer: OuterStep,
+    transaction: SyncTransaction,
+    norms: tuple[float, float],
+    sent: int,
+    start: float,
+    size: int,
+    committed: bool,
+) -> SyncStats:
+    """The statistics of a site sync that began at ``start`` (``norms``: its outer gradient norm and drift)."""
     return weights_sync_stats(
-        outer, norm, drift, sent, time.perf_counter() - start, broken, kind="site sync", joined_groups=joined,
-        lost=not committed, syncs_lost=outer.syncs_lost, extra={"site_size": float(size)},
-    )  # fmt: skip
+        outer,
+        *norms,
+        sent,
+        time.perf_counter() - start,
+        transaction.broken,
+        kind="site sync",
+        joined_groups=transaction.joined,
+        lost=not committed,
+        syncs_lost=outer.syncs_lost,
+        extra={"site_size": float(size)},
+    )
 
 
 def _mean_in_site(
@@ -264,8 +285,9 @@ def _average_extra(
     Weighted by the groups' ``factor``, as the weights were. With no healthy group in the site each group keeps its
     own (a joiner's, restarted from the anchor).
     """
-    flat = _mean_in_site(communicator, torch.cat([t.reshape(-1).to(device, torch.float32) for t in extra]), size,
-                         healthy, adds, factor)  # fmt: skip
+    flat = _mean_in_site(
+        communicator, torch.cat([t.reshape(-1).to(device, torch.float32) for t in extra]), size, healthy, adds, factor
+    )
     if flat is None:
         return
     for tensor, part in zip(extra, flat.split([t.numel() for t in extra])):

@@ -43,12 +43,12 @@ from lightning_fedshard.core.step.outer_state import (
     build_outer_optimizer,
     new_anchor,
 )
+from lightning_fedshard.core.step.pending import PendingSync
 from lightning_fedshard.core.step.stats import SyncStats
-from lightning_fedshard.core.step.transaction import SyncKind, SyncTransaction, vote_to_commit
+from lightning_fedshard.core.step.transaction import SyncKind, SyncTransaction
 from lightning_fedshard.core.transport.comm import Communicator, sum_over_model
 from lightning_fedshard.core.wire.codecs import FloatCodec
 from lightning_fedshard.core.wire.norms import squared_norm
-from lightning_fedshard.core.wire.pending import PendingSync
 from lightning_fedshard.core.wire.reducers import AllReduceSum, Reducer
 
 __all__ = ["OuterOptimizerFactory", "OuterStep", "build_outer_optimizer"]
@@ -179,12 +179,7 @@ class OuterStep(OuterState):
         reducer, members = self.reducers[fragment], len(participants)
         part, finish = self._replica_part(fragment, local, members)
         pending = PendingSync(
-            fragment=fragment,
-            participants=participants,
-            started_at=transaction.step,
-            broken=transaction.broken,
-            joined=transaction.joined,
-            idle=transaction.idle,
+            transaction=transaction,
             own_sq=squared_norm(local),
             bytes_sent=reducer.wire_bytes(part.numel(), members),
             clock=start,
@@ -224,7 +219,7 @@ class OuterStep(OuterState):
             local = pending.result()
         healthy = pending.contributors
         if healthy == 0:  # only a change of members: the weights, the anchor and the outer state stay as they are
-            committed = vote_to_commit(self)
+            committed = pending.transaction.commit()
             return self._stats(pending, start, outer_grad_norm=0.0, drift=0.0, lost=not committed)
         local.div_(healthy)
         mean_sq = squared_norm(local)
@@ -234,7 +229,7 @@ class OuterStep(OuterState):
             own_dot_mean = 0.0 if pending.absent(self.communicator.group_index) else mean_sq
         # Before the vote: groups may vote differently (elastic), and every collective must be made by all of them.
         norm, drift = self._global_norms(pending, own_dot_mean, mean_sq, local.device)
-        if not vote_to_commit(self):
+        if not pending.transaction.commit():
             lost = self._drop_lost(pending, start, write and not carry_lost)
             return replace(lost, extra={**lost.extra, "carried": 1.0}) if carry_lost else lost
         with torch.profiler.record_function("fedshard::outer_optimizer_step"):

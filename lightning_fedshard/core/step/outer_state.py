@@ -68,7 +68,7 @@ class OuterState:
         for optimizer, saved_state in zip(self.optimizers, optimizers):
             optimizer.load_state_dict(saved_state)
         self.num_syncs = int(state["num_syncs"])
-        self.site_syncs = int(state.get("site_syncs", 0))  # written before site syncs were counted: none
+        self.site_syncs = int(state["site_syncs"])
 
     def group_state_dict(self) -> dict[str, Any]:
         """State that differs between the groups: the error-feedback residuals, per fragment."""

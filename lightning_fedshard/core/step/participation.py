@@ -8,27 +8,47 @@ asks them, once per sync, the same on every rank):
 - :meth:`Participation.weight`: this group's factor in the merge, given the groups that add (``None``: alike);
   :meth:`Participation.mean_weight` the same for a mean of the weights themselves (a site sync).
 
+A rule may also decide which optimizer steps a group trains (:meth:`Participation.trains`, a per-group pace), be told
+of every step (:meth:`Participation.after_step`, a pace's timings) and keep state between syncs that checkpoints and a
+joining group's heal carry under its :attr:`~Participation.name`. :func:`build_participation` composes the rules a
+federation's options ask for, in one place; every round asks the rule it is given.
+
 Like a round, a rule declares the switches it does not run yet (:attr:`Participation.refuses`); the compatibility
 table (:mod:`~lightning_fedshard.core.rounds.options`) is derived from the declarations. A new rule is one class: its
-answers and its refusals.
+answers and its refusals (:class:`SitOutSlowRounds` is a short example).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
+from lightning_fedshard.core.options.outer_topology import Sampled, resolve_outer_topology
 from lightning_fedshard.core.options.pace import PaceSchedule, median_seconds
 from lightning_fedshard.core.options.refusal import Refusal
 
 if TYPE_CHECKING:
-    from lightning_fedshard.core.options.outer_topology import Sampled
     from lightning_fedshard.core.transport.comm import Communicator
 
-__all__ = ["Everyone", "Paced", "Participation", "Probation", "SampledGroups", "combine"]
+__all__ = [
+    "Everyone",
+    "Paced",
+    "Participation",
+    "Probation",
+    "SampledGroups",
+    "SitOutSlowRounds",
+    "build_participation",
+    "combine",
+    "find_rule",
+    "load_rules_state",
+    "pace_schedule",
+    "rules_state",
+]
+
+Rule = TypeVar("Rule", bound="Participation")
 
 
 class Participation:
@@ -36,6 +56,23 @@ class Participation:
 
     #: The switches (:mod:`~lightning_fedshard.core.rounds.options`) this rule does not run, and why.
     refuses: ClassVar[dict[str, Refusal]] = {}
+    #: The key of the rule's state in checkpoints and in a joining group's heal.
+    name: ClassVar[str] = "everyone"
+
+    def trains(self, group: int, step: int) -> bool:
+        """Whether ``group`` trains optimizer step ``step`` (1-based); every step by default."""
+        return True
+
+    def after_step(self, step: int, trained: bool) -> None:
+        """Optimizer step ``step`` ended (``trained``: this group trained it); collective if the rule exchanges."""
+
+    def at_end(self) -> Participation | None:
+        """The rule of the end of training's sync, where every group adds (a sample no longer applies)."""
+        return self
+
+    def rules(self) -> tuple[Participation, ...]:
+        """The single rules this one is made of (itself, for a single rule)."""
+        return (self,)
 
     def idle(self, participants: tuple[int, ...], landing: int) -> tuple[int, ...]:
         """The participants that add nothing to the sync landing after optimizer step ``landing``."""
@@ -76,6 +113,8 @@ class SampledGroups(Participation):
         period: Optimizer steps of one round (``sync_every``).
     """
 
+    name = "sample"
+
     def __init__(self, topology: Sampled, period: int) -> None:
         self.topology = topology
         self.period = period
@@ -84,6 +123,10 @@ class SampledGroups(Participation):
         """The participants the landing's round did not sample."""
         chosen = set(self.topology.sample((landing - 1) // self.period, len(participants)))
         return tuple(g for position, g in enumerate(participants) if position not in chosen)
+
+    def at_end(self) -> Participation | None:
+        """Nothing: the end of training's sync takes every group, so that the run ends on the consensus."""
+        return None
 
 
 class Paced(Participation):
@@ -103,6 +146,7 @@ class Paced(Participation):
     refuses: ClassVar[dict[str, Refusal]] = {
         "sparseloco": Refusal("its median clip and per-coordinate mean would re-weigh the groups' weighted updates"),
     }
+    name = "pace"
 
     def __init__(self, schedule: PaceSchedule, landed: Callable[[int], int], communicator: Communicator) -> None:
         self.schedule = schedule
@@ -110,6 +154,23 @@ class Paced(Participation):
         self.communicator = communicator
         self._step_ended: float | None = None
         self._durations: list[float] = []
+
+    def trains(self, group: int, step: int) -> bool:
+        """Whether the pace lets ``group`` train step ``step`` (a slow group skips the last steps of a round)."""
+        return self.schedule.trains(group, step)
+
+    def after_step(self, step: int, trained: bool) -> None:
+        """Time the step (see :meth:`time_step`)."""
+        self.time_step(step, trained)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule: the steps every group trains per round, the measured speeds and the merges decided."""
+        return {"schedule": self.schedule.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        if state.get("schedule") is not None:
+            self.schedule.load_state_dict(state["schedule"])
 
     def weight(self, fragment: int, step: int, contributors: tuple[int, ...], group: int) -> float | None:
         """``group``'s factor from the steps each contributor trained since ``fragment`` last landed."""
@@ -174,6 +235,7 @@ class Probation(Participation):
 
     #: Leaving a group out of a sync is what every round already does for a group that joined: it composes with all.
     refuses: ClassVar[dict[str, Refusal]] = {}
+    name = "probation"
 
     def __init__(self, syncs: int) -> None:
         self.syncs = syncs
@@ -195,31 +257,74 @@ class Probation(Participation):
         self.seen = [tuple(int(g) for g in groups) for groups in state.get("seen", [])]
 
 
+class SitOutSlowRounds(Participation):
+    """A group whose last round took longer than ``seconds`` sits out the next sync (it adds nothing to it).
+
+    The example of a new rule: what it leaves out (:meth:`idle`), what it needs to know (each group's last round's
+    seconds, the same on every rank: the caller tells it with :meth:`observe`) and what it refuses (nothing: leaving a
+    group out is what every round already does for a group that joined).
+
+    Args:
+        seconds: The longest round a group may have taken and still add to the next sync.
+    """
+
+    name = "sit_out_slow_rounds"
+
+    def __init__(self, seconds: float) -> None:
+        if not seconds > 0:
+            raise ValueError(f"`seconds` must be a positive number of seconds, got {seconds!r}.")
+        self.seconds = seconds
+        #: Every group's last round, in seconds, by group (the same on every rank).
+        self.last_round: dict[int, float] = {}
+
+    def observe(self, seconds_by_group: dict[int, float]) -> None:
+        """Every group's last round's seconds, as every rank measured them alike."""
+        self.last_round = dict(seconds_by_group)
+
+    def idle(self, participants: tuple[int, ...], landing: int) -> tuple[int, ...]:
+        """The participants whose last round was slower than the bound."""
+        return tuple(g for g in participants if self.last_round.get(g, 0.0) > self.seconds)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The last rounds' seconds (a resume decides the next sync as the run would have)."""
+        return {"last_round": {str(g): s for g, s in self.last_round.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.last_round = {int(g): float(s) for g, s in state.get("last_round", {}).items()}
+
+
 class _Both(Participation):
     """Several rules at once: a group any of them leaves out adds nothing; the one rule that weighs, weighs."""
 
     def __init__(self, rules: Sequence[Participation]) -> None:
-        self.rules = tuple(rules)
+        self._rules = tuple(rules)
+
+    def rules(self) -> tuple[Participation, ...]:
+        return self._rules
+
+    def trains(self, group: int, step: int) -> bool:
+        return all(rule.trains(group, step) for rule in self._rules)
+
+    def after_step(self, step: int, trained: bool) -> None:
+        for rule in self._rules:
+            rule.after_step(step, trained)
+
+    def at_end(self) -> Participation | None:
+        return combine(*(rule.at_end() for rule in self._rules))
 
     def idle(self, participants: tuple[int, ...], landing: int) -> tuple[int, ...]:
-        left_out = {g for rule in self.rules for g in rule.idle(participants, landing)}
+        left_out = {g for rule in self._rules for g in rule.idle(participants, landing)}
         return tuple(g for g in participants if g in left_out)
 
     def weight(self, fragment: int, step: int, contributors: tuple[int, ...], group: int) -> float | None:
-        weights = [w for rule in self.rules if (w := rule.weight(fragment, step, contributors, group)) is not None]
+        weights = [w for rule in self._rules if (w := rule.weight(fragment, step, contributors, group)) is not None]
         assert len(weights) <= 1, "at most one participation rule weighs the groups"
         return weights[0] if weights else None
 
     def mean_weight(self, since: int, step: int, contributors: tuple[int, ...], group: int) -> float | None:
-        weights = [w for rule in self.rules if (w := rule.mean_weight(since, step, contributors, group)) is not None]
+        weights = [w for rule in self._rules if (w := rule.mean_weight(since, step, contributors, group)) is not None]
         return weights[0] if weights else None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {str(i): rule.state_dict() for i, rule in enumerate(self.rules)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for i, rule in enumerate(self.rules):
-            rule.load_state_dict(state.get(str(i), {}))
 
 
 def combine(*rules: Participation | None) -> Participation | None:
@@ -228,3 +333,55 @@ def combine(*rules: Participation | None) -> Participation | None:
     if not present:
         return None
     return present[0] if len(present) == 1 else _Both(present)
+
+
+def build_participation(config: Any, communicator: Communicator, landed: Callable[[int], int]) -> Participation | None:
+    """Who takes part in a federation's syncs, with what weight: every rule its options ask for, composed once.
+
+    A per-group pace (``pace``), an elastic federation's probation (``Elastic(probation=k)``) and sampled outer steps
+    (``Sampled(..., outer_step=True)``); ``None`` when every group adds to every sync alike. Collective in an elastic
+    federation with a pace: the number of groups is the planned one there, else the sync's participants (asked once).
+
+    Args:
+        config: The federation options (a :class:`~lightning_fedshard.core.config.FederationConfig`).
+        communicator: The federation's collectives (a pace exchanges its timings over them).
+        landed: The optimizer step a fragment last landed after (the federation's schedule).
+    """
+    rules: list[Participation] = []
+    if config.pace is not None:
+        # An elastic federation's speeds are given per planned group (asking for its participants is a quorum).
+        groups = config.num_groups if config.elastic is not None else len(communicator.participants())
+        config.pace.check(groups, config.sync_every)
+        rules.append(Paced(PaceSchedule(config.pace, groups, config.sync_every), landed, communicator))
+    if config.elastic is not None and config.elastic.probation > 0:
+        rules.append(Probation(config.elastic.probation))
+    topology = resolve_outer_topology(config.outer_topology)
+    if isinstance(topology, Sampled) and topology.outer_step:
+        rules.append(SampledGroups(topology, config.outer_period))
+    return combine(*rules)
+
+
+def find_rule(participation: Participation | None, kind: type[Rule]) -> Rule | None:
+    """The rule of type ``kind`` in ``participation``, if there is one (e.g. the pace, to read its schedule)."""
+    found = [rule for rule in participation.rules() if isinstance(rule, kind)] if participation is not None else []
+    return found[0] if found else None
+
+
+def pace_schedule(participation: Participation | None) -> PaceSchedule | None:
+    """The schedule of a per-group pace (the steps each group trains per round, the merges), if there is one."""
+    paced = find_rule(participation, Paced)
+    return None if paced is None else paced.schedule
+
+
+def rules_state(participation: Participation | None) -> dict[str, Any]:
+    """The state of every rule, by its name (what checkpoints and a joining group's heal carry)."""
+    return {} if participation is None else {rule.name: rule.state_dict() for rule in participation.rules()}
+
+
+def load_rules_state(participation: Participation | None, state: dict[str, Any] | None) -> None:
+    """Restore :func:`rules_state` into the rules of ``participation`` (a rule whose name is missing keeps its own)."""
+    if participation is None or state is None:
+        return
+    for rule in participation.rules():
+        if rule.name in state:
+            rule.load_state_dict(state[rule.name])

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from lightning_fedshard.core.step.participation import Participation
     from lightning_fedshard.core.transport.comm import Communicator
 
-__all__ = ["MIX", "OUTER_STEP", "SITE_SYNC", "SyncKind", "SyncTransaction", "vote_to_commit"]
+__all__ = ["MIX", "OUTER_STEP", "SITE_SYNC", "OuterStep", "SyncKind", "SyncTransaction"]
 
 #: The kinds of sync, as :class:`SyncKind` names them (also the ``kind`` of their statistics).
 OUTER_STEP, SITE_SYNC, MIX = "outer step", "site sync", "mix"
@@ -238,19 +238,32 @@ class SyncTransaction:
         factors = [rule.mean_weight(since, step, adding, g) if g in adding else 1.0 for g in self.participants]
         return None if any(f is None for f in factors) else [float(f) for f in factors if f is not None]
 
-    def commit(self) -> bool:
-        """The communicator's vote on this sync (:func:`vote_to_commit`); one not committed is counted as lost."""
-        return vote_to_commit(self.outer)
+    def commit(self, count_lost: bool = True) -> bool:
+        """The communicator's vote on this sync: an elastic federation's, or ``True`` (one job always commits).
 
+        It closes the sync: every collective of the sync must come before it (groups may vote differently, and a group
+        that voted no must not wait in a collective the others never make). The vote covers what this rank did since
+        the last vote, sums in flight included. With ``count_lost`` a vote that fails counts this sync lost (a round
+        that votes for its sums in flight counts each of them itself).
+        """
+        committed = self.outer.communicator.should_commit()
+        if not committed and count_lost:
+            self.outer.syncs_lost += 1
+        return committed
 
-def vote_to_commit(outer: OuterStep, count_lost: bool = True) -> bool:
-    """The communicator's vote on what this rank did since the last vote: an elastic federation's, or ``True``.
-
-    Every collective of the sync must come before it (groups may vote differently, and a group that voted no must not
-    wait in a collective the others never make). With ``count_lost`` a vote that fails counts one sync lost (a sync
-    that votes for sums in flight counts them itself).
-    """
-    committed = outer.communicator.should_commit()
-    if not committed and count_lost:
-        outer.syncs_lost += 1
-    return committed
+    @classmethod
+    def restored(
+        cls,
+        outer: OuterStep,
+        kind: SyncKind,
+        step: int | None,
+        participants: tuple[int, ...],
+        broken: tuple[int, ...] = (),
+        joined: tuple[int, ...] = (),
+        idle: tuple[int, ...] = (),
+    ) -> SyncTransaction:
+        """A transaction opened and exchanged before a checkpoint, as it was then (a sum in flight that was saved)."""
+        transaction = cls(outer, kind, step)
+        transaction.participants = participants
+        transaction.broken, transaction.joined, transaction.idle = broken, joined, idle
+        return transaction

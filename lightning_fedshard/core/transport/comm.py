@@ -177,8 +177,11 @@ class ProcessGroupCommunicator:
         ranks = dist.get_process_group_ranks(self.fed_group) if self.fed_group is not None else [dist.get_rank()]
         sources = [j for j in range(len(ranks)) if j != i and matrix[i, j] > 0]
         received = {j: torch.empty_like(tensor) for j in sources}
-        ops = [dist.P2POp(dist.isend, tensor, ranks[j], self.fed_group) for j in range(len(ranks))
-               if j != i and matrix[j, i] > 0]  # fmt: skip
+        ops = [
+            dist.P2POp(dist.isend, tensor, ranks[j], self.fed_group)
+            for j in range(len(ranks))
+            if j != i and matrix[j, i] > 0
+        ]
         ops += [dist.P2POp(dist.irecv, received[j], ranks[j], self.fed_group) for j in sources]
         if ops:
             for request in dist.batch_isend_irecv(ops):
@@ -232,8 +235,9 @@ def all_reduce(tensor: Tensor, group: ProcessGroup) -> None:
     if parts < 2 or dist.get_backend(group) != dist.Backend.GLOO:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
         return
-    works = [dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group, async_op=True)
-             for part in tensor.view(-1).chunk(parts)]  # fmt: skip
+    works = [
+        dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group, async_op=True) for part in tensor.view(-1).chunk(parts)
+    ]
     for work in works:
         assert work is not None
         work.wait()

@@ -12,8 +12,8 @@ from torch import Tensor
 from torch.testing import assert_close
 
 from lightning_fedshard import Hierarchical
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.transport.inprocess import InProcessGroups
 from lightning_fedshard.core.transport.mesh import build_federation_mesh
 from lightning_fedshard.core.transport.topology import FederationTopology

@@ -11,9 +11,10 @@ from torch import Tensor
 from torch.testing import assert_close
 
 from lightning_fedshard import Gossip, Hierarchical, Mixing, Pace, Sampled, SparseLoCo
-from lightning_fedshard.core.fragments import cut_fragments
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.options.pace import PaceSchedule
+from lightning_fedshard.core.step.fragments import cut_fragments
+from lightning_fedshard.core.step.participation import pace_schedule
 from lightning_fedshard.core.transport.inprocess import InProcessGroups
 from tests.core.rounds.toy import ReferenceGroup, initial, snapshot, start_or_resume
 from tests.reference import federate, roundtrip_of
@@ -97,8 +98,8 @@ def _run(steps: int, stop_at: int | None = None, resume: list | None = None, **o
             if step == stop_at:
                 return snapshot(fed, shards, step)
         fed.finish(steps)
-        assert fed.pace is not None
-        return {"final": [s.clone() for s in shards], "trained": trained, "pace": fed.pace}
+        assert pace_schedule(fed.participation) is not None
+        return {"final": [s.clone() for s in shards], "trained": trained, "pace": pace_schedule(fed.participation)}
 
     return InProcessGroups(GROUPS, site_blocks=config.site_blocks(GROUPS)).run(work)
 

@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 from lightning_fedshard import Hierarchical
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.transport.inprocess import InProcessGroups
 
 

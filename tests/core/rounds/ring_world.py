@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from lightning_fedshard import Elastic
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.elastic.membership import ElasticMembership
 
 #: The groups the federation is planned for.

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import Tensor
 
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.options.config import FederationConfig
 from tests.core.rounds.ring_world import PLANNED, World, equal, run_groups, update
 
 

@@ -10,8 +10,8 @@ from torch import Tensor
 from torch.testing import assert_close
 
 from lightning_fedshard import Gossip, Mixing, Sampled
-from lightning_fedshard.core.fragments import cut_fragments
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.core.step.fragments import cut_fragments
 from lightning_fedshard.core.transport.inprocess import InProcessGroups
 from tests.core.rounds.toy import ReferenceGroup, initial, snapshot, start_or_resume
 from tests.reference import federate, roundtrip_of

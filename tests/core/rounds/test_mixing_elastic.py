@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.testing import assert_close
 
 from lightning_fedshard import Gossip
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 from tests.core.rounds.live import assert_resumed_exactly, run_live, update
 
 PLANNED, SYNC_EVERY, STEPS = 4, 4, 14

@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 
 from lightning_fedshard import Gossip, Hierarchical, Mixing, Pace, Sampled, SparseLoCo
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.options.elastic import Elastic
 from lightning_fedshard.core.rounds.options import (
     ALTERNATIVES,

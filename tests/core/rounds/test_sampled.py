@@ -11,12 +11,14 @@ from torch import Tensor
 from torch.testing import assert_close
 
 from lightning_fedshard import Sampled
+from lightning_fedshard.checkpoint import upgrades
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.fragments import cut_fragments
-from lightning_fedshard.core.options.config import FederationConfig
-from lightning_fedshard.core.rounds import EagerRound, SampledRound, build_round
+from lightning_fedshard.core.rounds import EagerRound, PlainRound, build_round
+from lightning_fedshard.core.step.fragments import cut_fragments
+from lightning_fedshard.core.step.pending import PendingSync
+from lightning_fedshard.core.step.transaction import SyncKind, SyncTransaction
 from lightning_fedshard.core.transport.inprocess import InProcessGroups
-from lightning_fedshard.core.wire.pending import PendingSync
 from tests.core.rounds.toy import ReferenceGroup, initial
 from tests.reference import federate
 
@@ -36,8 +38,8 @@ def _initial() -> list[Tensor]:
 def _federation(comm: Any, topology: Sampled, **options: Any) -> Federation:
     """A federation running ``topology``'s sampled participation with ``options`` (eager updates or the plain round)."""
     fed = Federation(FederationConfig(outer_topology=topology, **options), comm)
-    expected = EagerRound if options.get("eager_updates") else SampledRound
-    assert type(fed.round) is expected and (expected is SampledRound or fed.round.sampled is topology)
+    expected = EagerRound if options.get("eager_updates") else PlainRound  # the sample is a participation rule
+    assert type(fed.round) is expected
     return fed
 
 
@@ -179,15 +181,16 @@ def test_resume_mid_round_is_exact(outer, fragments, sync_delay, stop_at):
 
 
 def test_a_pending_sync_keeps_its_idle_groups_through_a_checkpoint():
-    pending = PendingSync(
-        fragment=0, participants=(0, 1, 2), started_at=3, broken=(), own_sq=0.0, bytes_sent=0, clock=0.0, idle=(2,)
-    )
+    outer: Any = object()  # the transaction's outer step is only asked when the sync votes
+    transaction = SyncTransaction.restored(outer, SyncKind.outer_step(0), 3, participants=(0, 1, 2), idle=(2,))
+    pending = PendingSync(transaction=transaction, own_sq=0.0, bytes_sent=0, clock=0.0)
     pending._result = torch.zeros(2)
     state = pending.state_dict()
     assert pending.contributors == 2 and pending.absent(2) and not pending.absent(1)
-    assert PendingSync.from_state_dict(state, torch.device("cpu")).idle == (2,)
-    del state["idle"]  # written before sampled rounds existed: no idle group
-    assert PendingSync.from_state_dict(state, torch.device("cpu")).idle == ()
+    restored = PendingSync.from_state_dict(state, torch.device("cpu"), outer)
+    assert restored.idle == (2,) and restored.transaction.kind == SyncKind.outer_step(0) and restored.started_at == 3
+    del state["idle"], state["kind"]  # written before sampled rounds existed: upgraded to no idle group
+    assert PendingSync.from_state_dict(upgrades.pending_sum(state, 3), torch.device("cpu"), outer).idle == ()
 
 
 def test_the_option_shows_in_the_topology_and_the_config():
@@ -206,4 +209,4 @@ def test_the_option_shows_in_the_topology_and_the_config():
     assert config.mixing is None  # a shared anchor, no mix
     assert FederationConfig(outer_topology="all").effective_reduce_dtype == "int4"
     assert FederationConfig(outer_topology=Sampled(2)).effective_reduce_dtype == "float32"  # the mix stays as it was
-    assert isinstance(build_round(Federation(config, InProcessGroups(2).run(lambda g, c: c)[0])), SampledRound)
+    assert type(build_round(Federation(config, InProcessGroups(2).run(lambda g, c: c)[0]))) is PlainRound

@@ -14,8 +14,8 @@ from torch import Tensor
 from torch.testing import assert_close
 
 from lightning_fedshard import Elastic, Gossip, Mixing, Sampled
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.transport.inprocess import InProcessGroups
 from tests.core.rounds.live import Live, assert_resumed_exactly, run_live, update
 

@@ -10,10 +10,10 @@ from torch import Tensor
 from torch.testing import assert_close
 
 from lightning_fedshard import Hierarchical
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.fragments import cut_fragments
-from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.rounds import EagerRound, HierarchicalRound, PlainRound
+from lightning_fedshard.core.step.fragments import cut_fragments
 from lightning_fedshard.core.transport.inprocess import InProcessGroups
 from tests.core.rounds.toy import ReferenceGroup, initial, snapshot, start_or_resume
 from tests.reference import federate

@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from lightning_fedshard import Elastic, Hierarchical
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.rounds.averaging import mean_bytes
 from lightning_fedshard.core.step.transaction import SyncKind
 from lightning_fedshard.core.transport.inprocess import InProcessGroups

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from lightning_fedshard.core.options.config import OUTER_OPTIMIZERS, FederationConfig
+from lightning_fedshard.core.config import OUTER_OPTIMIZERS, FederationConfig
 from lightning_fedshard.core.step.nonfinite import NonFiniteOuterGradientError
 from lightning_fedshard.core.step.outer import OuterStep
 from lightning_fedshard.core.transport.inprocess import InProcessGroups

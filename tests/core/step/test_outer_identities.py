@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 from torch.testing import assert_close
 
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.options.config import FederationConfig
 from lightning_fedshard.core.transport.inprocess import InProcessGroups
 
 UNITS = 3

@@ -88,7 +88,7 @@ def test_probation_is_an_elastic_option_refused_when_negative():
 def _probation_run(probation: int):
     """Three live groups of four planned, plain averaging: group 1 is gone before step 6 and group 3 joins the sync
     after step 8; every thread's weights after every step."""
-    from lightning_fedshard.core.options.config import FederationConfig
+    from lightning_fedshard.core.config import FederationConfig
     from lightning_fedshard.core.options.elastic import Elastic
     from tests.core.rounds.live import run_live
 
@@ -132,3 +132,49 @@ def test_an_elastic_federation_on_probation_equals_an_independent_replay(probati
     if probation:
         plain = torch.cat(_probation_run(0)[0]["history"][12])
         assert not torch.allclose(torch.cat(results[0]["history"][12]), plain, atol=1e-4)  # the probation acted
+
+
+def test_build_participation_composes_the_rules_the_options_ask_for_once():
+    from lightning_fedshard.core.config import FederationConfig
+    from lightning_fedshard.core.step.participation import build_participation, find_rule, pace_schedule
+    from lightning_fedshard.core.transport.inprocess import InProcessGroups
+
+    comm = InProcessGroups(2).run(lambda g, c: c)[0]
+    assert build_participation(FederationConfig(), comm, lambda f: 0) is None
+    sampled = FederationConfig(outer_topology=Sampled(1, outer_step=True), pace=Pace(speeds=(1.0, 0.5)))
+    rule = build_participation(sampled, comm, lambda f: 0)
+    assert isinstance(find_rule(rule, Paced), Paced) and isinstance(find_rule(rule, SampledGroups), SampledGroups)
+    assert pace_schedule(rule) is find_rule(rule, Paced).schedule  # the slow group trains 4 of 8 steps:
+    assert rule.trains(1, 4) and not rule.trains(1, 5) and rule.trains(0, 5)
+    end = rule.at_end()  # the end of training: every group adds, the pace still weighs
+    assert find_rule(end, SampledGroups) is None and find_rule(end, Paced) is find_rule(rule, Paced)
+
+
+def test_a_group_slower_than_the_bound_sits_out_the_next_sync_and_the_mean_takes_the_others():
+    """The example of a new rule (SitOutSlowRounds): group 1's last round took 5 s against a bound of 2 s."""
+    from lightning_fedshard.core.config import FederationConfig
+    from lightning_fedshard.core.federation import Federation
+    from lightning_fedshard.core.step.participation import SitOutSlowRounds
+    from lightning_fedshard.core.transport.inprocess import InProcessGroups
+
+    def work(g, comm):
+        shard = torch.zeros(3)
+        fed = Federation(FederationConfig(sync_every=2, reduce_dtype="float32"), comm)
+        fed.start([shard], step=0)
+        rule = SitOutSlowRounds(seconds=2.0)
+        fed.participation = combine(fed.participation, rule)
+        rule.observe({0: 1.0, 1: 5.0, 2: 1.5})  # every rank measured the same last rounds
+        shard.fill_(g + 1.0)
+        stats = fed.maybe_sync(2)
+        return shard.clone(), stats
+
+    for shard, stats in InProcessGroups(3).run(work):
+        torch.testing.assert_close(shard, torch.full((3,), (1.0 + 3.0) / 2))  # groups 0 and 2 only
+        assert stats is not None and not stats.lost
+    rule = SitOutSlowRounds(2.0)
+    rule.observe({1: 5.0})
+    restored = SitOutSlowRounds(2.0)
+    restored.load_state_dict(rule.state_dict())
+    assert restored.idle((0, 1), 8) == rule.idle((0, 1), 8) == (1,)
+    with pytest.raises(ValueError, match="`seconds` must be a positive number of seconds, got 0"):
+        SitOutSlowRounds(0)

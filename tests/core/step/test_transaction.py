@@ -5,11 +5,11 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_fedshard.core.options.config import OUTER_OPTIMIZERS
+from lightning_fedshard.core.config import OUTER_OPTIMIZERS
 from lightning_fedshard.core.step.nonfinite import NonFiniteOuterGradientError
 from lightning_fedshard.core.step.outer import OuterStep
 from lightning_fedshard.core.step.participation import Participation
-from lightning_fedshard.core.step.transaction import MIX, SITE_SYNC, SyncKind, SyncTransaction, vote_to_commit
+from lightning_fedshard.core.step.transaction import MIX, SITE_SYNC, SyncKind, SyncTransaction
 from lightning_fedshard.core.transport.inprocess import InProcessGroups
 
 
@@ -94,7 +94,7 @@ def test_a_vote_that_fails_counts_one_lost_sync_unless_the_caller_counts():
         comm.should_commit = lambda: False
         transaction = SyncTransaction(outer, SyncKind.outer_step(0), 2)
         first = transaction.commit()
-        second = vote_to_commit(outer, count_lost=False)
+        second = transaction.commit(count_lost=False)
         return first, second, outer.syncs_lost
 
     assert InProcessGroups(2).run(work) == [(False, False, 1)] * 2

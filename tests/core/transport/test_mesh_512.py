@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from lightning_fedshard.core.options.config import FederationConfig, resolve_outer_optimizer
+from lightning_fedshard.core.config import FederationConfig, resolve_outer_optimizer
 from lightning_fedshard.core.step.outer import OuterStep
 from lightning_fedshard.core.transport.mesh import FederationMesh, build_federation_mesh
 from lightning_fedshard.core.transport.topology import Axis, FederationTopology

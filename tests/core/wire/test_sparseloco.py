@@ -7,7 +7,7 @@ import torch
 from torch.testing import assert_close
 
 from lightning_fedshard import SparseLoCo
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.transport.inprocess import InProcessGroups
 from lightning_fedshard.core.wire.reducers import GatherMean, make_reducer
 

@@ -1,6 +1,6 @@
 """The user-facing federation options, validated as they are built, shared by the Trainer and Fabric strategies.
 
-Every check (:mod:`~lightning_fedshard.core.options.validation`) runs in the constructor, before any process is
+Every check (:mod:`~lightning_fedshard.core.validation`) runs in the constructor, before any process is
 launched, so that a typo fails in seconds.
 """
 
@@ -26,7 +26,10 @@ from lightning_fedshard.core.options.outer_topology import (
     resolve_outer_topology,
 )
 from lightning_fedshard.core.options.pace import Pace
-from lightning_fedshard.core.options.validation import (
+from lightning_fedshard.core.rounds.options import check_compatible
+from lightning_fedshard.core.step.outer import OuterOptimizerFactory, build_outer_optimizer
+from lightning_fedshard.core.transport.topology import FederationTopology
+from lightning_fedshard.core.validation import (
     check_choices,
     check_codec_options,
     check_elastic,
@@ -35,9 +38,6 @@ from lightning_fedshard.core.options.validation import (
     check_pace,
     check_streaming,
 )
-from lightning_fedshard.core.rounds.options import check_compatible
-from lightning_fedshard.core.step.outer import OuterOptimizerFactory, build_outer_optimizer
-from lightning_fedshard.core.transport.topology import FederationTopology
 from lightning_fedshard.core.wire.codecs import (
     DEFAULT_BLOCK_SIZE,
     ChunkCodec,

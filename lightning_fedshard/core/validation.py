@@ -1,4 +1,4 @@
-"""The checks :class:`~lightning_fedshard.core.options.config.FederationConfig` runs on its options when it is built.
+"""The checks :class:`~lightning_fedshard.core.config.FederationConfig` runs on its options when it is built.
 
 Each check refuses one kind of mistake with a ``ValueError`` that quotes the values given: an option on its own (an
 unknown ``error_feedback``, ``sync_delay`` out of range) or options that contradict each other (a block size the codec
@@ -32,7 +32,7 @@ EAGER_RULES: tuple[str, ...] = ("share", "local")
 REMOVED_FEEDBACK_IN_WEIGHTS = "weights"
 
 
-#: A :class:`~lightning_fedshard.core.options.config.FederationConfig` (which imports this module, so it is not
+#: A :class:`~lightning_fedshard.core.config.FederationConfig` (which imports this module, so it is not
 #: imported here).
 Config = Any
 

@@ -7,7 +7,7 @@ import torch
 
 from lightning_fedshard import SparseLoCo
 from lightning_fedshard._arguments import FederatedArguments
-from lightning_fedshard.core.options.config import FederationConfig, resolve_outer_optimizer
+from lightning_fedshard.core.config import FederationConfig, resolve_outer_optimizer
 from lightning_fedshard.core.wire.reducers import AllReduceSum
 from lightning_fedshard.plan import TrainSetup
 from lightning_fedshard.plan.command import plan
@@ -83,7 +83,7 @@ def test_an_outer_learning_rate_left_at_torchs_default_is_an_error_in_python_and
 
     import torch
 
-    from lightning_fedshard.core.options.config import outer_learning_rate_warning
+    from lightning_fedshard.core.config import outer_learning_rate_warning
 
     for spec in (torch.optim.SGD, functools.partial(torch.optim.Adam, betas=(0.9, 0.99))):
         with pytest.raises(ValueError, match=r"leaves the outer learning rate at torch's default \(lr=0.00"):

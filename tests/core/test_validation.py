@@ -3,8 +3,8 @@
 import pytest
 
 from lightning_fedshard import SparseLoCo
-from lightning_fedshard.core.options.config import FederationConfig
-from lightning_fedshard.core.options.validation import check_choices, check_error_feedback
+from lightning_fedshard.core.config import FederationConfig
+from lightning_fedshard.core.validation import check_choices, check_error_feedback
 from lightning_fedshard.core.wire.reducers import AllReduceSum
 
 

@@ -11,9 +11,9 @@ import torch
 from torch import Tensor
 from torch.testing import assert_close
 
+from lightning_fedshard.core.config import FederationConfig
 from lightning_fedshard.core.federation import Federation
-from lightning_fedshard.core.fragments import cut_fragments, landing_fragment, starting_fragment
-from lightning_fedshard.core.options.config import FederationConfig
+from lightning_fedshard.core.step.fragments import cut_fragments, landing_fragment, starting_fragment
 from lightning_fedshard.core.transport.inprocess import InProcessGroups
 
 

@@ -1,4 +1,4 @@
-"""A fragment's sum over the groups that started after one optimizer step and lands after a later one."""
+"""A sum over the groups that starts after one optimizer step and lands after a later one, with its transaction."""
 
 from __future__ import annotations
 
@@ -11,26 +11,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fedshard.core.step.transaction import OuterStep, SyncKind, SyncTransaction
 from lightning_fedshard.core.transport.waiting import waiting
 from lightning_fedshard.core.wire.norms import dot
 
 
 @dataclass
 class PendingSync:
-    """A fragment's outer reduction that started after one optimizer step and lands after a later one.
+    """A sync's reduction (an outer step's sum, a mix's messages) that starts after one step and lands after another.
 
     :meth:`OuterStep.begin` takes the fragment's pseudo-gradient (the snapshot) and starts summing it over the groups,
-    in a background thread when asked to; :meth:`OuterStep.complete` waits for the sum and applies the outer step.
+    in a background thread when asked to; :meth:`OuterStep.complete` waits for the sum and applies the outer step. The
+    sync's :class:`~lightning_fedshard.core.step.transaction.SyncTransaction`, opened when it began, travels with it:
+    who took part and who added nothing are its, and so is the vote that commits the sync when it lands.
 
     Attributes:
-        fragment: Index of the fragment.
-        participants: The groups taking part in this sync, in fed-ring order (asked once, when it began).
-        started_at: Optimizer step after which the pseudo-gradient was taken (``None`` if unknown).
-        broken: Groups whose pseudo-gradient held NaN/Inf (``on_nonfinite="skip_group"``); known to every rank.
-        joined: Groups that took the federation's state from a peer at this sync (an elastic group that joined, or
-            fell behind): their pseudo-gradient is not a round of theirs, so they add nothing; known to every rank.
-        idle: Groups that take part in the collective but were not asked to contribute (those a sampled round left
-            out): they send zeros and restart from the new anchor like everyone else; the same on every rank.
+        transaction: The sync's transaction (opened; its participants and absent groups are known to every rank).
         own_sq: Squared L2 norm of this rank's own pseudo-gradient of the fragment (for the drift statistic).
         own_dot_sum: Inner product of this rank's own pseudo-gradient with the summed one (for the drift statistic),
             once the sum is known and only when the reduction left the own pseudo-gradient intact (quantized
@@ -40,17 +36,12 @@ class PendingSync:
         exposed: Seconds the caller was blocked by :meth:`OuterStep.begin`.
     """
 
-    fragment: int
-    participants: tuple[int, ...]
-    started_at: int | None
-    broken: tuple[int, ...]
+    transaction: SyncTransaction
     own_sq: float
     bytes_sent: int
     clock: float
     exposed: float = 0.0
     own_dot_sum: float | None = None
-    joined: tuple[int, ...] = ()
-    idle: tuple[int, ...] = ()
     _future: Future[Tensor] | None = field(default=None, repr=False)
     _part: Tensor | None = field(default=None, repr=False)
     _result: Tensor | None = field(default=None, repr=False)
@@ -58,13 +49,45 @@ class PendingSync:
     _finish: Callable[[Tensor], Tensor] | None = field(default=None, repr=False)
 
     @property
+    def fragment(self) -> int:
+        """The fragment the sync moves."""
+        fragment = self.transaction.kind.fragment
+        assert fragment is not None, "a sync in flight moves one fragment"
+        return fragment
+
+    @property
+    def started_at(self) -> int | None:
+        """The optimizer step after which the values were taken (``None`` if unknown)."""
+        return self.transaction.step
+
+    @property
+    def participants(self) -> tuple[int, ...]:
+        """The groups taking part, in fed-ring order (the transaction's, asked once when the sync began)."""
+        return self.transaction.participants
+
+    @property
+    def broken(self) -> tuple[int, ...]:
+        """Groups whose values held NaN/Inf (``on_nonfinite="skip_group"``); known to every rank."""
+        return self.transaction.broken
+
+    @property
+    def joined(self) -> tuple[int, ...]:
+        """Groups that took the federation's state from a peer at this sync: they add nothing."""
+        return self.transaction.joined
+
+    @property
+    def idle(self) -> tuple[int, ...]:
+        """Groups a participation rule left out of this sync: they take part with zeros."""
+        return self.transaction.idle
+
+    @property
     def contributors(self) -> int:
-        """Groups whose pseudo-gradient enters the mean: the participants less the broken, joined and idle ones."""
-        return sum(1 for group in self.participants if not self.absent(group))
+        """Groups whose values enter the mean: the participants less the broken, joined and idle ones."""
+        return len(self.transaction.contributors)
 
     def absent(self, group: int) -> bool:
         """Whether ``group`` adds nothing to this sync's sum (broken, joined or idle)."""
-        return group in self.broken or group in self.joined or group in self.idle
+        return group in self.transaction.absent
 
     def result(self) -> Tensor:
         """The pseudo-gradient summed over the groups (waits for the reduction if it still runs).
@@ -92,13 +115,15 @@ class PendingSync:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to land this sync later, e.g. after a resume: the reduction is completed first."""
+        transaction = self.transaction
         return {
+            "kind": transaction.kind.name,
             "fragment": self.fragment,
-            "participants": list(self.participants),
-            "started_at": self.started_at,
-            "broken": list(self.broken),
-            "joined": list(self.joined),
-            "idle": list(self.idle),
+            "participants": list(transaction.participants),
+            "started_at": transaction.step,
+            "broken": list(transaction.broken),
+            "joined": list(transaction.joined),
+            "idle": list(transaction.idle),
             "own_sq": self.own_sq,
             "bytes_sent": self.bytes_sent,
             "result": self.result().detach().to("cpu", copy=True),
@@ -106,15 +131,22 @@ class PendingSync:
         }
 
     @classmethod
-    def from_state_dict(cls, state: dict[str, Any], device: torch.device) -> PendingSync:
-        """Rebuild a completed :class:`PendingSync` from :meth:`state_dict`."""
-        return cls(
-            fragment=int(state["fragment"]),
-            participants=tuple(state.get("participants", ())),  # filled in by the federation for older checkpoints
-            started_at=state["started_at"],
+    def from_state_dict(cls, state: dict[str, Any], device: torch.device, outer: OuterStep) -> PendingSync:
+        """Rebuild a completed :class:`PendingSync` from :meth:`state_dict`, its transaction on ``outer``.
+
+        Older formats are upgraded before (:mod:`lightning_fedshard.checkpoint.upgrades`).
+        """
+        transaction = SyncTransaction.restored(
+            outer,
+            SyncKind(str(state["kind"]), int(state["fragment"])),
+            state["started_at"],
+            participants=tuple(state["participants"]),
             broken=tuple(state["broken"]),
-            joined=tuple(state.get("joined", ())),
-            idle=tuple(state.get("idle", ())),
+            joined=tuple(state["joined"]),
+            idle=tuple(state["idle"]),
+        )
+        return cls(
+            transaction=transaction,
             own_sq=float(state["own_sq"]),
             bytes_sent=int(state["bytes_sent"]),
             clock=time.perf_counter(),
