@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.recipes import LR, Recipe, main
+from benchmarks.recipes import LR, Recipe
+from benchmarks.recipes import main as run_study
 
 RESULTS = Path(__file__).parent / "results" / "paper"
 SEEDS = (0, 1, 2)
@@ -74,6 +75,18 @@ LONGER = (
 )
 RECIPES = {recipe.name: recipe for recipe in (*ARMS, *LONGER)}
 
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line entry point (see the module): run what is missing, two runs at a time."""
+    run_study(
+        argv,
+        recipes=RECIPES,
+        results=RESULTS,
+        module="benchmarks.paper",
+        seeds=SEEDS,
+        description=(__doc__ or "").splitlines()[0],
+    )
+
+
 if __name__ == "__main__":
-    main(recipes=RECIPES, results=RESULTS, module="benchmarks.paper", seeds=SEEDS,
-         description=(__doc__ or "").splitlines()[0])  # fmt: skip
+    main()

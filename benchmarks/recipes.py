@@ -75,7 +75,7 @@ class Recipe:
 
     def federation(self) -> Any:
         """The options as the simulator takes them (outer optimizers given by name and learning rate)."""
-        from lightning_fedshard.core.options.config import FederationConfig
+        from lightning_fedshard.core.config import FederationConfig
 
         options = dict(self.options)
         outer = options.pop("outer", None)
@@ -199,14 +199,15 @@ LONGER = (
            {"reduce_dtype": "float32", "eager_updates": True}),
 )  # fmt: skip
 
+
 def _inner_lr(lr: float) -> Recipe:
-    """Float32 plain averaging at H=8 with the groups' own inner learning rate (each group trains 4 windows per step)."""
+    """Float32 plain averaging at H=8 with the groups' own inner learning rate (each group trains 4 windows a step)."""
     name = f"fedavg_f32_lr{lr:g}".replace(".", "p")
     return Recipe(name, f"float32, plain averaging, the groups' inner lr {lr:g}", {"reduce_dtype": "float32"}, lr=lr)
 
 
 #: The federation's inner step tuned for its own batch (each group 4 windows per step, FSDP's lr was for 16), outer
-#: SGD steps above 1 without momentum, and momentum 0.5 at H=32 with 4 groups and with one (cells the sweep had not run).
+#: SGD steps above 1 without momentum, and momentum 0.5 at H=32 with 4 groups and with one (cells not run before).
 GROUP_TUNING = (
     *(_inner_lr(lr) for lr in (0.0025, 0.0035, 0.007)),
     _outer_cell("sgd12_f32", (1.2, 0.0), 8),

@@ -29,6 +29,7 @@ from benchmarks.reports import (
     hetero,
     latency,
     overlap,
+    paper,
     race,
     recipes,
     sweep,
@@ -154,6 +155,7 @@ def build(paths: dict[str, Path]) -> Report:
     differences = list(exact["max_abs_difference"].values()) if exact else []
     rows += recipes.targets(recipe_results(), max(differences) if differences else None, len(differences))
     rows += tuning.targets(recipe_results())
+    rows += paper.targets(paper.load_results())
     results["walltime"] = load_if_exists(paths.get("walltime", RESULTS / "walltime.json"))
     rows.append(walltime.target(recipe_results(), results["walltime"]))
     return Report(results, analyses, rows)
@@ -193,6 +195,8 @@ def plot(report: Report) -> list[Path]:
         paths.append(recipes.plot(study, IMAGES / "recipes.png"))
         if (walltime_results := report.results.get("walltime")) is not None:
             paths.append(walltime.plot(study, walltime_results, IMAGES / "walltime.png"))
+    if paper_runs := paper.load_results():
+        paths.append(paper.plot(paper_runs, IMAGES / "paper.png"))
     return paths
 
 
@@ -230,6 +234,9 @@ def write_docs(report: Report, tables: dict[str, str]) -> None:
         if (walltime_results := report.results.get("walltime")) is not None:
             sections["walltime"] = walltime.table(study, walltime_results) + f"\n\n{report.note('walltime')}"
         recipes.write_planner_factors(study)
+    paper_runs = paper.load_results()
+    sections["paper_arms"] = paper.table(paper_runs)
+    sections["paper_longer"] = paper.longer_table(paper_runs)
     pages = [BENCHMARKS_DOC, *sorted(BENCHMARKS_PAGES.glob("*.md"))]
     for name, body in sections.items():
         replace_section(page_with_section(pages, name), name, body)
