@@ -84,9 +84,10 @@ from typing import Any
 
 from benchmarks.harness.cluster import NODE_IFACE, EmulatedCluster, namespaces_available
 from benchmarks.harness.cpu import CpuQuotas, quotas_available
+from benchmarks.harness.faults import FaultyDemo, parse_faults
 from benchmarks.harness.machine import machine
 from benchmarks.harness.sweep import RESULTS
-from lightning_fedshard.examples.elastic import DemoConfig, ElasticDemo, Fault, parse_faults
+from lightning_fedshard.examples.elastic import DemoConfig, Fault
 
 ROOT = Path(__file__).parents[1]
 NODES, RANKS, LINK_MBIT = 4, 2, 50.0
@@ -200,7 +201,7 @@ def demo_run(
 
     try:
         time.sleep(1.0)
-        demo = ElasticDemo(
+        demo = FaultyDemo(
             config,
             out,
             launch=launch,

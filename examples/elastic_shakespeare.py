@@ -30,7 +30,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ranks-per-group", type=int, default=1, help="ranks (CPU processes) of each group job")
     parser.add_argument("--max-steps", type=int, default=96, help="optimizer steps of every group")
     parser.add_argument("--sync-every", type=int, default=8)
-    parser.add_argument("--faults", default="", help="e.g. kill:1@20,restart:1@30,stop:2@50,hang:1@64")
+    parser.add_argument("--faults", default="", help="kill, stop, restart: e.g. kill:1@20,restart:1@30,stop:2@50")
     parser.add_argument(
         "--standbys", type=int, default=0,
         help="standby jobs started with the groups; each takes a gone group's place, and `restart` starts a new one",

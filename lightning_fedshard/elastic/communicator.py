@@ -98,6 +98,10 @@ class ElasticCommunicator:
         self.on_membership: Callable[[MembershipChange], None] | None = None
         #: Seconds the last heal took (receiving and loading the state), ``None`` if the last quorum healed nothing.
         self.last_heal_seconds: float | None = None
+        #: The seam for fault injection and tracing: each is called with the collective's name (``"sum_over_groups"``
+        #: or ``"all_to_all"``) as a sum over the groups starts, in the thread that runs it (the benchmarks stop a
+        #: group inside a sum through it).
+        self.on_sum: list[Callable[[str], None]] = []
 
     # -- the seam ---------------------------------------------------------------------------------------------
 
@@ -114,6 +118,11 @@ class ElasticCommunicator:
     def heal_address(self) -> str | None:
         """Where this rank's heal server is reached (``http://host:port/checkpoint/``), while connected."""
         return self._connection.heal_address
+
+    @property
+    def heal_server(self) -> Any:
+        """This rank's heal server while connected (an ``http.server`` server), for fault injection and tracing."""
+        return self._connection.heal_server
 
     @property
     def place(self) -> int | None:
@@ -151,6 +160,8 @@ class ElasticCommunicator:
 
     def sum_over_groups(self, tensor: Tensor) -> None:
         """All-reduce (sum) over the fed ring, a large tensor in parts in flight together; zeros after a failure."""
+        for hook in self.on_sum:
+            hook("sum_over_groups")
         self._collectives.sum(tensor)
 
     def sum_stats_over_groups(self, tensor: Tensor) -> None:
@@ -159,6 +170,8 @@ class ElasticCommunicator:
 
     def all_to_all(self, output: Tensor, input: Tensor) -> None:
         """``alltoall_base`` over the fed ring (equal parts); zeros after a failure."""
+        for hook in self.on_sum:
+            hook("all_to_all")
         if len(self._ring) == 1:
             output.copy_(input)
             return

@@ -27,7 +27,7 @@ from lightning_fedshard.elastic.lighthouse import (
 )
 from lightning_fedshard.elastic.quiet import quiet_torchft
 from lightning_fedshard.elastic.rings import QuorumRecorder, fed_rings
-from lightning_fedshard.elastic.torchft_api import http_transport_class, manager_class, wrap_quorum_client
+from lightning_fedshard.elastic.torchft_api import heal_server, http_transport_class, manager_class, wrap_quorum_client
 from lightning_fedshard.elastic.watchdog import GroupWatchdog
 
 __all__ = ["ManagerConnection"]
@@ -183,6 +183,11 @@ class ManagerConnection:
         managers = managers_of(getattr(self.rings, "member_ids", ()), federation)
         page = status_page(self.options.lighthouse_address(), timeout=max(1.0, self.options.peer_check))
         return tuple(g for g in gone_from(page, federation, members, managers) if g != self.group)
+
+    @property
+    def heal_server(self) -> Any:
+        """This rank's heal server (the transport's ``http.server`` server) while connected, else ``None``."""
+        return None if self.manager is None or self._transport is None else heal_server(self._transport)
 
     @property
     def heal_address(self) -> str | None:

@@ -7,7 +7,8 @@ torchft is imported on first use, so the package imports without it. The parts, 
   ``torchft.coordination.LighthouseServer`` (an in-process lighthouse);
 - private: ``Manager._client`` (the quorum call, wrapped to record each quorum's step; see
   :class:`~lightning_fedshard.elastic.rings.QuorumRecorder`), ``ProcessGroupGloo.configure``'s arguments (each ring's
-  rendezvous), ``torchft.checkpointing._serialization._streaming_load`` (loading a heal's answer as it arrives).
+  rendezvous), ``torchft.checkpointing._serialization._streaming_load`` (loading a heal's answer as it arrives),
+  ``HTTPTransport._server`` (the heal server, offered as ``ElasticCommunicator.heal_server`` for fault injection).
 
 Every job of one federation must run the same torchft release: the lighthouse, the managers and the heal transport
 talk a protocol of that release. Moving to another torchft release (0.3 reconfigures torch's native process groups
@@ -66,6 +67,11 @@ def streaming_load(stream: BinaryIO) -> Any:
     return _streaming_load(stream, weights_only=False)
 
 
+def heal_server(transport: Any) -> Any:
+    """The ``http.server`` server of a heal transport built on torchft's ``HTTPTransport`` (its private ``_server``)."""
+    return transport._server
+
+
 def wrap_quorum_client(manager: Any, wrap: Any) -> None:
     """Put ``wrap(client)`` between ``manager`` and its quorum client (torchft's private ``Manager._client``)."""
     manager._client = wrap(manager._client)
@@ -73,6 +79,7 @@ def wrap_quorum_client(manager: Any, wrap: Any) -> None:
 
 __all__ = [
     "TESTED_TORCHFT",
+    "heal_server",
     "http_transport_class",
     "lighthouse_server_class",
     "manager_class",

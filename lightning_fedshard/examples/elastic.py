@@ -1,30 +1,16 @@
-"""An elastic federation on one machine: a lighthouse, one job per group, injected faults and a report.
+"""An elastic federation on one machine: a lighthouse, one job per group, faults that end groups, and a report.
 
 :class:`ElasticDemo` starts a torchft lighthouse and ``G`` group jobs that pre-train the example Llama on Shakespeare
-(each job: ``N`` ranks of one FL+FSDP group, started like any Lightning script), injects the faults of a spec
-(:func:`parse_faults`), and writes what happened: per group its steps, syncs committed and lost, heals and exit codes;
-per fault how long the surviving groups stalled; the final consensus checksum of every live group; the committed
-tokens per second. ``examples/elastic_shakespeare.py`` is its command line, and the tests and the elastic benchmark
-use it too.
-
-``hang:G@S`` stops group G inside the sum over the groups of its sync at step S (a multiple of ``sync_every``): the
-group's job stops itself (SIGSTOP, every rank) as it enters that sum, after the quorum of that sync included it, so
-the others are left waiting inside the sum; a later ``restart:G@S`` ends it as it ends a group stopped between syncs.
-``healkill:G@S`` starts a new job for group G as ``restart`` does (with standbys: a new standby), and the first group
-that serves a heal from then on (the new job's or a standby's, normally) is killed (SIGKILL, every rank) while the
-state is in transit, after its first 256 KiB.
-``lighthouse:0@S`` takes the lighthouse down for :data:`LIGHTHOUSE_DOWN` seconds and starts a new one at the same
-address (its group is not used); the groups ride the outage out.
+(each job: ``N`` ranks of one FL+FSDP group, started like any Lightning script), kills, stops and restarts groups as a
+spec says (:func:`parse_faults`: ``kill:G@S``, ``stop:G@S``, ``restart:G@S``), and writes what happened: per group its
+steps, syncs committed and lost, heals and exit codes; per fault how long the surviving groups stalled; the final
+consensus checksum of every live group; the committed tokens per second. ``examples/elastic_shakespeare.py`` is its
+command line. The benchmarks inject more kinds of fault (a group hung inside a sum, a heal whose source dies, a
+lighthouse restart, strangers to a federation with a secret) through the same driver (``benchmarks/harness/faults.py``).
 
 With ``standbys`` (:class:`DemoConfig`), that many standby jobs start with the groups (on nodes of their own); each
 takes the place of a group that is gone, and every ``restart:G@S`` fault starts a new standby, on a node no running job
 holds, instead of a new job for group G. A standby counts as alive only once it trains.
-
-With a federation ``secret`` (:class:`ElasticDemo`; given to the jobs as ``$FEDSHARD_SECRET``, never written) three
-more faults play a stranger on the same machine: ``nosecret:G@S`` and ``badsecret:G@S`` start a job for group G without
-the secret or with another one, and ``fetch:G@S`` fetches the whole state from group G's heal server with plain HTTP.
-The report says what became of each (``strangers``: the exit code and the refusal the job printed; a fetch's HTTP
-status in its fault).
 
 A group job (:func:`run_group`) writes one JSON line per event to ``<out>/group<g>.<incarnation>/events.jsonl``: its
 start, every optimizer step, every sync (the groups, who joined, whether it was lost, seconds spent healing and in the
@@ -43,11 +29,10 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import lightning as L
 import torch
@@ -58,20 +43,8 @@ import lightning_fedshard
 from lightning_fedshard.examples.llama import LlamaLM
 from lightning_fedshard.examples.shakespeare import ShakespeareDataModule
 
-#: What a fault does to a group: kill it (SIGKILL), stop it (SIGSTOP: a hung group) between syncs or inside the sum of
-#: a sync (``hang``), or start a new job for it; or, as a stranger to a federation with a secret: start a job for it
-#: without the secret or with another one, or fetch the state from its heal server.
-FAULT_KINDS = ("kill", "stop", "hang", "restart", "healkill", "lighthouse", "nosecret", "badsecret", "fetch")
-#: The faults that play a stranger: they need the demo's ``secret``.
-STRANGER_FAULTS = ("nosecret", "badsecret", "fetch")
-#: The file whose presence arms the kill of the next group that serves a heal (``healkill``), in the demo's folder.
-HEAL_KILL_MARKER = "healkill.armed"
-#: The bytes of a heal a ``healkill`` source sends before it dies.
-HEAL_KILL_AFTER = 256 * 1024
-#: Seconds a ``lighthouse`` fault keeps the lighthouse down.
-LIGHTHOUSE_DOWN = 2.0
-#: The secret a ``badsecret`` stranger holds.
-ANOTHER_SECRET = "not-the-federations-secret"
+#: What the demo's faults do to a group: kill it (SIGKILL), stop it (SIGSTOP: a hung group), or start a new job for it.
+FAULT_KINDS = ("kill", "stop", "restart")
 
 #: Tokens one rank trains on per optimizer step (the demo's batch of 8 windows of 128 tokens).
 BATCH, SEQ_LEN = 8, 128
@@ -86,8 +59,8 @@ class Fault:
     step: int
 
 
-def parse_faults(spec: str, groups: int) -> list[Fault]:
-    """Parse ``"kill:1@20,stop:2@40,restart:1@30"`` into faults, in the order of their steps.
+def parse_faults(spec: str, groups: int, kinds: tuple[str, ...] = FAULT_KINDS) -> list[Fault]:
+    """Parse ``"kill:1@20,stop:2@40,restart:1@30"`` into faults of ``kinds``, in the order of their steps.
 
     Raises:
         ValueError: Naming the entry that is not ``KIND:GROUP@STEP`` with a known kind, a group in ``[0, groups)``
@@ -97,9 +70,9 @@ def parse_faults(spec: str, groups: int) -> list[Fault]:
     for entry in filter(None, (e.strip() for e in spec.split(","))):
         kind, _, rest = entry.partition(":")
         group, _, step = rest.partition("@")
-        if kind not in FAULT_KINDS or not group.isdigit() or not step.isdigit():
+        if kind not in kinds or not group.isdigit() or not step.isdigit():
             raise ValueError(
-                f"Fault {entry!r} is not KIND:GROUP@STEP with KIND one of {list(FAULT_KINDS)}, e.g. 'kill:1@20'."
+                f"Fault {entry!r} is not KIND:GROUP@STEP with KIND one of {list(kinds)}, e.g. 'kill:1@20'."
             )
         if not 0 <= int(group) < groups or int(step) < 1:
             raise ValueError(f"Fault {entry!r}: the group must be in [0, {groups}) and the step positive.")
@@ -210,9 +183,10 @@ class ElasticDemo:
         lighthouse: The address of a lighthouse already running; default: one started in this process.
         node_address: The address a group's manager is reached at by the others (default: this machine's name).
         secret: The federation's secret, given to every group job as ``$FEDSHARD_SECRET`` (never written anywhere).
-        restart_lighthouse: Takes the external ``lighthouse`` down for the given seconds and starts it again at the
-            same address (the ``lighthouse`` fault); a lighthouse this demo started it restarts itself.
     """
+
+    #: The script a group job runs (``python <script> <spec>``): this module's :func:`run_group`.
+    group_script = Path(__file__).resolve()
 
     def __init__(
         self,
@@ -222,26 +196,12 @@ class ElasticDemo:
         lighthouse: str | None = None,
         node_address: Callable[[int], str] | None = None,
         secret: str | None = None,
-        restart_lighthouse: Callable[[float], None] | None = None,
     ) -> None:
-        if lighthouse is not None and restart_lighthouse is None and any(f.kind == "lighthouse" for f in config.faults):
-            raise ValueError("The lighthouse fault needs `restart_lighthouse` for a lighthouse the demo did not start.")
-        if secret is None and any(f.kind in STRANGER_FAULTS for f in config.faults):
-            raise ValueError("The stranger faults (nosecret, badsecret, fetch) need a federation `secret`.")
-        for fault in config.faults:
-            if fault.kind == "hang" and fault.step % config.sync_every:
-                raise ValueError(
-                    f"Fault hang:{fault.group}@{fault.step}: a group hangs inside the sum of a sync, and step"
-                    f" {fault.step} is not one (not a multiple of sync_every={config.sync_every})."
-                )
         self.secret = secret
-        #: Jobs started as strangers (not counted as any group's).
-        self.strangers: list[tuple[str, Incarnation]] = []
         self.config = config
         self.out = out
         self.launch = launch
         self._external_lighthouse = lighthouse
-        self._restart_external = restart_lighthouse
         self._lighthouse: Any = None
         self.node_address = node_address or (lambda group: socket.gethostname())
         self.jobs: list[Incarnation] = []
@@ -300,32 +260,23 @@ class ElasticDemo:
         )
         return str(self._lighthouse.address())
 
-    def _restart_lighthouse(self, address: str) -> None:
-        """Take the lighthouse down for :data:`LIGHTHOUSE_DOWN` seconds, then start a new one at ``address``."""
-        if self._restart_external is not None:
-            self._restart_external(LIGHTHOUSE_DOWN)
-            return
-        self._lighthouse.shutdown()
-        time.sleep(LIGHTHOUSE_DOWN)
-        self._start_lighthouse(port=int(urlparse(address).port or 0))
-
     def _start(
-        self, group: int, lighthouse: str, node: int | None = None, secret: str | None = None, stranger: str = ""
+        self, group: int, lighthouse: str, node: int | None = None, secret: str | None = None, name: str = ""
     ) -> Incarnation:
         """Start a job for ``group`` (``-1``: a standby) on ``node`` (default: the group's own).
 
-        ``secret``: the job's (default: the federation's); ``stranger``: the fault that starts it as a stranger.
+        ``secret``: the job's (default: the federation's). A job given a ``name`` of its own is not one of the
+        federation's groups (:attr:`jobs`): the caller keeps it.
         """
         node = group if node is None else node
         standby = group < 0
         index = sum(j.standby for j in self.jobs) if standby else sum(j.group == group for j in self.jobs)
-        index = len(self.strangers) if stranger else index
-        name = f"{stranger}{group}.{index}" if stranger else f"standby.{index}" if standby else f"group{group}.{index}"
-        out = self.out / name
+        stranger = bool(name)
+        out = self.out / (name or (f"standby.{index}" if standby else f"group{group}.{index}"))
         out.mkdir(parents=True, exist_ok=True)
         (out / "events.jsonl").unlink(missing_ok=True)  # left by an earlier run in the same folder
         spec = {**self._group_spec(group, lighthouse, out), "hostname": self.node_address(node)}
-        argv = [sys.executable, str(Path(__file__).resolve()), json.dumps(spec)]
+        argv = [sys.executable, str(self.group_script), json.dumps(spec)]
         env = {
             **os.environ,
             "MASTER_ADDR": self.node_address(node),
@@ -346,78 +297,44 @@ class ElasticDemo:
         )
         log.close()
         job = Incarnation(group, index, out, process, time.time(), standby=standby, node=node)
-        if stranger:
-            self.strangers.append((stranger, job))
-        else:
+        if not stranger:
             self.jobs.append(job)
         return job
 
     def _group_spec(self, group: int, lighthouse: str, out: Path) -> dict[str, Any]:
-        hangs = [f.step for f in self.config.faults if f.kind == "hang" and f.group == group]
+        """What a group job is told (:func:`run_group`): the run's config, its group, the lighthouse, its folder."""
         return {
             **asdict(self.config),
             "faults": [],
-            "hang_at": hangs,
             "group": group,
             "lighthouse": lighthouse,
             "out": str(out),
             "hostname": self.node_address(group),
-            "heal_kill_marker": str(self.out / HEAL_KILL_MARKER),
         }
 
     def _inject(self, fault: Fault, lighthouse: str) -> None:
         self._reap()
-        current = [j for j in self.jobs if j.group == fault.group and j.ended is None]
         record: dict[str, Any] = {**asdict(fault), "t": time.time()}
-        if fault.kind in ("nosecret", "badsecret"):
-            secret = None if fault.kind == "nosecret" else ANOTHER_SECRET
-            self._start(fault.group, lighthouse, node=fault.group, secret=secret, stranger=fault.kind)
-        elif fault.kind == "fetch":
-            record["status"] = self._fetch(fault.group)
-        elif fault.kind == "stop":
+        self._apply(fault, record, lighthouse)
+        self.fault_log.append(record)
+
+    def _apply(self, fault: Fault, record: dict[str, Any], lighthouse: str) -> None:
+        """Do what ``fault`` does (kill, stop or restart its group); ``record`` is its entry in the report."""
+        current = [j for j in self.jobs if j.group == fault.group and j.ended is None]
+        if fault.kind == "stop":
             for job in current:
                 job.signal(signal.SIGSTOP)
                 job.stopped_at = record["t"]
-        elif fault.kind == "hang":  # the job stopped itself inside the sum (its `hang` event says when)
-            hung = [(job, e["t"]) for job in current for e in job.events() if e["event"] == "hang"]
-            for job, t in hung:
-                job.stopped_at = record["t"] = t
-            record["hung"] = bool(hung)
-        elif fault.kind == "lighthouse":
-            self._restart_lighthouse(lighthouse)
-            record["up_again"] = time.time()
-        elif fault.kind in ("restart", "healkill") and self.config.standbys:
-            if fault.kind == "healkill":
-                (self.out / HEAL_KILL_MARKER).write_text(str(fault.step))  # the next heal's source dies while sending
+        elif fault.kind == "restart" and self.config.standbys:
             for job in current:  # a hung job of the group ends; a standby that took the group's place trains on
                 if job.stopped_at is not None:
                     self._end(job)
             self._start(-1, lighthouse, node=self._free_node(fault.group))
         else:
-            if fault.kind == "healkill":
-                (self.out / HEAL_KILL_MARKER).write_text(str(fault.step))
             for job in current:
                 self._end(job)
-            if fault.kind in ("restart", "healkill"):
+            if fault.kind == "restart":
                 self._start(fault.group, lighthouse)
-        self.fault_log.append(record)
-
-    def _fetch(self, group: int) -> int | None:
-        """A plain HTTP fetch of the state from ``group``'s heal server by a stranger on its node: the HTTP status.
-
-        ``None`` if no answer came.
-        """
-        jobs = [j for j in self.jobs if j.group == group and j.running]
-        servers = [e for j in jobs for e in j.events() if e["event"] == "heal_server"]
-        if not servers:
-            return None
-        url = f"{servers[-1]['address']}{max(0, jobs[-1].step())}/full"
-        argv = [sys.executable, "-c", _FETCH, url]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("FEDSHARD_SECRET", None)
-        done = subprocess.run(self.launch(group, argv, env), env=env, capture_output=True, text=True, timeout=60)
-        status = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
-        return int(status[0]) if status and status[0].isdigit() else None
 
     def _free_node(self, preferred: int) -> int:
         """A node no running job holds (``preferred`` if it is free): a new spare must not share a training node."""
@@ -440,7 +357,7 @@ class ElasticDemo:
 
     def close(self) -> None:
         """End every process this demo started, and the lighthouse."""
-        for job in [*self.jobs, *(j for _, j in self.strangers)]:
+        for job in self._every_job():
             if job.ended is None:
                 job.signal(signal.SIGCONT)
                 job.signal(signal.SIGKILL)
@@ -449,6 +366,10 @@ class ElasticDemo:
         if self._lighthouse is not None:
             self._lighthouse.shutdown()
             self._lighthouse = None
+
+    def _every_job(self) -> list[Incarnation]:
+        """Every job this demo started (the groups' and standbys')."""
+        return list(self.jobs)
 
     # -- the report ---------------------------------------------------------------------------------------------------
 
@@ -477,7 +398,6 @@ class ElasticDemo:
             "committed_tokens_per_s": committed / span if span and span > 0 else math.nan,
             "alive_fraction": self._alive_fraction(min(starts, default=math.nan), max(ends, default=math.nan)),
             "checksums": {name: e["checksum"] for (_, name), evs in events.items() for e in evs if e["event"] == "end"},
-            "strangers": [_stranger_report(kind, job) for kind, job in self.strangers],
             "split_syncs": split_syncs(events),
         }
 
@@ -530,11 +450,8 @@ class ElasticDemo:
     ) -> dict[str, Any]:
         """The surviving groups' stall: how much longer their first sync after the fault took than their usual sync.
 
-        After a ``hang`` (inside a sum, whose start the others' sync predates) instead: from the moment the group
-        stopped to the moment the last survivor left that sync, the time they waited for it.
+        After a restart also when the new job first committed a sync.
         """
-        if fault["kind"] == "hang":
-            return {**fault, "stall_seconds": self._hang_wait(fault, events)}
         stalls = []
         for (group, _), evs in events.items():
             if group == fault["group"]:
@@ -549,34 +466,14 @@ class ElasticDemo:
             report.update(self._rejoin_report(fault, events))
         return report
 
-    @staticmethod
-    def _hang_wait(fault: dict[str, Any], events: dict[tuple[int, str], list[dict[str, Any]]]) -> float | None:
-        """Seconds from a group's hang inside the sum of its sync to the last survivor leaving that sync."""
-        ends = [
-            e["t"]
-            for (group, _), evs in events.items()
-            if group != fault["group"]
-            for e in evs
-            if e["event"] == "sync" and e["step"] == fault["step"] and e["t"] >= fault["t"]
-        ]
-        return max(ends) - fault["t"] if ends and fault.get("hung") else None
-
     def _rejoin_report(
         self, fault: dict[str, Any], events: dict[tuple[int, str], list[dict[str, Any]]]
     ) -> dict[str, Any]:
-        """When the new job of a restart first committed a sync (seconds from the fault).
-
-        For a ``healkill`` also which group died serving a heal, and when.
-        """
+        """When the new job of a restart first committed a sync (seconds from the fault)."""
         joiner = next((j for j in self.jobs if j.group == fault["group"] and j.started >= fault["t"]), None)
         syncs = [] if joiner is None else [e for e in events[(joiner.group, joiner.out.name)] if e["event"] == "sync"]
         committed = next((e for e in syncs if not e["lost"] and e["step"] > 0), None)
-        report = {"joined_seconds": None if committed is None else committed["t"] - fault["t"]}
-        if fault["kind"] == "healkill":
-            taken = [json.loads(p.read_text() or "{}") for p in self.out.glob(f"{HEAL_KILL_MARKER}.taken.*")]
-            killed = sorted((k["t"], k["group"]) for k in taken if "t" in k and k["t"] >= fault["t"])
-            report["source"], report["source_killed_at"] = (killed[0][1], killed[0][0]) if killed else (None, None)
-        return report
+        return {"joined_seconds": None if committed is None else committed["t"] - fault["t"]}
 
     def _alive_fraction(self, start: float, end: float) -> float:
         """The time-weighted share of the planned groups that had a running (not stopped) job."""
@@ -686,31 +583,6 @@ def summary(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-#: A stranger's fetch of a URL: prints the HTTP status (what a plain ``urllib`` request gets).
-_FETCH = """
-import sys, urllib.error, urllib.request
-try:
-    with urllib.request.urlopen(sys.argv[1], timeout=30) as answer:
-        print(answer.status)
-except urllib.error.HTTPError as error:
-    print(error.code)
-"""
-
-
-def _stranger_report(kind: str, job: Incarnation) -> dict[str, Any]:
-    """What became of a stranger's job: its exit code, the refusal it printed, the steps it trained."""
-    job.process.wait()
-    log = (job.out / "job.log").read_text(errors="replace") if (job.out / "job.log").exists() else ""
-    refused = next((line for line in reversed(log.splitlines()) if "FederationError: This job" in line), None)
-    return {
-        "kind": kind,
-        "group": job.group,
-        "exit_code": job.process.returncode,
-        "refused": refused,
-        "trained_steps": sum(e["event"] == "step" for e in job.events()),
-    }
-
-
 def _share(report: dict[str, Any]) -> str:
     trained = report.get("trained_tokens")
     return f"{report['committed_tokens'] / trained:.1%}" if trained else "n/a"
@@ -810,103 +682,6 @@ class EventLog(Callback):
         )
 
 
-class HangInSum(Callback):
-    """A fault: this job stops itself inside the sum over the groups of its sync at each of ``steps``.
-
-    As it enters that sum (the sync's quorum included it, so the other groups wait for it there), rank 0 writes a
-    ``hang`` event and stops every process of the job's session (SIGSTOP), itself included.
-
-    Args:
-        steps: The steps whose sync it hangs in.
-        events: The job's event log.
-    """
-
-    def __init__(self, steps: list[int], events: EventLog) -> None:
-        self.steps, self.events = set(steps), events
-
-    @override
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        runtime = getattr(trainer.strategy, "runtime", None)
-        if not self.steps or runtime is None or runtime.standing_by:
-            return
-        communicator = runtime.membership.communicator
-        for name in ("sum_over_groups", "all_to_all"):  # a sum in float32 or int8, or int4's message exchange
-            setattr(communicator, name, self._hanging(trainer, getattr(communicator, name)))
-
-    def _hanging(self, trainer: L.Trainer, collective: Callable[..., None]) -> Callable[..., None]:
-        def hanging(*args: Any) -> None:
-            if trainer.global_step in self.steps and trainer.global_rank == 0:
-                self.steps.discard(trainer.global_step)
-                self.events._write({"event": "hang", "step": trainer.global_step})
-                os.killpg(os.getpgrp(), signal.SIGSTOP)
-            collective(*args)
-
-        return hanging
-
-
-class DieWhileHealing(Callback):
-    """A fault: once ``marker`` exists, the first group to serve a heal dies (SIGKILL, every rank) while sending it.
-
-    The rank whose heal server takes the marker (an atomic rename: one rank of one group only) writes its group and
-    the time into the taken marker (``<marker>.taken.<pid>``, read by the driver), sends the first
-    :data:`HEAL_KILL_AFTER` bytes of the state and kills every process of its job's session.
-
-    Args:
-        marker: The file that arms the fault (written by the demo's driver).
-    """
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-        self.group: int | None = None
-
-    @override
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        runtime = getattr(trainer.strategy, "runtime", None)
-        if runtime is None or runtime.standing_by:
-            return
-        self.group = runtime.group_index
-        # The heal server of torchft's transport (private): its request handler class is built per request.
-        server = runtime.membership.communicator._connection._transport._server
-        server.RequestHandlerClass = self._dying(server.RequestHandlerClass)
-
-    def _dying(self, handler: type) -> type:
-        fault = self
-
-        class DyingHandler(handler):  # type: ignore[misc, valid-type]
-            def do_GET(self) -> None:
-                if self.path.endswith("/full") and fault._take():
-                    self.wfile = _DyingAfter(self.wfile, HEAL_KILL_AFTER)  # type: ignore[has-type]
-                super().do_GET()
-
-        return DyingHandler
-
-    def _take(self) -> bool:
-        taken = f"{self.marker}.taken.{os.getpid()}"
-        try:
-            os.rename(self.marker, taken)
-        except OSError:
-            return False
-        Path(taken).write_text(json.dumps({"group": self.group, "t": time.time()}))
-        return True
-
-
-class _DyingAfter:
-    """A stream that kills this job's session once ``limit`` bytes went through it."""
-
-    def __init__(self, stream: Any, limit: int) -> None:
-        self.stream, self.limit, self.sent = stream, limit, 0
-
-    def write(self, data: Any) -> int:
-        if self.sent >= self.limit:
-            self.stream.flush()
-            os.killpg(os.getpgrp(), signal.SIGKILL)
-        self.sent += len(memoryview(data).cast("B"))
-        return int(self.stream.write(data))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.stream, name)
-
-
 def training(spec: dict[str, Any]) -> tuple[LlamaLM, ShakespeareDataModule]:
     """The demo's model and data: the example Llama on Shakespeare, the data resumable."""
     L.seed_everything(0, verbose=False)
@@ -915,8 +690,13 @@ def training(spec: dict[str, Any]) -> tuple[LlamaLM, ShakespeareDataModule]:
     return model, data
 
 
-def run_group(spec: dict[str, Any]) -> None:
-    """Train one group of the demo's federation with the Trainer, logging its events (see the module docstring)."""
+def run_group(spec: dict[str, Any], more_callbacks: Callable[[EventLog], Sequence[Callback]] | None = None) -> None:
+    """Train one group of the demo's federation with the Trainer, logging its events (see the module docstring).
+
+    Args:
+        spec: The group job's spec, as the demo wrote it.
+        more_callbacks: Builds more of the job's callbacks from its event log (the benchmarks' faults inside a job).
+    """
     standby = spec["group"] < 0
     elastic = lightning_fedshard.Elastic(
         lighthouse=spec["lighthouse"],
@@ -941,7 +721,6 @@ def run_group(spec: dict[str, Any]) -> None:
     )
     model, data = training(spec)
     events = EventLog(Path(spec["out"]), spec["step_sleep"])
-    heal_kill = [DieWhileHealing(spec["heal_kill_marker"])] if spec.get("heal_kill_marker") else []
     trainer = L.Trainer(
         accelerator="cpu",
         devices=spec["ranks_per_group"],
@@ -954,7 +733,7 @@ def run_group(spec: dict[str, Any]) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
-        callbacks=[events, HangInSum(spec.get("hang_at", []), events), *heal_kill],
+        callbacks=[events, *(more_callbacks(events) if more_callbacks else ())],
     )
     trainer.fit(model, datamodule=data)
 

@@ -1,4 +1,4 @@
-"""The elastic communicator's sums over a site: a row per planned site, summed over the whole fed ring.
+"""The elastic communicator's sums over a site (a row per planned site, summed over the whole fed ring), its seams.
 
 No torchft here: the communicator is built but never connects, and its ring sum is replaced by the groups' sum.
 """
@@ -44,3 +44,21 @@ def test_a_site_sums_its_live_groups_in_its_row_of_one_sum_over_the_ring():
 def test_a_size_without_sites_is_refused():
     with pytest.raises(ValueError, match=r"has no sites of 4 groups \(it has \[2\]\)"):
         _communicator(0).sum_over_site(torch.zeros(2), 4)
+
+
+def test_each_on_sum_hook_is_called_with_the_collectives_name_before_the_sum_starts():
+    communicator = _communicator(0)
+    calls: list[str] = []
+
+    class Collectives:
+        def sum(self, tensor: Tensor) -> None:
+            calls.append("summed")
+
+    communicator._collectives = Collectives()  # type: ignore[assignment]
+    communicator.on_sum.extend([lambda name: calls.append(f"first {name}"), lambda name: calls.append(name)])
+    communicator.sum_over_groups(torch.zeros(2))
+    assert calls == ["first sum_over_groups", "sum_over_groups", "summed"]
+
+
+def test_a_communicator_that_never_connected_has_no_heal_server():
+    assert _communicator(0).heal_server is None

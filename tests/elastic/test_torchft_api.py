@@ -36,3 +36,17 @@ def test_the_installed_torchft_is_a_tested_release_with_every_part_the_federatio
     from torchft.checkpointing import _serialization
 
     assert callable(getattr(_serialization, "_streaming_load", None))
+
+
+def test_the_heal_server_of_torchfts_transport_is_an_http_server_whose_handler_can_be_wrapped():
+    """The benchmarks inject a fault into a heal in transit through this server's request handler class."""
+    pytest.importorskip("torchft")
+    from datetime import timedelta
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    transport = torchft_api.http_transport_class()(timeout=timedelta(seconds=5), num_chunks=0)
+    try:
+        server = torchft_api.heal_server(transport)
+        assert isinstance(server, HTTPServer) and issubclass(server.RequestHandlerClass, BaseHTTPRequestHandler)
+    finally:
+        transport.shutdown()

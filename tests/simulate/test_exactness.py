@@ -111,5 +111,6 @@ def test_the_simulation_lands_on_the_trainer_strategys_weights(spec: dict[str, A
     for name, value in expected["metrics"].items():
         assert result.metrics[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name
     if "pace" in spec:  # the same schedule, and in it the slow group trained half of each round
-        assert pace_schedule(result.trainers[0].strategy.runtime.federation.participation).merges == expected["merges"]
+        schedule = pace_schedule(result.trainers[0].strategy.runtime.federation.participation)
+        assert schedule is not None and schedule.merges == expected["merges"]
         assert expected["merges"][1] == (4, 1, {0: 4, 1: 4, 2: 4, 3: 2})
