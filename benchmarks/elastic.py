@@ -85,11 +85,14 @@ from typing import Any
 from benchmarks.harness.cluster import NODE_IFACE, EmulatedCluster, namespaces_available
 from benchmarks.harness.cpu import CpuQuotas, quotas_available
 from benchmarks.harness.faults import FaultyDemo, parse_faults
+from benchmarks.harness.invocations import record_invocation
 from benchmarks.harness.machine import machine
 from benchmarks.harness.sweep import RESULTS
 from lightning_fedshard.examples.elastic import DemoConfig, Fault
 
 ROOT = Path(__file__).parents[1]
+#: Every invocation of this benchmark, whatever became of its runs (one JSON line each).
+INVOCATIONS = RESULTS / "elastic_invocations.jsonl"
 NODES, RANKS, LINK_MBIT = 4, 2, 50.0
 #: The faulted run's faults: a kill, a hang and a restart of every group but group 0, twice for one of them.
 FAULTS = (
@@ -332,10 +335,14 @@ def main(argv: list[str] | None = None) -> None:
     kinds = [k for k in args.kinds.split(",") if k]
     if unknown := sorted(set(kinds) - set(KINDS)):
         parser.error(f"--kinds: unknown runs {unknown}; known: {list(KINDS)}")
+    if args.out.exists():
+        parser.error(f"--out {args.out} exists: every invocation is kept, give this one a file of its own")
     if (reason := namespaces_available()) is not None:
         sys.exit(f"benchmarks.elastic: {reason}")
     if args.node_cores is not None and (reason := quotas_available()) is not None:
         sys.exit(f"benchmarks.elastic: --node-cores: {reason}")
+    runs_planned = [f"{kind}.{repeat}" for repeat in range(args.repeats) for kind in kinds]
+    record_invocation(INVOCATIONS, "benchmarks.elastic", argv if argv is not None else sys.argv[1:], runs_planned)
     _prepare_data()
     faults = parse_faults(args.faults, NODES)
     restart = parse_faults(f"kill:1@{args.kill_at},restart:1@{args.kill_at + 1}", NODES)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.invocations import record_invocation
 from lightning_fedshard.core.options.pace import Pace
 from lightning_fedshard.core.wire.codecs import SparseLoCo
 
@@ -386,17 +387,6 @@ def pending(
     return todo
 
 
-def record_invocation(results: Path, module: str, argv: list[str], todo: list[tuple[str, int]]) -> None:
-    """Append one invocation of a study to ``results/invocations.jsonl`` (kept whatever its runs became)."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
-    entry = {"at": time.strftime("%Y-%m-%d %H:%M:%S"), "command": f"python -m {module} {' '.join(argv)}".strip(),
-             "commit": commit or None, "runs": [f"{name}-s{seed}" for name, seed in todo]}  # fmt: skip
-    results.mkdir(parents=True, exist_ok=True)
-    with (results / "invocations.jsonl").open("a") as log:
-        log.write(json.dumps(entry) + "\n")
-
-
 def main(
     argv: list[str] | None = None,
     recipes: dict[str, Recipe] | None = None,
@@ -435,7 +425,8 @@ def main(
         result_path(name, seed, results).write_text(json.dumps(result, indent=1) + "\n")
         return
     todo = pending(args.only or list(recipes), args.seeds, recipes, results)
-    record_invocation(results, module, argv if argv is not None else sys.argv[1:], todo)
+    runs = [f"{name}-s{seed}" for name, seed in todo]
+    record_invocation(results / "invocations.jsonl", module, argv if argv is not None else sys.argv[1:], runs)
     print(f"{len(todo)} run(s) to do: {', '.join(f'{n}-s{s}' for n, s in todo)}", flush=True)
     running: list[tuple[str, subprocess.Popen[bytes]]] = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
