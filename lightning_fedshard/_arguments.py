@@ -216,7 +216,7 @@ class FederatedArguments:
 
     def local_shards(self) -> list[torch.Tensor]:
         """This rank's local parameter shards of the federated model."""
-        return self.runtime.local_shards()
+        return self.runtime.model.local_shards()
 
     def _data_split(self, num_replicas: int, rank: int) -> dict[str, Any]:
         """The training sampler's split: every rank its own part; an elastic group's ranks take their group's part.
@@ -286,7 +286,7 @@ class FSDP1Arguments(FederatedArguments):
 
     def _federated_wrap(self, module: Module, lightning_wrap: Callable[[Module], Module]) -> Module:
         """Shard ``module`` inside this rank's group (on CPU with the ``device_id`` FSDP needs) and start all equal."""
-        return self.runtime.wrap(module, lambda m: self._wrap_with_fsdp(m, lightning_wrap))
+        return self.runtime.model.wrap(module, lambda m: self._wrap_with_fsdp(m, lightning_wrap))
 
     def _wrap_with_fsdp(self, module: Module, lightning_wrap: Callable[[Module], Module]) -> Module:
         from torch.distributed.fsdp import FullyShardedDataParallel

@@ -17,11 +17,8 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn import Module
-from torch.optim import Optimizer
 
 from lightning_fedshard.checkpoint import FederationCheckpointer
 from lightning_fedshard.core.backends.fsdp import FSDP1
@@ -48,7 +45,7 @@ class FederatedRuntime:
 
     1. :meth:`validate` in the launching process, once nodes and devices are known;
     2. :meth:`setup` after the default process group exists (builds the mesh and process groups);
-    3. :meth:`wrap` the model (all groups and replicas then start from the same weights), :meth:`set_optimizers`;
+    3. wrap the model and set its optimizers (:attr:`model`: all groups and replicas then start from the same weights);
     4. :meth:`start` when training starts, :meth:`after_optimizer_step` after every real optimizer step,
        :meth:`finish` when training ends.
 
@@ -217,21 +214,6 @@ class FederatedRuntime:
 
     # -- model and optimizers ---------------------------------------------------------------------------------
 
-    def wrap(self, module: Module, wrap: Callable[[Module], Module]) -> Module:
-        """Shard ``module`` with ``wrap`` (FSDP over this rank's group) and make every group and replica start equal.
-
-        The model federated already, set up again (the Trainer does so for every entry point), is returned as it is:
-        sharded once, with the weights training left in it.
-
-        Raises:
-            RuntimeError: If another model was wrapped already: the federation holds one model.
-        """
-        return self.model.wrap(module, wrap)
-
-    def holds(self, module: Module) -> bool:
-        """Whether ``module`` is the federated model, or the module inside its FSDP wrapper."""
-        return self.model.holds(module)
-
     def release_model(self) -> None:
         """Forget the federated model and start a new federation on the same mesh, for another model to be set up.
 
@@ -243,24 +225,6 @@ class FederatedRuntime:
             self._federation = self._new_federation()
         self.model.release()
         self.step = 0
-
-    @property
-    def module(self) -> Module:
-        """The FSDP-wrapped model."""
-        return self.model.module
-
-    def local_shards(self) -> list[Tensor]:
-        """This rank's local parameter shards of the wrapped model (written in place by the outer step)."""
-        return self.model.local_shards()
-
-    def set_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
-        """The inner optimizers of the model; a group that a sync skipped restarts them with an empty state."""
-        self.model.set_optimizers(optimizers)
-
-    @property
-    def optimizers(self) -> list[Optimizer]:
-        """The inner optimizers given to :meth:`set_optimizers`."""
-        return self.model.optimizers
 
     # -- the sync schedule ------------------------------------------------------------------------------------
 
@@ -305,7 +269,7 @@ class FederatedRuntime:
     def start_federation(self, step: int) -> None:
         """Anchor the federation on the model's local shards at optimizer step ``step`` (kept if started already)."""
         self.federation.start(
-            self.local_shards(),
+            self.model.local_shards(),
             step,
             on_write=self.model.free_unsharded_params,
             unit_sizes=self.model.unit_sizes(),
@@ -435,7 +399,7 @@ class FederatedRuntime:
             self.hybrid,
             self.mesh.rank,
             self.federation,
-            self.module,
+            self.model.module,
             self.model.free_unsharded_params,
             self.backend,
         )

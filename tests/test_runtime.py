@@ -77,7 +77,7 @@ def _runtime(group: int, communicator: Any, num_groups: int = 2, **options: Any)
     config = FederationConfig(num_groups=num_groups, **options)
     runtime = FederatedRuntime(config, hybrid=False, name="fl_fsdp", backend=_UnshardedBackend())
     runtime.setup(num_nodes=num_groups, devices_per_node=1, device=torch.device("cpu"))
-    module = runtime.wrap(nn.Linear(2, 1, bias=False), lambda m: m)
+    module = runtime.model.wrap(nn.Linear(2, 1, bias=False), lambda m: m)
     with torch.no_grad():
         module.weight.fill_(1.0)
     return runtime, module
@@ -118,7 +118,7 @@ def test_finish_right_after_a_sync_does_nothing():
 def _step_then_break_group_one(runtime: Any, module: torch.nn.Module, group: int) -> torch.optim.Optimizer:
     """Start the runtime, take one momentum SGD step, and put a NaN into group 1's weights; returns the optimizer."""
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-    runtime.set_optimizers([optimizer])
+    runtime.model.set_optimizers([optimizer])
     runtime.start(0)
     module(torch.ones(1, 2)).sum().backward()
     optimizer.step()

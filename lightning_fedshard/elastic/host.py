@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info
-from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_fedshard.core.backends.sharding import ShardingBackend
@@ -31,6 +30,7 @@ from lightning_fedshard.elastic.communicator import ElasticCommunicator
 from lightning_fedshard.elastic.membership import ElasticMembership
 from lightning_fedshard.elastic.quorum import MembershipChange
 from lightning_fedshard.elastic.torchft_api import torchft_version
+from lightning_fedshard.federated_model import FederatedModel
 
 #: Lightning's warning when a fit resumes mid-epoch with a data loader that is not resumable. A group that heals takes
 #: a peer's loop position on purpose, not a checkpoint's: for a heal (only) the warning is dropped.
@@ -57,9 +57,7 @@ class Runtime(Protocol):
     def mesh(self) -> FederationMesh: ...  # noqa: D102
 
     @property
-    def optimizers(self) -> list[Optimizer]: ...  # noqa: D102
-
-    def local_shards(self) -> list[Tensor]: ...  # noqa: D102
+    def model(self) -> FederatedModel: ...  # noqa: D102
 
     def start_federation(self, step: int) -> None: ...  # noqa: D102
 
@@ -214,7 +212,7 @@ class ElasticHost:
         return {
             "step": runtime.step,
             "host": self._host_state() if self._host_state is not None else None,
-            "hyperparameters": [_hyperparameters(optimizer) for optimizer in runtime.optimizers],
+            "hyperparameters": [_hyperparameters(optimizer) for optimizer in runtime.model.optimizers],
         }
 
     def _load_host_state_of_peer(self, step: int, state: dict[str, Any] | None) -> None:
@@ -225,7 +223,7 @@ class ElasticHost:
                 # The inner optimizer's state is this group's own and starts fresh, but its settings (learning rate,
                 # betas, ...) follow the schedules: a scheduler writes them only at its next step, and until then they
                 # must be the federation's, not the initial ones. Then the strategy's own state (which may step them).
-                for optimizer, groups in zip(runtime.optimizers, state.get("hyperparameters", [])):
+                for optimizer, groups in zip(runtime.model.optimizers, state.get("hyperparameters", [])):
                     for group, saved in zip(optimizer.param_groups, groups):
                         group.update(saved)
                 if self._load_host_state is not None and state.get("host") is not None:
@@ -257,7 +255,7 @@ class ElasticHost:
     def _description(self) -> dict[str, Any]:
         """What must be equal in every group at this rank's in-group position (the elastic admission check)."""
         runtime = self.runtime
-        shards = runtime.local_shards()
+        shards = runtime.model.local_shards()
         layout = hashlib.sha1(repr([(tuple(s.shape), str(s.dtype)) for s in shards]).encode()).hexdigest()[:12]
         dtypes = sorted({str(s.dtype).removeprefix("torch.") for s in shards})
         topology = runtime.topology

@@ -45,11 +45,11 @@ class _FabricHooks(FederatedArguments):
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         # Every optimizer.step() counts as one step of the sync schedule, so a second optimizer would double it.
-        if self.runtime.optimizers and self.runtime.optimizers[0] is not optimizer:
+        if self.runtime.model.optimizers and self.runtime.model.optimizers[0] is not optimizer:
             raise RuntimeError(
                 f"`{type(self).__name__}` supports one optimizer; use parameter groups instead of a second optimizer."
             )
-        self.runtime.set_optimizers([optimizer])
+        self.runtime.model.set_optimizers([optimizer])
         return super().setup_optimizer(optimizer)  # type: ignore[misc]
 
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
@@ -205,7 +205,7 @@ class _FabricHooks(FederatedArguments):
         checkpoint[module_key] = runtime.checkpointer.consensus_state_dict(self._state_dict_type)
         if self._state_dict_type == "full":
             for key in optimizer_keys:
-                checkpoint[key] = runtime.backend.full_optimizer_state_dict(runtime.module, state[key])  # type: ignore[arg-type]
+                checkpoint[key] = runtime.backend.full_optimizer_state_dict(runtime.model.module, state[key])  # type: ignore[arg-type]
         checkpoint[FABRIC_KEY] = {"num_steps": runtime.step, "model_key": module_key}
         optimizer_states = [state[k].state_dict() for k in optimizer_keys]
         runtime.checkpointer.save(
@@ -262,7 +262,7 @@ class _FabricHooks(FederatedArguments):
     def _load_raw_module(self, path: _PATH, module: Module, strict: bool, weights_only: bool | None) -> None:
         """Load a plain ``torch.save(model.state_dict())`` file into ``module`` (the federated one: in every group)."""
         state_dict = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
-        if module is not self.runtime.module:
+        if module is not self.runtime.model.module:
             module.load_state_dict(state_dict, strict=strict)
             return
         self.runtime.backend.load_state_dict(module, state_dict, "full", strict=strict)
@@ -275,7 +275,7 @@ class _FabricHooks(FederatedArguments):
 
     def _federated_keys(self, state: dict[str, Any]) -> tuple[str, list[str]]:
         """The key of the federated model in ``state`` and the keys of the optimizers."""
-        modules = [k for k, v in state.items() if v is self.runtime.module]
+        modules = [k for k, v in state.items() if v is self.runtime.model.module]
         if len(modules) != 1:
             raise ValueError(
                 f"The checkpoint `state` must hold the model set up by `{type(self).__name__}` exactly once"
@@ -334,7 +334,7 @@ class _FederatedFabricFSDP2Strategy(_FabricHooks, FSDP2Arguments, ModelParallelS
 
     @override
     def setup_module(self, module: Module) -> Module:
-        module = self.runtime.wrap(module, self._shard_and_materialize)
+        module = self.runtime.model.wrap(module, self._shard_and_materialize)
         if self.runtime.config.elastic is None:  # an elastic group starts when it joins (`join`)
             self.runtime.start(self.runtime.step)
         return module

@@ -139,7 +139,7 @@ class PlanCheck:
     def on_finish(self, runtime: Any) -> None:
         """Predict this run and keep the comparison in :attr:`report`; collective (sums the model's size)."""
         t, config = runtime.topology, runtime.config
-        shards = runtime.local_shards()
+        shards = runtime.model.local_shards()
         local = torch.tensor(float(sum(s.numel() for s in shards)), dtype=torch.float64)
         if t.shard_size > 1:
             dist.all_reduce(local, group=runtime.mesh.group("shard"))

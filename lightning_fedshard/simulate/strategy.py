@@ -156,7 +156,7 @@ class SimulatedStrategy(ParallelStrategy):
             refuse_pace_with_manual_optimization(trainer.lightning_module, self.runtime.config.pace)
         assert self.model is not None
         self.model_to_device()
-        self.model = self.runtime.wrap(self.model, lambda module: module)
+        self.model = self.runtime.model.wrap(self.model, lambda module: module)
         super().setup(trainer)
 
     @override
@@ -285,8 +285,8 @@ class SimulatedStrategy(ParallelStrategy):
     def _restore_federation(self, own: dict[str, Any]) -> None:
         federation = self.runtime.federation
         step = int(own["federation"]["last_synced_step"])
-        unit_sizes = self.runtime.backend.unit_sizes(self.runtime.module)
-        federation.start(self.runtime.local_shards(), step, unit_sizes=unit_sizes)
+        unit_sizes = self.runtime.backend.unit_sizes(self.runtime.model.module)
+        federation.start(self.runtime.model.local_shards(), step, unit_sizes=unit_sizes)
         groups = self.groups.num_groups
         federation.load_state_dict(upgrades.federation_state(own["federation"], federation.config.fragments, groups))
         federation.load_group_state_dict(upgrades.group_state(own["group"], groups))

@@ -52,7 +52,7 @@ class OuterSync(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.epoch_boundary.reached()
         runtime = _runtime(trainer)
-        runtime.set_optimizers(trainer.optimizers)
+        runtime.model.set_optimizers(trainer.optimizers)
         runtime.start(trainer.global_step)
 
     @override

@@ -78,7 +78,7 @@ class _TrainerHooks(FederatedArguments):
         outer state kept); a different LightningModule gets a new federation.
         """
         self._outer_sync = place_outer_sync_first(trainer)
-        if not self.runtime.holds(self.lightning_module):
+        if not self.runtime.model.holds(self.lightning_module):
             self.runtime.release_model()
         if self.runtime.config.elastic is not None:
             self.runtime.set_host_state(lambda: _loop_state(trainer), lambda state: _load_loop_state(trainer, state))
@@ -165,7 +165,7 @@ class _TrainerHooks(FederatedArguments):
             and not self.runtime.joined
             and not self.runtime.standing_by
         ):
-            self.runtime.set_optimizers(trainer.optimizers)
+            self.runtime.model.set_optimizers(trainer.optimizers)
             self.runtime.join(trainer.global_step)
             if self.runtime.standing_by:  # a standby whose federation ended as it took a place
                 trainer.should_stop = True
@@ -262,7 +262,7 @@ class _FederatedFSDPStrategy(_TrainerHooks, FSDP1Arguments, FSDPStrategy):
     def precision_plugin(self) -> FSDPPrecision:
         plugin = FSDPStrategy.precision_plugin.fget(self)  # type: ignore[attr-defined]
         if not isinstance(plugin, GroupNormFSDPPrecision):
-            plugin = self._precision_plugin = GroupNormFSDPPrecision(plugin, lambda: self.runtime.module)
+            plugin = self._precision_plugin = GroupNormFSDPPrecision(plugin, lambda: self.runtime.model.module)
         return plugin
 
     @precision_plugin.setter
@@ -320,7 +320,7 @@ class _FederatedFSDP2Strategy(_TrainerHooks, FSDP2Arguments, ModelParallelStrate
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         _refuse_fsdp1(self.model)
-        self.model = self.runtime.wrap(self.model, self._shard_and_materialize)
+        self.model = self.runtime.model.wrap(self.model, self._shard_and_materialize)
         self.barrier()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:

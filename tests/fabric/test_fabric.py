@@ -271,7 +271,7 @@ def test_fabric_registry_and_early_errors():
 def test_one_model_and_one_optimizer(monkeypatch):
     strategy = lightning_fedshard.fabric.FLFSDPStrategy()
     monkeypatch.setattr(strategy.runtime.model, "_synchronize_initial_weights", lambda module: None)  # no processes
-    strategy.runtime.wrap(torch.nn.Linear(1, 1), lambda m: m)  # as if setup_module had run
+    strategy.runtime.model.wrap(torch.nn.Linear(1, 1), lambda m: m)  # as if setup_module had run
     with pytest.raises(RuntimeError, match="federates one model"):
         strategy.setup_module(torch.nn.Linear(1, 1))
     first = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
